@@ -1,0 +1,39 @@
+# Two commands do all set-up on a fresh machine (Python 3.11 + pip): `make demo`, `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# 2 pytest workers on the 2-core CI machine; each worker simulates 8 CPU devices.
+PYTEST_WORKERS ?= 2
+
+.PHONY: demo test test-all lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" tests
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check jaxzero tests examples benchmarks
+	$(BIN)/ruff format --check jaxzero tests examples benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/ema.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,37 @@
+"""jaxzero: ZeRO-style sharding of optimizer state, gradients and parameters, and a sharded
+model EMA, for JAX + optax."""
+
+from jaxzero import checkpoint, layouts, memory
+from jaxzero.ema import EmaState, ShardedEMA
+from jaxzero.gather import ema_params, gather
+from jaxzero.layouts import greedy_partition
+from jaxzero.memory import estimate_memory, measure
+from jaxzero.mesh import data_parallel_mesh
+from jaxzero.optimizer import ZeRO
+from jaxzero.precision import DynamicLossScale, LossScaleState, Precision, StaticLossScale
+from jaxzero.state import TrainState
+from jaxzero.train_step import TrainStep, make_train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "checkpoint",
+    "layouts",
+    "memory",
+    "estimate_memory",
+    "greedy_partition",
+    "measure",
+    "DynamicLossScale",
+    "EmaState",
+    "LossScaleState",
+    "Precision",
+    "ShardedEMA",
+    "StaticLossScale",
+    "TrainState",
+    "TrainStep",
+    "ZeRO",
+    "data_parallel_mesh",
+    "ema_params",
+    "gather",
+    "make_train_step",
+]

@@ -1,0 +1,61 @@
+"""Assembling full (replicated) trees from shards: for evaluation and export only."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxzero.ema import EmaState
+from jaxzero.state import TrainState
+
+
+def _mesh_of(tree):
+    for x in jax.tree.leaves(tree):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding):
+            return s.mesh
+    return None
+
+
+@functools.cache
+def _replicator(mesh, dtype=None):
+    """One jitted "replicate (and cast) every leaf" per mesh; jit caches per tree structure."""
+    replicated = NamedSharding(mesh, P())
+
+    def fn(tree):
+        if dtype is not None:
+            tree = jax.tree.map(lambda x: x.astype(dtype), tree)
+        return jax.lax.with_sharding_constraint(tree, replicated)
+
+    return jax.jit(fn)
+
+
+def gather(tree):
+    """Return ``tree`` fully replicated on its mesh: one all-gather per sharded leaf.
+
+    Accepts an :class:`EmaState` (returns the gathered EMA tree), a :class:`TrainState`
+    (returns its gathered compute params) or any pytree of arrays on a mesh. Compiled once per
+    tree structure and mesh.
+    """
+    if isinstance(tree, EmaState):
+        tree = tree.ema
+    elif isinstance(tree, TrainState):
+        tree = tree.params
+    mesh = _mesh_of(tree)
+    if mesh is None:
+        return tree
+    return _replicator(mesh)(tree)
+
+
+def ema_params(state: TrainState, dtype=None):
+    """The EMA weights as a replicated params tree (cast to the compute dtype), ready to be
+    passed to the model in place of ``state.params``; one extra full copy, nothing more."""
+    if not isinstance(state, TrainState) or state.ema is None:
+        raise ValueError(
+            "ema_params needs a TrainState with an EMA; create it with zero.init(params, ema=...)."
+        )
+    dtype = jax.numpy.dtype(dtype or jax.tree.leaves(state.params)[0].dtype)
+    return _replicator(_mesh_of(state.ema.ema), dtype)(state.ema.ema)

@@ -1,0 +1,569 @@
+"""Memory accounting for ZeRO sharding: analytic estimates and measurements.
+
+Two halves:
+
+* **Estimates** (no devices needed): :func:`estimate_memory` applies the ZeRO
+  paper's accounting (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+  Toward Training Trillion Parameter Models", sec. 3.1 and 5) to give bytes per
+  device for each stage; :func:`format_table` renders the result.
+* **Measurements** (real arrays / compiled programs): :func:`device_bytes` sums
+  the shards a pytree really holds on each device, :func:`collective_bytes`
+  parses compiled HLO for the collectives XLA emitted, and :func:`measure` does
+  both for a train step.
+
+Units: every byte count is an ``int`` number of bytes. "GB" means 1e9 bytes
+(as in the paper), "GiB" means 2**30.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "CollectiveOp",
+    "MemoryEstimate",
+    "collective_bytes",
+    "collective_ops",
+    "device_bytes",
+    "estimate_memory",
+    "format_bytes",
+    "format_table",
+    "gpt_param_count",
+    "max_device_bytes",
+    "measure",
+    "parse_bytes",
+]
+
+OPTIMIZERS = ("adam", "sgd", "adafactor")
+PRECISIONS = ("bf16", "fp16", "fp32")
+# Bytes per parameter of optimizer state proper (without the fp32 master copy).
+# adafactor keeps factored second moments: one fp32 value per row plus one per
+# column of each matrix, i.e. 4*(rows+cols) bytes, negligible next to rows*cols;
+# we approximate it as 0 bytes per parameter (no momentum, optax's default).
+_OPT_STATE_BYTES = {"adam": 8, "sgd": 4, "adafactor": 0}
+_MASTER_BYTES = 4  # fp32 master copy, kept only under mixed precision
+_EMA_BYTES = 4  # the EMA is always fp32 and always sharded over the N devices
+
+
+def _check_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    """Return ``value`` as an int >= minimum; accepts integral floats like 7.5e9."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{name} must be an integer, got {value!r} ({type(value).__name__}); pass e.g. {name}=8"
+        )
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{name} must be a whole number, got {value!r}; round it first")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes for one ZeRO stage (all fields are bytes unless noted).
+
+    ``optimizer`` includes the fp32 master weights under mixed precision;
+    ``activations`` is 0 when no activation shape was given; ``total`` is the sum.
+    """
+
+    stage: int
+    num_params: int
+    world_size: int
+    optimizer_name: str
+    precision: str
+    params: int
+    grads: int
+    optimizer: int
+    ema: int
+    activations: int
+    total: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        total = self.params + self.grads + self.optimizer + self.ema + self.activations
+        object.__setattr__(self, "total", total)
+
+    def fits(self, gpu_memory: int) -> bool:
+        """Return True when ``total`` <= ``gpu_memory`` bytes."""
+        return self.total <= gpu_memory
+
+
+def gpt_param_count(layers: int, hidden: int, vocab: int = 50257, seq: int = 1024) -> int:
+    """Approximate parameter count of a GPT-2/3 style decoder.
+
+    Formula: ``12 * L * h**2 + (vocab + seq) * h``. Each layer has 4h^2 attention
+    weights (Q, K, V, output) and 8h^2 MLP weights (h -> 4h -> h); the embedding
+    table is vocab*h (tied with the output head) and learned positions seq*h.
+    Biases and layer norms (~13h per layer) are ignored.
+
+    Args:
+        layers: number of transformer blocks L.
+        hidden: model width h.
+        vocab: vocabulary size (GPT-2: 50257).
+        seq: maximum sequence length (number of learned position embeddings).
+
+    Returns:
+        The parameter count as an int.
+    """
+    layers, hidden = _check_int("layers", layers), _check_int("hidden", hidden)
+    vocab, seq = _check_int("vocab", vocab), _check_int("seq", seq, minimum=0)
+    return 12 * layers * hidden**2 + (vocab + seq) * hidden
+
+
+def _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every) -> int:
+    given = {"batch": batch, "seq": seq, "hidden": hidden, "layers": layers}
+    if all(v is None for v in given.values()):
+        if heads is not None or ckpt_every is not None:
+            raise ValueError(
+                "heads/ckpt_every only matter for activations; also pass "
+                "batch, seq, hidden and layers"
+            )
+        return 0
+    missing = [k for k, v in given.items() if v is None] + ([] if heads is not None else ["heads"])
+    if missing:
+        raise ValueError(
+            f"activation estimate needs batch, seq, hidden, layers and heads; "
+            f"missing {', '.join(missing)}: pass them or omit all of them"
+        )
+    b, s = _check_int("batch", batch), _check_int("seq", seq)
+    h, nl = _check_int("hidden", hidden), _check_int("layers", layers)
+    a = _check_int("heads", heads)
+    ci = _check_int("ckpt_every", 1 if ckpt_every is None else ckpt_every)
+    if ci > nl:
+        raise ValueError(f"ckpt_every={ci} exceeds layers={nl}; use 1 <= ckpt_every <= layers")
+    checkpoints = 2 * b * s * h * math.ceil(nl / ci)
+    working = b * s * ci * (16 * h + 2 * a * s)
+    return checkpoints + working
+
+
+def estimate_memory(
+    num_params,
+    world_size,
+    *,
+    stage=None,
+    optimizer="adam",
+    precision="bf16",
+    ema=False,
+    batch=None,
+    seq=None,
+    hidden=None,
+    layers=None,
+    heads=None,
+    ckpt_every=None,
+):
+    """Estimate per-device training memory under ZeRO stage 0-3.
+
+    With Φ parameters, N devices, p bytes/param for params, g for grads and K
+    for optimizer state (incl. fp32 master), the ZeRO paper gives per device::
+
+        stage 0 (plain DP):        (p + g + K) * Φ
+        stage 1 (shard opt state): p*Φ + g*Φ + K*Φ/N
+        stage 2 (+ shard grads):   p*Φ + (g + K)*Φ/N
+        stage 3 (+ shard params):  (p + g + K)*Φ/N
+
+    Mixed precision (bf16/fp16): p = g = 2 and K = optimizer state + 4 (fp32
+    master); adam K = 8+4 = 12, sgd-with-momentum K = 4+4 = 8, adafactor K ≈ 0+4
+    (its factored moments, 4 bytes per row + column, are approximated as 0 per
+    parameter). fp32: p = g = 4, no separate master, so adam K = 8, sgd 4,
+    adafactor ≈ 0. Sharded quantities use ceil(Φ/N) elements per device (the
+    padded flat shard). The EMA (``ema=True``) is fp32 and jaxzero shards it at
+    every stage, stage 0 included: 4*Φ/N.
+
+    Activations (ZeRO-Infinity, Rajbhandari et al. 2021, sec. 3), added only when
+    batch, seq, hidden, layers and heads are given; they do not depend on the
+    stage. With ci = ckpt_every (default 1)::
+
+        checkpoints = 2 * batch * seq * hidden * ceil(layers / ci)
+        working     = batch * seq * ci * (16 * hidden + 2 * heads * seq)
+
+    Example: Φ = 7.5e9, N = 64, adam, bf16 gives 120 / 31.4 / 16.6 / 1.9 GB for
+    stages 0 / 1 / 2 / 3 (the paper's Figure 1).
+
+    Args:
+        num_params: total parameter count Φ (int, or an integral float like 7.5e9).
+        world_size: number of data-parallel devices N the state is sharded over.
+        stage: 0, 1, 2 or 3; None returns one estimate per stage.
+        optimizer: "adam", "sgd" (with momentum) or "adafactor".
+        precision: "bf16" or "fp16" (mixed, fp32 master) or "fp32".
+        ema: include a sharded fp32 EMA of the parameters.
+        batch: per-device micro-batch size (activations are not sharded by ZeRO).
+        seq: sequence length.
+        hidden: model width.
+        layers: number of transformer layers.
+        heads: number of attention heads.
+        ckpt_every: layers between activation checkpoints ci (1 <= ci <= layers).
+
+    Returns:
+        A :class:`MemoryEstimate`, or a list of four (stages 0..3) when stage is None.
+
+    Raises:
+        ValueError / TypeError: naming the bad argument and the accepted values.
+    """
+    phi = _check_int("num_params", num_params)
+    n = _check_int("world_size", world_size)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+        raise ValueError(f"stage must be 0, 1, 2, 3 or None (all stages), got {stage!r}")
+    act = _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every)
+
+    mixed = precision != "fp32"
+    p = g = 2 if mixed else 4
+    k = _OPT_STATE_BYTES[optimizer] + (_MASTER_BYTES if mixed else 0)
+    shard = -(-phi // n)  # ceil(Φ/N): elements of the padded flat shard per device
+
+    def one(s: int) -> MemoryEstimate:
+        return MemoryEstimate(
+            stage=s,
+            num_params=phi,
+            world_size=n,
+            optimizer_name=optimizer,
+            precision=precision,
+            params=p * (shard if s >= 3 else phi),
+            grads=g * (shard if s >= 2 else phi),
+            optimizer=k * (shard if s >= 1 else phi),
+            ema=_EMA_BYTES * shard if ema else 0,
+            activations=act,
+        )
+
+    return one(stage) if stage is not None else [one(s) for s in range(4)]
+
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a memory size such as "80GB", "79.6 GiB" or "512MB" into bytes.
+
+    Args:
+        text: number followed by a unit: B, KB, MB, GB, TB (powers of 1000) or
+            KiB, MiB, GiB, TiB (powers of 1024), case-insensitive. An int is
+            taken as bytes already.
+
+    Returns:
+        The size in bytes, rounded down to an int.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError(f"memory size must be positive, got {text!r}")
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(
+            f"cannot parse memory size {text!r}; write a number and a unit, "
+            f"e.g. 80GB, 79.6GiB or 512MB"
+        )
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return value
+
+
+def format_bytes(n: int) -> str:
+    """Render a byte count in decimal units (GB = 1e9), e.g. ``31.41 GB``."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_table(estimates, gpu_memory=None) -> str:
+    """Render estimates as a text table, one row per stage.
+
+    Args:
+        estimates: a :class:`MemoryEstimate` or a sequence of them.
+        gpu_memory: per-device budget in bytes (int) or a string like "80GB";
+            when given, a ``fits`` column and a summary line are added.
+
+    Returns:
+        The table as a string (no trailing newline).
+    """
+    rows = [estimates] if isinstance(estimates, MemoryEstimate) else list(estimates)
+    if not rows or not all(isinstance(e, MemoryEstimate) for e in rows):
+        raise TypeError(
+            f"format_table needs MemoryEstimate objects from estimate_memory(), got {estimates!r}"
+        )
+    budget = None if gpu_memory is None else parse_bytes(gpu_memory)
+    cols = ["params", "grads", "optimizer"]
+    cols += [c for c in ("ema", "activations") if any(getattr(e, c) for e in rows)]
+    header = ["stage", *cols, "total"] + (["fits"] if budget is not None else [])
+    body = []
+    for e in rows:
+        cells = [str(e.stage)] + [format_bytes(getattr(e, c)) for c in cols]
+        cells.append(format_bytes(e.total))
+        if budget is not None:
+            cells.append("yes" if e.fits(budget) else "NO")
+        body.append(cells)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+    e0 = rows[0]
+    count = next(
+        (
+            f"{e0.num_params / v:.2f}{u}"
+            for u, v in (("T", 1e12), ("B", 1e9), ("M", 1e6))
+            if e0.num_params >= v
+        ),
+        str(e0.num_params),
+    )
+    lines = [
+        f"{count} params, {e0.world_size} devices, {e0.optimizer_name}, "
+        f"{e0.precision} (bytes per device, GB = 1e9)",
+        fmt(header),
+        "  ".join("-" * w for w in widths),
+    ]
+    lines += [fmt(r) for r in body]
+    if budget is not None:
+        ok = [str(e.stage) for e in rows if e.fits(budget)]
+        lines.append(
+            f"fits in {format_bytes(budget)}: " + (f"stage {', '.join(ok)}" if ok else "no stage")
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- collectives
+
+COLLECTIVE_KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)
+_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
+_COMP_RE = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
+_LAYOUT_RE = re.compile(r"\{[^{}]*\}|/\*.*?\*/")
+_GROUPS_RE = re.compile(  # explicit {{0,1},{2,3}} or iota [2,4]<=[8] / [2,4]<=[4,2]T(1,0)
+    r"replica_groups=(\{[{}0-9, ]*\}|\[[0-9,]*\]<=\[[0-9,]*\](?:T\([0-9,]*\))?)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective in compiled HLO; ``bytes`` is its per-device output size."""
+
+    kind: str  # one of COLLECTIVE_KINDS
+    name: str  # HLO instruction name (of the -done op for async pairs)
+    shape: str  # HLO result type, e.g. "f32[8,32]" or "(f32[8], bf16[4])"
+    bytes: int
+    dtypes: tuple[str, ...]
+    is_async: bool
+    computation: str | None
+    replica_groups: str | None
+
+
+def _element_bits(dtype: str) -> int | None:
+    """Bits per element of an HLO primitive type: pred 8, s4 4, bf16 16, f8e4m3fn 8, ..."""
+    if dtype in ("pred", "token"):
+        return 8 if dtype == "pred" else 0
+    m = re.fullmatch(r"(?:s|u|f|bf|c)(\d+)|f(\d)e\d+m\d+[a-z0-9]*", dtype)
+    return int(m.group(1) or m.group(2)) if m else None  # sub-byte types are packed
+
+
+def _type_bytes(type_text: str) -> tuple[int, tuple[str, ...]]:
+    total, dtypes = 0, []
+    for dtype, dims in _ARRAY_RE.findall(type_text):
+        bits = _element_bits(dtype)
+        if bits is None:
+            raise ValueError(
+                f"unknown HLO element type {dtype!r} in {type_text!r}; "
+                "add its bit width to jaxzero.memory._element_bits"
+            )
+        numel = math.prod(int(d.replace("<=", "")) for d in dims.split(",") if d.strip())
+        total += -(-numel * bits // 8)
+        dtypes.append(dtype)
+    return total, tuple(dtypes)
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """Split ``"<type> <opcode>(..."`` into the type text and the remainder."""
+    if not rest.startswith("("):
+        head, _, tail = rest.partition(" ")
+        return head, tail
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return rest[: i + 1], rest[i + 1 :]
+    return rest, ""
+
+
+def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+    """List the collectives in HLO text (``jax.jit(f).lower(...).compile().as_text()``).
+
+    Async pairs (``all-reduce-start``/``-done`` etc.) are counted once, at the
+    ``-done`` op, whose result is the real output (a ``-start`` result is a tuple
+    that also holds the operand). Collectives wrapped in ``async-start`` are
+    found inside their wrapped computation. Counts are static: a collective in a
+    while-loop body appears once however many iterations run.
+
+    Args:
+        hlo_text: the HLO module as text.
+
+    Returns:
+        One :class:`CollectiveOp` per collective, in text order.
+    """
+    if not isinstance(hlo_text, str):
+        raise TypeError(
+            f"collective_ops needs HLO text (str), got {type(hlo_text).__name__}; "
+            "pass jax.jit(f).lower(*args).compile().as_text()"
+        )
+    ops, computation, starts = [], None, {}
+    for line in hlo_text.splitlines():
+        instr = _INSTR_RE.match(line)
+        if not instr:
+            comp = _COMP_RE.match(line)
+            computation = comp.group(1) if comp else computation
+            continue
+        type_text, tail = _split_type(instr.group(2).strip())
+        opm = _OPCODE_RE.match(tail)
+        if not opm:
+            continue
+        opcode, name = opm.group(1), instr.group(1)
+        groups = _GROUPS_RE.search(tail)
+        groups = groups.group(1) if groups else None
+        if opcode.endswith("-start"):  # counted at its "-done"; keep its replica groups
+            starts[name] = groups
+            continue
+        is_async = opcode.endswith("-done")
+        kind = opcode[: -len("-done")] if is_async else opcode
+        if kind not in COLLECTIVE_KINDS:
+            continue
+        if is_async:
+            operand = re.search(r"%?([\w.\-]+)\)", tail[opm.end() - 1 :])
+            groups = starts.get(operand.group(1)) if operand else None
+        shape = _LAYOUT_RE.sub("", type_text).strip()  # drop {1,0} layouts, /*index*/ notes
+        nbytes, dtypes = _type_bytes(shape)
+        ops.append(CollectiveOp(kind, name, shape, nbytes, dtypes, is_async, computation, groups))
+    return ops
+
+
+def collective_bytes(hlo_text: str) -> dict[str, dict[str, Any]]:
+    """Count collectives in compiled HLO text and sum their per-device output bytes.
+
+    Bytes come from each op's HLO result type: elements x element size (f32=4,
+    bf16=f16=2, s32=4, pred=1, ...), summed over tuple results.
+
+    Args:
+        hlo_text: ``jax.jit(f).lower(*args).compile().as_text()``.
+
+    Returns:
+        ``{kind: {"count": int, "bytes": int, "ops": [CollectiveOp, ...]}}`` for every
+        kind in :data:`COLLECTIVE_KINDS` (zeros when absent). E.g. the largest
+        all-reduce is ``max(d["all-reduce"]["ops"], key=lambda o: o.bytes)``.
+    """
+    out = {k: {"count": 0, "bytes": 0, "ops": []} for k in COLLECTIVE_KINDS}
+    for op in collective_ops(hlo_text):
+        entry = out[op.kind]
+        entry["count"] += 1
+        entry["bytes"] += op.bytes
+        entry["ops"].append(op)
+    return out
+
+
+# --------------------------------------------------------------------------- measured
+
+
+def device_bytes(tree) -> dict[Any, int]:
+    """Bytes held on each device by the jax.Arrays in a pytree.
+
+    Sums ``shard.data.nbytes`` over every addressable shard of every leaf, so a
+    replicated array counts fully on each device and a sharded one only its
+    shard. Leaves that are not jax.Arrays (Python scalars, numpy arrays) live on
+    the host and are skipped.
+
+    Args:
+        tree: any pytree.
+
+    Returns:
+        ``{device: bytes}`` ordered by device id (empty when there are no arrays).
+    """
+    totals: dict[Any, int] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(leaf, jax.Array):
+            continue
+        if leaf.is_deleted():
+            raise ValueError(
+                f"array at {jax.tree_util.keystr(path) or 'root'} was deleted "
+                "(donated to a jitted call?); measure the state the call returned"
+            )
+        for shard in leaf.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return dict(sorted(totals.items(), key=lambda kv: kv[0].id))
+
+
+def max_device_bytes(tree) -> int:
+    """Largest per-device byte count of :func:`device_bytes` (0 for no arrays)."""
+    return max(device_bytes(tree).values(), default=0)
+
+
+STATE_FIELDS = ("params", "master", "opt_state", "ema")
+
+
+def measure(step, state, batch) -> dict[str, Any]:
+    """Measure a train step: persistent state bytes, XLA memory stats, collectives.
+
+    Args:
+        step: an object with ``step.lower(state, batch)`` returning a
+            ``jax.stages.Lowered`` (a jaxzero train step, or any ``jax.jit``-ed fn).
+        state: the train state pytree passed to the step (its arrays are measured
+            where they are placed now).
+        batch: an example batch.
+
+    Returns:
+        A dict with
+        ``state_bytes`` (max over devices of the whole state),
+        ``state_bytes_per_device`` ({device: bytes}),
+        ``fields`` ({name: max per-device bytes} for each of params, master,
+        opt_state, ema present on the state as attribute or mapping key and not None),
+        ``argument_bytes``, ``output_bytes``, ``temp_bytes``, ``alias_bytes``
+        (from ``compiled.memory_analysis()``; None where the backend gives none),
+        and ``collectives`` (:func:`collective_bytes` of the compiled HLO).
+    """
+    if not callable(getattr(step, "lower", None)):
+        raise TypeError(
+            f"measure needs a step with .lower(state, batch), got {step!r}; "
+            "wrap a function with jax.jit first"
+        )
+    compiled = step.lower(state, batch).compile()
+    fields = {}
+    for name in STATE_FIELDS:
+        value = state.get(name) if isinstance(state, Mapping) else getattr(state, name, None)
+        if value is not None:
+            fields[name] = max_device_bytes(value)
+    per_device = device_bytes(state)
+    stats = compiled.memory_analysis()
+    if isinstance(stats, Sequence):  # some backends return one entry per device
+        stats = stats[0] if stats else None
+    mem = {
+        f"{k}_bytes": getattr(stats, f"{k}_size_in_bytes", None)
+        for k in ("argument", "output", "temp", "alias")
+    }
+    return {
+        "state_bytes": max(per_device.values(), default=0),
+        "state_bytes_per_device": per_device,
+        "fields": fields,
+        **mem,
+        "collectives": collective_bytes(compiled.as_text()),
+    }

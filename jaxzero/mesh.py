@@ -1,0 +1,87 @@
+"""Building and checking the data-parallel mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+
+def data_parallel_mesh(
+    num_devices: int | None = None,
+    axis: str = "data",
+    *,
+    replicas: int = 1,
+    replica_axis: str = "replica",
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A mesh whose devices all do data parallelism.
+
+    With ``replicas == 1`` the mesh is 1-D, ``(axis,)``; with ``replicas > 1`` it is the hybrid
+    (HSDP) mesh ``(replica_axis, axis)`` of shape ``(replicas, num_devices // replicas)``:
+    state is sharded over ``axis`` and replicated over ``replica_axis``, and gradients are
+    averaged over both.
+
+    The axes are ``AxisType.Auto`` (GSPMD mode) on purpose: jax 0.10's default *Explicit* axes
+    make ordinary Flax models fail under data parallelism (``nn.Embed`` gathers and ``x @ w``
+    gradients ask for explicit ``out_sharding``), and jaxzero places every collective itself
+    inside ``jax.shard_map`` anyway.
+
+    Args:
+      num_devices: how many devices to use (default: all of ``jax.devices()``).
+      axis: name of the axis state is sharded over.
+      replicas: size of the replica axis (1: plain 1-D mesh).
+      replica_axis: name of the replica axis.
+      devices: explicit device list (default ``jax.devices()``).
+
+    Returns:
+      A ``jax.sharding.Mesh``.
+
+    Raises:
+      ValueError: ``num_devices`` is not in ``1..len(devices)`` or not divisible by ``replicas``.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices) if num_devices is None else num_devices
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= len(devices):
+        raise ValueError(
+            f"num_devices={num_devices!r} must be an int in 1..{len(devices)} "
+            f"(the devices visible to this process group); pass None to use all of them."
+        )
+    if not isinstance(replicas, int) or replicas < 1 or n % replicas:
+        raise ValueError(f"replicas={replicas!r} must be a positive int dividing num_devices={n}.")
+    chosen = np.asarray(devices[:n], dtype=object)
+    if replicas == 1:
+        return Mesh(chosen, (axis,), axis_types=(AxisType.Auto,))
+    return Mesh(
+        chosen.reshape(replicas, n // replicas),
+        (replica_axis, axis),
+        axis_types=(AxisType.Auto, AxisType.Auto),
+    )
+
+
+def check_mesh(mesh: Mesh, axis: str) -> None:
+    """Raise a clear error when ``mesh`` cannot carry jaxzero's sharding over ``axis``."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; "
+            f"build one with jaxzero.data_parallel_mesh()."
+        )
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"mesh has no axis named {axis!r} (its axes are {tuple(mesh.axis_names)}); "
+            f"pass axis=<one of them> to jaxzero.ZeRO or build the mesh with "
+            f"jaxzero.data_parallel_mesh(axis={axis!r})."
+        )
+    explicit = [
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit
+    ]
+    if explicit:
+        raise ValueError(
+            f"mesh axes {explicit} are AxisType.Explicit; jaxzero needs AxisType.Auto axes "
+            f"(GSPMD mode). Build the mesh with jaxzero.data_parallel_mesh() or "
+            f"jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto, ...))."
+        )

@@ -1,0 +1,406 @@
+"""``ZeRO``: any optax transformation, with its state sharded over the data axis."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxzero import sharding as sh
+from jaxzero.ema import EmaState, ShardedEMA, check_same_tree
+from jaxzero.mesh import check_mesh
+from jaxzero.precision import (
+    DynamicLossScale,
+    Precision,
+    StaticLossScale,
+    check_loss_scale,
+)
+from jaxzero.state import TrainState
+
+STAGES = (0, 1, 2, 3)
+
+
+def _paths(tree):
+    return [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def check_params(params) -> None:
+    """Every trainable leaf must be a floating array; list every offender otherwise."""
+    bad = []
+    for path, leaf in _paths(params):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            bad.append(
+                f"{path or '<root>'} ({dtype if dtype is not None else type(leaf).__name__})"
+            )
+    if bad:
+        raise TypeError(
+            f"params must hold only floating-point arrays (they are all trained), but these "
+            f"leaves are not: {', '.join(bad)}. Move counters and integer buffers out of the "
+            f"trainable tree (e.g. into model_state) or cast them to float."
+        )
+    if not _paths(params):
+        raise ValueError("params is an empty tree: there is nothing to train.")
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeRO:
+    """ZeRO stage 0-3 sharding around any ``optax.GradientTransformation``.
+
+    | stage | compute params | reduced gradients | master + optimizer state | EMA |
+    |---|---|---|---|---|
+    | 0 | replicated | all-reduced, replicated | replicated | sharded |
+    | 1 | replicated | all-reduced, sliced | sharded 1/N | sharded |
+    | 2 | replicated | reduce-scattered, 1/N | sharded 1/N | sharded |
+    | 3 | sharded 1/N, gathered for use | reduce-scattered | sharded 1/N | sharded |
+
+    Args:
+      tx: the optax transformation (any chain: masks, clipping, schedules, MultiSteps...).
+        Its update runs under ``jax.jit`` on the sharded arrays, so transforms with global
+        reductions (``clip_by_global_norm``, LAMB) give the unsharded result.
+      mesh: a mesh with an axis named ``axis``; every other mesh axis is a replica axis
+        (hybrid sharding: state replicated over it, batch and gradient mean over all axes).
+      stage: 0, 1, 2 or 3.
+      axis: the mesh axis state is sharded over.
+      precision: a :class:`Precision` policy, or "fp32"/"bf16"/"fp16".
+      loss_scale: :class:`DynamicLossScale`, :class:`StaticLossScale` or None.
+      skip_nonfinite: skip the whole update (params, master, optimizer state, EMA and step
+        unchanged) when any gradient on any device is non-finite.
+
+    Example:
+      >>> zero = ZeRO(optax.adamw(3e-4), data_parallel_mesh(), stage=2)
+      >>> state = zero.init(params)
+    """
+
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    stage: int = 2
+    axis: str = "data"
+    precision: Any = None
+    loss_scale: DynamicLossScale | StaticLossScale | None = None
+    skip_nonfinite: bool = True
+
+    def __post_init__(self):
+        if self.stage not in STAGES or isinstance(self.stage, bool):
+            raise ValueError(
+                f"stage={self.stage!r} is not a ZeRO stage; use 0 (plain data parallel), "
+                f"1 (shard optimizer state), 2 (+ shard gradients) or 3 (+ shard parameters)."
+            )
+        if not (hasattr(self.tx, "init") and hasattr(self.tx, "update")):
+            raise TypeError(
+                f"tx={self.tx!r} is not an optax.GradientTransformation (needs init and update)."
+            )
+        check_mesh(self.mesh, self.axis)
+        precision = self.precision
+        if precision is None:
+            precision = Precision()
+        elif isinstance(precision, str):
+            precision = Precision.create(precision)
+        elif not isinstance(precision, Precision):
+            raise TypeError(
+                f"precision={precision!r} must be a jaxzero.Precision or 'fp32'/'bf16'/'fp16'."
+            )
+        object.__setattr__(self, "precision", precision)
+        check_loss_scale(self.loss_scale, precision)
+
+    # -- mesh facts -------------------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        """N, the size of the data axis the state is split over."""
+        return self.mesh.shape[self.axis]
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes the batch is split over (all of them; the data axis last)."""
+        return tuple(a for a in self.mesh.axis_names if a != self.axis) + (self.axis,)
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.mesh.axis_names if a != self.axis)
+
+    @property
+    def num_batch_shards(self) -> int:
+        return int(self.mesh.size)
+
+    def batch_spec(self) -> P:
+        axes = self.batch_axes
+        return P(axes if len(axes) > 1 else axes[0])
+
+    # -- the sharding rule ------------------------------------------------------------------
+    def _specs(self, tree, shard: bool):
+        return sh.tree_specs(tree, self.num_shards, self.axis, shard=shard)
+
+    def param_specs(self, params):
+        """Specs of the compute params: sharded for stage 3, replicated otherwise."""
+        return self._specs(params, self.stage == 3)
+
+    def shard_specs(self, params):
+        """Specs of the master/optimizer/gradient shards (sharded for stages 1-3)."""
+        return self._specs(params, self.stage >= 1)
+
+    def state_specs(self, state: TrainState) -> TrainState:
+        """PartitionSpecs for every leaf of ``state`` (concrete or abstract)."""
+        replicated = lambda t: jax.tree.map(lambda _: P(), t)
+        return TrainState(
+            step=P(),
+            params=self.param_specs(state.params),
+            master=None if state.master is None else self.shard_specs(state.master),
+            opt_state=self._specs(state.opt_state, self.stage >= 1),
+            skipped=P(),
+            ema=None if state.ema is None else EmaState(P(), self._specs(state.ema.ema, True)),
+            loss_scale=None if state.loss_scale is None else replicated(state.loss_scale),
+            model_state=None if state.model_state is None else replicated(state.model_state),
+            rng=None if state.rng is None else P(),
+        )
+
+    def state_shardings(self, state: TrainState) -> TrainState:
+        """NamedShardings for ``state`` (for ``jax.jit(in_shardings=, out_shardings=)``)."""
+        return sh.named(self.mesh, self.state_specs(state))
+
+    def constrain(self, state: TrainState) -> TrainState:
+        """``with_sharding_constraint`` every leaf to its ZeRO sharding (inside jit)."""
+        return jax.lax.with_sharding_constraint(state, self.state_shardings(state))
+
+    # -- init ---------------------------------------------------------------------------------
+    def _init_raw(self, params, ema: ShardedEMA | None, model_state, rng) -> TrainState:
+        pol = self.precision
+        master_full = _cast(params, pol.master_dtype)
+        n, axis = self.num_shards, self.axis
+        master_view = jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(
+                x,
+                NamedSharding(
+                    self.mesh, sh.leaf_spec(x.shape, n, axis) if self.stage >= 1 else P()
+                ),
+            ),
+            master_full,
+        )
+        master = master_view if pol.separate_master else None
+        compute = _cast(params, pol.param_dtype)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=compute,
+            master=master,
+            opt_state=self.tx.init(master_view),
+            skipped=jnp.zeros((), jnp.int32),
+            ema=None if ema is None else ema.init(master_view),
+            loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
+            model_state=model_state,
+            rng=rng,
+        )
+
+    def abstract_state(self, params, *, ema=None, model_state=None, rng=None) -> TrainState:
+        """The state's ShapeDtypeStructs, with shardings, without allocating anything."""
+        shapes = jax.eval_shape(
+            lambda p, m, r: self._init_raw(p, ema, m, r), params, model_state, rng
+        )
+        shardings = self.state_shardings(shapes)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+        )
+
+    def init(
+        self, params, *, ema: ShardedEMA | None = None, model_state=None, rng=None
+    ) -> TrainState:
+        """Place the training state on the mesh.
+
+        Works under ``jax.eval_shape`` (returns the abstract state). ``ema`` adds an
+        :class:`EmaState` in the master's shards; ``model_state`` (non-trainable collections)
+        and ``rng`` (a PRNG key) are stored replicated.
+
+        Raises:
+          TypeError: a params leaf is not a floating array (every offending path is listed).
+        """
+        check_params(params)
+        if ema is not None and not isinstance(ema, ShardedEMA):
+            raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
+        abstract = self.abstract_state(params, ema=ema, model_state=model_state, rng=rng)
+        out = jax.tree.map(lambda x: x.sharding, abstract)
+        fn = jax.jit(lambda p, m, r: self._init_raw(p, ema, m, r), out_shardings=out)
+        return fn(params, model_state, rng)
+
+    # -- pieces of a step ---------------------------------------------------------------------
+    def master_view(self, state: TrainState):
+        """The master weights in their shards (a local slice of ``params`` when no separate
+        master copy is kept)."""
+        if state.master is not None:
+            return state.master
+        specs = self.shard_specs(state.params)
+        return jax.lax.with_sharding_constraint(state.params, sh.named(self.mesh, specs))
+
+    def gather_params(self, local_params, specs):
+        """Inside ``shard_map``: all-gather stage-3 parameter shards into full tensors.
+
+        ``specs`` are the global params' specs (``param_specs(params)``, computed outside).
+        """
+
+        def gather(p_local, spec):
+            d = sh.spec_dim(spec)
+            if d is None:
+                return p_local
+            return jax.lax.all_gather(p_local, self.axis, axis=d, tiled=True)
+
+        return jax.tree.map(gather, local_params, specs)
+
+    def all_gather(self, tree):
+        """Replicate a tree of shards with one explicit ``all_gather`` per sharded leaf.
+
+        Used for the stage-1/2 parameter gather after the update, so the collective moves
+        exactly the compute dtype's bytes (the cast happens on the shard, before the gather).
+        """
+        specs = self.shard_specs(tree)
+
+        def gather(x, spec):
+            d = sh.spec_dim(spec)
+            if d is None:
+                return x
+            return jax.lax.all_gather(x, self.axis, axis=d, tiled=True, to="invarying")
+
+        return jax.shard_map(
+            lambda t: jax.tree.map(gather, t, specs),
+            mesh=self.mesh,
+            in_specs=(specs,),
+            out_specs=jax.tree.map(lambda _: P(), specs),
+        )(tree)
+
+    def reduce_gradients(self, grads, *, shapes=None):
+        """Inside ``shard_map``: average local gradients over every batch axis.
+
+        Stages 0/1 all-reduce (``psum``) each leaf; stages 2/3 reduce-scatter
+        (``psum_scatter(..., tiled=True)``) each shardable leaf along its shard dimension over
+        the data axis (then ``psum`` over replica axes). Leaves are communicated in
+        ``precision.reduce_dtype`` and returned in ``precision.output_dtype``, divided by the
+        number of batch shards.
+        """
+        pol = self.precision
+        n_total = self.num_batch_shards
+        axes = self.batch_axes
+
+        def one(g):
+            out_dtype = pol.output_dtype
+            g = g.astype(pol.reduce_dtype)
+            d = sh.shard_dim(g.shape, self.num_shards) if self.stage >= 2 else None
+            if d is None:
+                g = jax.lax.psum(g, axes)
+            else:
+                g = jax.lax.psum_scatter(g, self.axis, scatter_dimension=d, tiled=True)
+                if self.replica_axes:
+                    g = jax.lax.psum(g, self.replica_axes)
+            return g.astype(out_dtype) / n_total
+
+        return jax.tree.map(one, grads)
+
+    def update_ema(self, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply):
+        """The EMA update as a ``shard_map`` over the EMA's shards: provably local.
+
+        Each device updates only its own EMA shard from its own master shard; for stage 0
+        (replicated master) it slices its part out of the local replica. No collective.
+        """
+        check_same_tree(ema_state.ema, master)
+        ema_specs = self._specs(ema_state.ema, True)
+        master_specs = self.shard_specs(master)
+        n, axis = self.num_shards, self.axis
+
+        def local(e_state, m_local, step, apply):
+            def take(x, m_spec, e_spec):
+                d = sh.spec_dim(e_spec)
+                if d is None or sh.spec_dim(m_spec) is not None:
+                    return x
+                size = x.shape[d] // n
+                return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * size, size, d)
+
+            mine = jax.tree.map(take, m_local, master_specs, ema_specs)
+            return ema.update(e_state, mine, step=step, apply=apply)
+
+        state_specs = EmaState(P(), ema_specs)
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(state_specs, master_specs, P(), P()),
+            out_specs=state_specs,
+        )(ema_state, master, step, apply)
+
+    def apply_gradients(self, state: TrainState, grads, *, ema: ShardedEMA | None = None):
+        """The optax update on shards (call under ``jax.jit``, outside ``shard_map``).
+
+        ``grads`` are the reduced gradients of the (scaled) loss, in any sharding; they are
+        constrained to the master's shards, unscaled, checked for non-finite values (globally),
+        and handed to the optax chain together with the master shards. Then
+        ``master += updates``, the EMA is updated on the same shards, and the compute params are
+        ``cast(master)`` all-gathered (stages 0-2) or left sharded (stage 3). With
+        ``skip_nonfinite`` a non-finite step leaves every leaf unchanged.
+
+        Returns:
+          ``(new_state, metrics)`` with metrics ``grad_norm``, ``finite``, ``skipped``,
+          ``loss_scale``.
+        """
+        mesh, pol = self.mesh, self.precision
+        master = self.master_view(state)
+        grads = jax.lax.with_sharding_constraint(
+            _cast(grads, pol.output_dtype), sh.named(mesh, self.shard_specs(grads))
+        )
+        if state.loss_scale is not None:
+            inv = 1.0 / state.loss_scale.scale
+            grads = jax.tree.map(lambda g: g * inv.astype(g.dtype), grads)
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, state.opt_state, master)
+        new_master = optax.apply_updates(master, updates)
+        # Pin the update's outputs to their own shardings: otherwise GSPMD may propagate the
+        # EMA's (sharded) layout backward into a stage-0 update and all-gather it afterwards.
+        new_master = jax.lax.with_sharding_constraint(
+            new_master, sh.named(mesh, self.shard_specs(new_master))
+        )
+        opt_state = jax.lax.with_sharding_constraint(
+            opt_state, sh.named(mesh, self._specs(opt_state, self.stage >= 1))
+        )
+        apply = finite if self.skip_nonfinite else jnp.asarray(True)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
+        new_master = keep(new_master, master)
+        opt_state = keep(opt_state, state.opt_state)
+        step = jnp.where(apply, state.step + 1, state.step)
+        compute = _cast(new_master, pol.param_dtype)
+        if self.stage in (1, 2):
+            compute = self.all_gather(compute)
+        new_params = keep(compute, state.params)
+        new_ema = state.ema
+        if state.ema is not None:
+            if ema is None:
+                raise ValueError(
+                    "state has an EMA but no ShardedEMA was given to apply it; pass ema= to "
+                    "make_train_step / apply_gradients."
+                )
+            new_ema = self.update_ema(ema, state.ema, new_master, step=step, apply=apply)
+        loss_scale = state.loss_scale
+        if loss_scale is not None:
+            loss_scale = self.loss_scale.update(loss_scale, finite)
+        new_state = state.replace(
+            step=step,
+            params=new_params,
+            master=new_master if state.master is not None else None,
+            opt_state=opt_state,
+            skipped=state.skipped + jnp.where(apply, 0, 1).astype(jnp.int32),
+            ema=new_ema,
+            loss_scale=loss_scale,
+        )
+        metrics = {
+            "grad_norm": grad_norm,
+            "finite": finite,
+            "skipped": new_state.skipped,
+            "step": new_state.step,
+        }
+        if loss_scale is not None:
+            metrics["loss_scale"] = loss_scale.scale
+            metrics["loss_scale_at_min"] = jnp.logical_and(
+                ~finite, self.loss_scale.at_minimum(state.loss_scale)
+            )
+        return self.constrain(new_state), metrics

@@ -1,0 +1,203 @@
+"""Precision policy (compute / master / reduce dtypes) and loss scaling."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+_COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_MASTER_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_REDUCE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _canon(value, allowed: dict, name: str):
+    try:
+        key = jnp.dtype(value).name
+    except TypeError as e:
+        raise TypeError(f"{name}={value!r} is not a dtype; use one of {sorted(allowed)}.") from e
+    if key not in allowed:
+        raise ValueError(f"{name}={key} is not supported; use one of {sorted(allowed)}.")
+    return jnp.dtype(allowed[key])
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Which dtype each copy of the weights and gradients has.
+
+    Attributes:
+      param_dtype: dtype of the compute parameters the loss sees (float32, bfloat16,
+        float16). They are ``cast(master)`` after every update; for stages 1/2 the cast happens
+        on the shard before the all-gather, so the gather moves ``itemsize(param_dtype)`` bytes
+        per parameter.
+      master_dtype: dtype of the master weights the optimizer updates (float32). When it
+        equals ``param_dtype`` no separate master copy is stored.
+      reduce_dtype: dtype the gradients are communicated (all-reduced / reduce-scattered) in.
+      output_dtype: dtype the gradients are accumulated and handed to optax in
+        (default: ``master_dtype``).
+    """
+
+    param_dtype: object = jnp.float32
+    master_dtype: object = jnp.float32
+    reduce_dtype: object = jnp.float32
+    output_dtype: object = None
+
+    def __post_init__(self):
+        p = _canon(self.param_dtype, _COMPUTE_DTYPES, "param_dtype")
+        m = _canon(self.master_dtype, _MASTER_DTYPES, "master_dtype")
+        r = _canon(self.reduce_dtype, _REDUCE_DTYPES, "reduce_dtype")
+        o = (
+            m
+            if self.output_dtype is None
+            else _canon(self.output_dtype, _MASTER_DTYPES, "output_dtype")
+        )
+        if jnp.finfo(m).bits < jnp.finfo(p).bits:
+            raise ValueError(
+                f"master_dtype={m.name} is narrower than param_dtype={p.name}; "
+                f"the master copy must be at least as precise as the compute copy."
+            )
+        object.__setattr__(self, "param_dtype", p)
+        object.__setattr__(self, "master_dtype", m)
+        object.__setattr__(self, "reduce_dtype", r)
+        object.__setattr__(self, "output_dtype", o)
+
+    @classmethod
+    def create(cls, name: str) -> Precision:
+        """``"fp32"``, ``"bf16"`` or ``"fp16"``: 16-bit compute and reduction, fp32 master."""
+        table = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+        if name not in table:
+            raise ValueError(f"precision={name!r} is not one of {sorted(table)}.")
+        return cls(param_dtype=table[name], reduce_dtype=table[name])
+
+    @property
+    def separate_master(self) -> bool:
+        return self.param_dtype != self.master_dtype
+
+
+class LossScaleState(NamedTuple):
+    """Dynamic loss-scale state: current scale, clean steps since the last change, and the
+    overflows still tolerated before the scale backs off (hysteresis)."""
+
+    scale: jax.Array
+    good_steps: jax.Array
+    hysteresis_left: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """DeepSpeed-style dynamic loss scaling.
+
+    The loss is multiplied by ``scale`` before differentiation and the gradients divided by it
+    after reduction. Per step:
+
+    * overflow (any non-finite gradient on any device): the update is skipped; if
+      ``hysteresis_left <= 1`` then ``scale = max(scale / factor, min_scale)`` else
+      ``hysteresis_left -= 1``; ``good_steps = 0``.
+    * clean step: ``good_steps += 1``; when ``good_steps == window``:
+      ``scale *= factor``, ``good_steps = 0``, ``hysteresis_left = hysteresis``.
+
+    Defaults are DeepSpeed's (initial 2**16, window 1000, factor 2, hysteresis 2, min 1).
+    ``on_min`` says what the step does when an overflow happens at ``min_scale``: "raise"
+    (DeepSpeed's behaviour), "warn" or "ignore".
+    """
+
+    init_scale: float = 2.0**16
+    window: int = 1000
+    factor: float = 2.0
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    on_min: str = "raise"
+
+    def __post_init__(self):
+        for name in ("init_scale", "factor", "min_scale"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"DynamicLossScale.{name}={v!r} must be a positive number.")
+        if self.factor <= 1:
+            raise ValueError(f"DynamicLossScale.factor={self.factor!r} must be > 1.")
+        for name in ("window", "hysteresis"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"DynamicLossScale.{name}={v!r} must be an int >= 1.")
+        if self.min_scale > self.init_scale:
+            raise ValueError(
+                f"DynamicLossScale.min_scale={self.min_scale} exceeds init_scale={self.init_scale}."
+            )
+        if self.on_min not in ("raise", "warn", "ignore"):
+            raise ValueError(f"on_min={self.on_min!r} must be 'raise', 'warn' or 'ignore'.")
+
+    def init(self) -> LossScaleState:
+        return LossScaleState(
+            jnp.asarray(self.init_scale, jnp.float32),
+            jnp.asarray(0, jnp.int32),
+            jnp.asarray(self.hysteresis, jnp.int32),
+        )
+
+    def update(self, state: LossScaleState, finite: jax.Array) -> LossScaleState:
+        good = state.good_steps + 1
+        grow = good >= self.window
+        clean = LossScaleState(
+            jnp.where(grow, state.scale * self.factor, state.scale),
+            jnp.where(grow, 0, good),
+            jnp.where(grow, self.hysteresis, state.hysteresis_left),
+        )
+        back_off = state.hysteresis_left <= 1
+        overflow = LossScaleState(
+            jnp.where(
+                back_off, jnp.maximum(state.scale / self.factor, self.min_scale), state.scale
+            ),
+            jnp.zeros_like(state.good_steps),
+            jnp.where(back_off, state.hysteresis_left, state.hysteresis_left - 1),
+        )
+        return jax.tree.map(lambda c, o: jnp.where(finite, c, o), clean, overflow)
+
+    def at_minimum(self, state: LossScaleState) -> jax.Array:
+        return state.scale <= self.min_scale
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+    """A fixed loss scale (multiplied into the loss, divided out of the gradients)."""
+
+    scale: float
+
+    def __post_init__(self):
+        if not isinstance(self.scale, (int, float)) or not self.scale > 0:
+            raise ValueError(f"StaticLossScale.scale={self.scale!r} must be a positive number.")
+
+    def init(self) -> LossScaleState:
+        return LossScaleState(
+            jnp.asarray(self.scale, jnp.float32),
+            jnp.asarray(0, jnp.int32),
+            jnp.asarray(0, jnp.int32),
+        )
+
+    def update(self, state: LossScaleState, finite: jax.Array) -> LossScaleState:
+        del finite
+        return state
+
+    def at_minimum(self, state: LossScaleState) -> jax.Array:
+        return jnp.asarray(False)
+
+    on_min = "ignore"
+
+
+def check_loss_scale(loss_scale, precision: Precision) -> None:
+    """Validate a loss-scale choice against the precision policy."""
+    if loss_scale is None:
+        return
+    if not isinstance(loss_scale, (DynamicLossScale, StaticLossScale)):
+        raise TypeError(
+            f"loss_scale={loss_scale!r} must be jaxzero.DynamicLossScale(), "
+            f"jaxzero.StaticLossScale(scale) or None."
+        )
+    if precision.param_dtype != jnp.float16:
+        warnings.warn(
+            f"a loss scale with param_dtype={precision.param_dtype.name} is unnecessary: "
+            f"bfloat16/float32 have float32's exponent range. Pass loss_scale=None.",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,64 @@
+"""The per-leaf sharding rule: which dimension of each leaf is split over the data axis.
+
+One rule serves every stage and every state component: a leaf of shape ``s`` is sharded on
+its largest dimension divisible by ``N`` (the size of the data axis; ties go to the earliest
+dimension). Because the rule depends on the shape alone, optimizer-state leaves that mirror a
+parameter (Adam's ``mu``/``nu``, MultiSteps' accumulators, the EMA) land in exactly the
+parameter's shards, and leaves of other shapes (Adafactor's factored rows/columns, scalar
+counters) get a consistent placement of their own without jaxzero knowing the optimizer.
+
+A leaf with no dimension divisible by ``N`` (a bias of 31 elements on 8 devices, a scalar) is
+replicated. See BUILD_NOTES.md for why we replicate rather than pad, and the measured cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def shard_dim(shape: Sequence[int], n: int) -> int | None:
+    """The dimension of ``shape`` to split ``n`` ways, or None to replicate.
+
+    Returns the largest dimension whose size is a positive multiple of ``n`` (earliest on
+    ties); None when ``n == 1`` or no dimension qualifies.
+    """
+    if n <= 1:
+        return None
+    best = None
+    for d, size in enumerate(shape):
+        if size > 0 and size % n == 0 and (best is None or size > shape[best]):
+            best = d
+    return best
+
+
+def leaf_spec(shape: Sequence[int], n: int, axis: str) -> P:
+    """``PartitionSpec`` that shards ``shape`` over ``axis`` per :func:`shard_dim`."""
+    d = shard_dim(shape, n)
+    if d is None:
+        return P()
+    return P(*([None] * d + [axis]))
+
+
+def tree_specs(tree, n: int, axis: str, *, shard: bool = True):
+    """PartitionSpecs for every leaf of ``tree`` (arrays or ShapeDtypeStructs).
+
+    With ``shard=False`` every leaf is replicated (``P()``).
+    """
+    return jax.tree.map(lambda x: leaf_spec(x.shape, n, axis) if shard else P(), tree)
+
+
+def named(mesh: Mesh, specs):
+    """Map a tree of PartitionSpecs to NamedShardings on ``mesh``."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def spec_dim(spec: P) -> int | None:
+    """The sharded dimension of a spec built by :func:`leaf_spec` (None if replicated)."""
+    for d, entry in enumerate(spec):
+        if entry is not None:
+            return d
+    return None

@@ -1,0 +1,24 @@
+"""Test configuration: 8 simulated CPU devices, set before jax starts any backend."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures")
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir():
+    path = os.path.abspath(FIXTURES)
+    if not os.path.isdir(path):
+        pytest.skip(f"shared fixtures not found at {path}")
+    return path

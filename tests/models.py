@@ -1,0 +1,110 @@
+"""Small models and data shared by the tests (no jaxzero logic here)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+class MLP(nn.Module):
+    """17 -> 31 -> 5 with tanh: leaves whose sizes do not divide by 8."""
+
+    hidden: int = 31
+    out: int = 5
+
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.tanh(nn.Dense(self.hidden, name="fc1")(x))
+        return nn.Dense(self.out, name="fc2")(x)
+
+
+class Block(nn.Module):
+    d_model: int = 32
+    heads: int = 4
+    ff: int = 64
+
+    @nn.compact
+    def __call__(self, x):
+        # No projection biases: the key bias has an exactly-zero true gradient (softmax is
+        # shift-invariant), so Adam turns float noise in it into O(lr) updates that no two
+        # summation orders agree on (see shared/fixtures/README.md, section B).
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, use_bias=False, name="attn")(x, x)
+        x = nn.LayerNorm(name="norm1")(x + h)
+        h = nn.Dense(self.ff, name="linear1")(x)
+        h = nn.Dense(self.d_model, name="linear2")(nn.relu(h))
+        return nn.LayerNorm(name="norm2")(x + h)
+
+
+class Transformer(nn.Module):
+    """2 post-norm encoder layers (d_model 32, 4 heads, ff 64) and a Dense(3) head."""
+
+    layers: int = 2
+    d_model: int = 32
+    out: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.layers):
+            x = Block(d_model=self.d_model, name=f"layer{i}")(x)
+        return nn.Dense(self.out, name="head")(x)
+
+
+def make_problem(name: str, *, batch: int = 32, steps: int = 10, seed: int = 0):
+    """(params, loss_fn, batches) for ``name`` in {"mlp", "transformer"}."""
+    rng = np.random.default_rng(seed)
+    if name == "mlp":
+        model, x_shape, y_shape = MLP(), (17,), (5,)
+    elif name == "transformer":
+        model, x_shape, y_shape = Transformer(), (6, 32), (6, 3)
+    else:
+        raise ValueError(name)
+    params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, *x_shape)))["params"]
+
+    def loss_fn(p, b):
+        pred = model.apply({"params": p}, b["x"])
+        return jnp.mean((pred.astype(jnp.float32) - b["y"]) ** 2)
+
+    batches = [
+        {
+            "x": rng.normal(size=(batch, *x_shape)).astype(np.float32),
+            "y": rng.normal(size=(batch, *y_shape)).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+    return params, loss_fn, batches
+
+
+def decay_mask(params):
+    """Weight decay on matrices only (no decay on biases and norm scales)."""
+    return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def chains():
+    """The optax chains every stage must reproduce."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 0.05, 3, 10)
+    return {
+        "adamw_masked": optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask),
+        "clip_adam": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+        "adafactor": optax.adafactor(1e-2, min_dim_size_to_factor=16),
+        "lamb": optax.lamb(1e-2),
+        "sgd_nesterov_cosine": optax.sgd(schedule, momentum=0.9, nesterov=True),
+        "multisteps_adam": optax.MultiSteps(optax.adam(3e-3), every_k_schedule=4),
+    }
+
+
+def reference_run(tx, params, loss_fn, batches):
+    """Plain single-device optax on the full global batch."""
+
+    @jax.jit
+    def step(p, s, b):
+        g = jax.grad(loss_fn)(p, b)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    for b in batches:
+        p, s = step(p, s, b)
+    return p, s

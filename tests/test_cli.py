@@ -1,0 +1,223 @@
+"""Tests for the jaxzero command line (jaxzero.cli.main)."""
+
+import argparse
+
+import pytest
+
+from jaxzero import cli
+from jaxzero.memory import estimate_memory, format_table, gpt_param_count
+
+
+def _rows(out):
+    """{stage: row fields} from the printed table."""
+    rows = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if fields and fields[0] in "0123" and len(fields[0]) == 1:
+            rows[int(fields[0])] = fields
+    return rows
+
+
+def test_estimate_all_stages_paper_numbers(capsys):
+    assert cli.main(["estimate", "--params", "7.5e9", "--devices", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.strip() == format_table(estimate_memory(7.5e9, 64))
+    rows = _rows(out)
+    assert sorted(rows) == [0, 1, 2, 3]
+    # total column: ZeRO paper Figure 1 (7.5B, N=64): 120 / 31.4 / 16.6 / 1.9 GB
+    assert [rows[s][-2:] for s in range(4)] == [
+        ["120.00", "GB"],
+        ["31.41", "GB"],
+        ["16.64", "GB"],
+        ["1.88", "GB"],
+    ]
+
+
+def test_estimate_gpu_memory_marks_fits(capsys):
+    cli.main(["estimate", "--params", "7.5B", "--devices", "64", "--gpu-memory", "32GB"])
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert [rows[s][-1] for s in range(4)] == ["NO", "yes", "yes", "yes"]
+    assert out.strip().splitlines()[-1] == "fits in 32.00 GB: stage 1, 2, 3"
+
+
+def test_estimate_gib_budget_and_single_stage(capsys):
+    cli.main(
+        ["estimate", "--params", "7e9", "--devices", "8", "--stage", "3", "--gpu-memory", "1GiB"]
+    )
+    out = capsys.readouterr().out
+    assert list(_rows(out)) == [3]
+    assert "fits in 1.07 GB: no stage" in out  # 2**30 bytes = 1.07 GB
+
+
+def test_estimate_gpt_model(capsys):
+    argv = [
+        "estimate",
+        "--model",
+        "gpt",
+        "--layers",
+        "32",
+        "--hidden",
+        "4096",
+        "--vocab",
+        "32000",
+        "--seq-len",
+        "2048",
+        "--devices",
+        "8",
+    ]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    n = gpt_param_count(32, 4096, vocab=32000, seq=2048)
+    assert f"-> {n:,} params" in out
+    assert format_table(estimate_memory(n, 8)) in out
+
+
+def test_estimate_options_flow_through(capsys):
+    argv = [
+        "estimate",
+        "--params",
+        "350M",
+        "--devices",
+        "4",
+        "--optimizer",
+        "sgd",
+        "--precision",
+        "fp32",
+        "--ema",
+        "--layers",
+        "24",
+        "--hidden",
+        "1024",
+        "--heads",
+        "16",
+        "--batch",
+        "2",
+        "--seq",
+        "512",
+        "--ckpt-every",
+        "2",
+    ]
+    cli.main(argv)
+    out = capsys.readouterr().out
+    expected = estimate_memory(
+        350_000_000,
+        4,
+        optimizer="sgd",
+        precision="fp32",
+        ema=True,
+        layers=24,
+        hidden=1024,
+        heads=16,
+        batch=2,
+        seq=512,
+        ckpt_every=2,
+    )
+    assert out.strip() == format_table(expected)
+    assert "ema" in out and "activations" in out and "sgd, fp32" in out
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["estimate", "--params", "-5", "--devices", "8"], "--params"),
+        (["estimate", "--params", "0", "--devices", "8"], "--params"),
+        (["estimate", "--params", "seven", "--devices", "8"], "--params"),
+        (["estimate", "--params", "7e9", "--devices", "0"], "--devices"),
+        (["estimate", "--params", "7e9", "--devices", "-1"], "--devices"),
+        (["estimate", "--params", "7e9"], "--devices"),
+        (["estimate", "--devices", "8"], "--params --model"),
+        (["estimate", "--params", "7e9", "--model", "gpt", "--devices", "8"], "not allowed"),
+        (["estimate", "--params", "7e9", "--devices", "8", "--optimizer", "lamb"], "lamb"),
+        (["estimate", "--params", "7e9", "--devices", "8", "--precision", "int8"], "int8"),
+        (["estimate", "--params", "7e9", "--devices", "8", "--stage", "4"], "--stage"),
+        (["estimate", "--params", "7e9", "--devices", "8", "--gpu-memory", "lots"], "lots"),
+        (["estimate", "--params", "7e9", "--devices", "8", "--gpu-memory", "80"], "unit"),
+        (["estimate", "--model", "gpt", "--layers", "2", "--devices", "8"], "--hidden"),
+        (["estimate", "--params", "7e9", "--devices", "8", "--batch", "2"], "--seq, --heads"),
+        (
+            [
+                "estimate",
+                "--params",
+                "7e9",
+                "--devices",
+                "8",
+                "--layers",
+                "2",
+                "--hidden",
+                "8",
+                "--heads",
+                "1",
+                "--batch",
+                "1",
+                "--seq",
+                "4",
+                "--ckpt-every",
+                "3",
+            ],
+            "ckpt_every",
+        ),
+        ([], "choose a command: estimate"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert "error:" in err and match in err
+
+
+def test_help_exits_0(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["estimate", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in (
+        "--params",
+        "--model",
+        "--devices",
+        "--stage",
+        "--optimizer",
+        "--precision",
+        "--ema",
+        "--gpu-memory",
+        "--batch",
+        "--seq",
+        "--heads",
+        "--ckpt-every",
+    ):
+        assert flag in out
+    assert "examples:" in out
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "estimate" in capsys.readouterr().out
+
+
+def test_registry_accepts_new_subcommands(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
+
+    def configure(p):
+        p.add_argument("path")
+
+    def run(args, parser):
+        if args.path == "bad":
+            parser.error("bad path")
+        print(f"inspecting {args.path}")
+        return 3
+
+    cli.register(cli.Command("frobnicate", "Inspect a checkpoint.", configure, run))
+    assert cli.main(["frobnicate", "ckpt/"]) == 3
+    assert capsys.readouterr().out == "inspecting ckpt/\n"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["frobnicate", "bad"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "jaxzero frobnicate: error: bad path (see jaxzero frobnicate --help)\n"
+    with pytest.raises(ValueError, match="already registered"):
+        cli.register(cli.Command("estimate", "dup", configure, run))
+    assert isinstance(cli.build_parser(), argparse.ArgumentParser)
