@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 # 2 pytest workers on the 2-core CI machine; each worker simulates 8 CPU devices.
 PYTEST_WORKERS ?= 2
 
@@ -12,8 +12,8 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q -e '.[dev]'
+$(STAMP): $(BIN)/python pyproject.toml Makefile
+	$(BIN)/python -m pip install -q -e '.[dev,torch]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

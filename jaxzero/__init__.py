@@ -1,9 +1,9 @@
 """jaxzero: ZeRO-style sharding of optimizer state, gradients and parameters, and a sharded
 model EMA, for JAX + optax."""
 
-from jaxzero import checkpoint, layouts, memory
+from jaxzero import checkpoint, layouts, memory, nnx, torch_interop
 from jaxzero.ema import EmaState, ShardedEMA
-from jaxzero.gather import ema_params, gather
+from jaxzero.gather import ema_model_state, ema_params, gather
 from jaxzero.layouts import greedy_partition
 from jaxzero.memory import estimate_memory, measure
 from jaxzero.mesh import data_parallel_mesh
@@ -18,6 +18,9 @@ __all__ = [
     "checkpoint",
     "layouts",
     "memory",
+    "torch_interop",
+    "nnx",
+    "ema_model_state",
     "estimate_memory",
     "greedy_partition",
     "measure",

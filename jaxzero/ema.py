@@ -183,7 +183,13 @@ class ShardedEMA:
                 return jnp.where(apply, x.astype(e.dtype), e)
             x = x.astype(e.dtype)
             if self.torch_compatible:
-                new = e * d.astype(e.dtype) + x * one_minus_d.astype(e.dtype)
+                # torch rounds both products to float32 before adding. Under jit, XLA's CPU
+                # (LLVM) backend contracts a*b + c into an FMA, even with loop-invariant
+                # selects in between (it unswitches them). A per-element select that is the
+                # identity for every value (NaN included) keeps the products separately rounded.
+                a = e * d.astype(e.dtype)
+                b = x * one_minus_d.astype(e.dtype)
+                new = jnp.where(e == e, a, e) + jnp.where(x == x, b, x)
             else:
                 new = d.astype(e.dtype) * e + one_minus_d.astype(e.dtype) * x
             return jnp.where(averaging, new, jnp.where(copying, x, e))
@@ -192,22 +198,32 @@ class ShardedEMA:
         return EmaState(jnp.where(averaging, n, state.updates).astype(jnp.int32), ema)
 
 
-def check_same_tree(reference, other) -> None:
-    """Raise ValueError naming the first path where ``other`` differs from ``reference``."""
+def check_same_structure(reference, other, what: str) -> None:
+    """Raise ValueError naming the first path where ``other``'s tree or leaf shapes differ
+    from ``reference``'s; ``what`` names the tree in the message."""
     ref = dict(jax.tree_util.tree_flatten_with_path(reference)[0])
     got = dict(jax.tree_util.tree_flatten_with_path(other)[0])
     if ref.keys() != got.keys():
         missing = [jax.tree_util.keystr(k) for k in ref if k not in got]
         extra = [jax.tree_util.keystr(k) for k in got if k not in ref]
         raise ValueError(
-            f"the EMA was built for a different params tree: missing paths {missing[:5]}, "
-            f"unexpected paths {extra[:5]}. Build the EMA from the same params "
-            f"(ShardedEMA.init(params) / ZeRO.init(params, ema=...))."
+            f"{what} changed structure: missing paths {missing[:5]}, unexpected paths {extra[:5]}."
         )
     for k, r in ref.items():
         g = got[k]
-        if tuple(r.shape) != tuple(g.shape):
+        if tuple(np.shape(r)) != tuple(np.shape(g)):
             raise ValueError(
-                f"the EMA leaf at {jax.tree_util.keystr(k)} has shape {tuple(r.shape)} but the "
-                f"params leaf has shape {tuple(g.shape)}; the EMA was built for a different model."
+                f"{what} leaf at {jax.tree_util.keystr(k)} has shape {tuple(np.shape(r))} but "
+                f"the new one has shape {tuple(np.shape(g))}."
             )
+
+
+def check_same_tree(reference, other) -> None:
+    """Raise ValueError naming the first path where ``other`` differs from the EMA tree."""
+    try:
+        check_same_structure(reference, other, "the EMA tree")
+    except ValueError as e:
+        raise ValueError(
+            f"{e} The EMA was built for a different params tree; build it from the same params "
+            f"(ShardedEMA.init(params) / ZeRO.init(params, ema=...))."
+        ) from None

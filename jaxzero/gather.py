@@ -58,4 +58,15 @@ def ema_params(state: TrainState, dtype=None):
             "ema_params needs a TrainState with an EMA; create it with zero.init(params, ema=...)."
         )
     dtype = jax.numpy.dtype(dtype or jax.tree.leaves(state.params)[0].dtype)
-    return _replicator(_mesh_of(state.ema.ema), dtype)(state.ema.ema)
+    tree = state.ema.ema
+    if state.model_state is not None:  # the EMA averages {"params", "model_state"}
+        tree = tree["params"]
+    return _replicator(_mesh_of(tree), dtype)(tree)
+
+
+def ema_model_state(state: TrainState):
+    """The EMA of the model state (e.g. BatchNorm statistics), replicated; the model's own
+    state when the EMA does not cover one."""
+    if state.ema is None or state.model_state is None:
+        return state.model_state
+    return gather(state.ema.ema["model_state"])

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero import sharding as sh
-from jaxzero.ema import EmaState, ShardedEMA, check_same_tree
+from jaxzero.ema import EmaState, ShardedEMA, check_same_structure, check_same_tree
 from jaxzero.mesh import check_mesh
 from jaxzero.precision import (
     DynamicLossScale,
@@ -46,6 +46,51 @@ def check_params(params) -> None:
         )
     if not _paths(params):
         raise ValueError("params is an empty tree: there is nothing to train.")
+
+
+def check_model_state(params, model_state) -> None:
+    """The model state must not hold what the optimizer trains (e.g. a "params" collection)."""
+    if model_state is None:
+        return
+    if isinstance(model_state, dict) and "params" in model_state:
+        raise ValueError(
+            "model_state has a 'params' collection: trainable arrays belong in params, and "
+            "model_state holds only non-trainable collections (e.g. {'batch_stats': ...}). "
+            "Split the variables: params = variables.pop('params')."
+        )
+    param_paths = {
+        jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    shared = [
+        jax.tree_util.keystr(k)
+        for k, _ in jax.tree_util.tree_flatten_with_path(model_state)[0]
+        if jax.tree_util.keystr(k) in param_paths
+    ]
+    if shared:
+        raise ValueError(
+            f"model_state leaves {shared[:5]} have the same paths as trainable params; the "
+            f"optimizer would see them twice. Keep non-trainable state out of params."
+        )
+
+
+def to_varying(x, axes):
+    """``pcast`` ``x`` to device-varying over those of ``axes`` it is not yet varying over."""
+    varying = jax.typeof(x).manual_axis_type.varying
+    missing = tuple(a for a in axes if a not in varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def raw_key(rng):
+    """Typed PRNG keys are stored as their raw uint32 data (checkpointable everywhere);
+    ``jax.random.fold_in`` and friends accept both."""
+    if rng is None:
+        return None
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if isinstance(rng, jax.ShapeDtypeStruct):
+            return jax.eval_shape(jax.random.key_data, rng)
+        return jax.random.key_data(rng)
+    return rng
 
 
 def _cast(tree, dtype):
@@ -192,14 +237,23 @@ class ZeRO:
             master=master,
             opt_state=self.tx.init(master_view),
             skipped=jnp.zeros((), jnp.int32),
-            ema=None if ema is None else ema.init(master_view),
+            ema=None if ema is None else ema.init(self._ema_target(master_view, model_state)),
             loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
             model_state=model_state,
             rng=rng,
         )
 
+    @staticmethod
+    def _ema_target(master, model_state):
+        """What the EMA averages: the master weights, plus the model state when there is one
+        (float buffers such as BatchNorm statistics are averaged, integer ones copied)."""
+        if model_state is None:
+            return master
+        return {"params": master, "model_state": model_state}
+
     def abstract_state(self, params, *, ema=None, model_state=None, rng=None) -> TrainState:
         """The state's ShapeDtypeStructs, with shardings, without allocating anything."""
+        rng = raw_key(rng)
         shapes = jax.eval_shape(
             lambda p, m, r: self._init_raw(p, ema, m, r), params, model_state, rng
         )
@@ -221,6 +275,8 @@ class ZeRO:
           TypeError: a params leaf is not a floating array (every offending path is listed).
         """
         check_params(params)
+        check_model_state(params, model_state)
+        rng = raw_key(rng)
         if ema is not None and not isinstance(ema, ShardedEMA):
             raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
         abstract = self.abstract_state(params, ema=ema, model_state=model_state, rng=rng)
@@ -272,6 +328,20 @@ class ZeRO:
             out_specs=jax.tree.map(lambda _: P(), specs),
         )(tree)
 
+    def grad_specs(self, params):
+        """Specs of the reduced gradients: sharded for stages 2/3, replicated for 0/1."""
+        return self._specs(params, self.stage >= 2)
+
+    def params_for_loss(self, local_params, specs):
+        """Inside ``shard_map``: the full compute params, ready to differentiate.
+
+        Stage 3 shards are all-gathered; then every leaf is marked device-varying over the
+        batch axes (``jax.lax.pcast``), so autodiff returns each device's local, unreduced
+        gradient and the reduction is :meth:`reduce_gradients`'s, not an implicit ``psum``.
+        """
+        full = self.gather_params(local_params, specs)
+        return jax.tree.map(lambda x: to_varying(x, self.batch_axes), full)
+
     def reduce_gradients(self, grads, *, shapes=None):
         """Inside ``shard_map``: average local gradients over every batch axis.
 
@@ -307,7 +377,13 @@ class ZeRO:
         """
         check_same_tree(ema_state.ema, master)
         ema_specs = self._specs(ema_state.ema, True)
-        master_specs = self.shard_specs(master)
+        if isinstance(master, dict) and set(master) == {"params", "model_state"}:
+            master_specs = {
+                "params": self.shard_specs(master["params"]),
+                "model_state": jax.tree.map(lambda _: P(), master["model_state"]),
+            }
+        else:
+            master_specs = self.shard_specs(master)
         n, axis = self.num_shards, self.axis
 
         def local(e_state, m_local, step, apply):
@@ -329,7 +405,9 @@ class ZeRO:
             out_specs=state_specs,
         )(ema_state, master, step, apply)
 
-    def apply_gradients(self, state: TrainState, grads, *, ema: ShardedEMA | None = None):
+    def apply_gradients(
+        self, state: TrainState, grads, *, ema: ShardedEMA | None = None, model_state=None
+    ):
         """The optax update on shards (call under ``jax.jit``, outside ``shard_map``).
 
         ``grads`` are the reduced gradients of the (scaled) loss, in any sharding; they are
@@ -379,7 +457,10 @@ class ZeRO:
                     "state has an EMA but no ShardedEMA was given to apply it; pass ema= to "
                     "make_train_step / apply_gradients."
                 )
-            new_ema = self.update_ema(ema, state.ema, new_master, step=step, apply=apply)
+            target = new_master
+            if state.model_state is not None:
+                target = self._ema_target(new_master, keep(model_state, state.model_state))
+            new_ema = self.update_ema(ema, state.ema, target, step=step, apply=apply)
         loss_scale = state.loss_scale
         if loss_scale is not None:
             loss_scale = self.loss_scale.update(loss_scale, finite)
@@ -392,6 +473,9 @@ class ZeRO:
             ema=new_ema,
             loss_scale=loss_scale,
         )
+        if state.model_state is not None and model_state is not None:
+            check_same_structure(state.model_state, model_state, "model_state")
+            new_state = new_state.replace(model_state=keep(model_state, state.model_state))
         metrics = {
             "grad_norm": grad_norm,
             "finite": finite,

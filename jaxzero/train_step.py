@@ -13,8 +13,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.ema import ShardedEMA
-from jaxzero.optimizer import ZeRO
+from jaxzero.ema import ShardedEMA, check_same_structure
+from jaxzero.optimizer import ZeRO, to_varying
 from jaxzero.state import TrainState
 
 
@@ -35,59 +35,84 @@ def _mean_over(x, axes):
     return jax.lax.pmax(x, axes)
 
 
-def local_gradients(zero: ZeRO, loss_fn, accum_steps: int):
+def _call_loss(loss_fn, stateful, params, model_state, batch, rng):
+    if stateful:
+        out = loss_fn(params, model_state, batch, rng)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple)):
+            raise ValueError(
+                "a stateful loss_fn(params, model_state, batch, rng) must return "
+                "(loss, (new_model_state, aux)); got "
+                f"{type(out).__name__}. Return aux=None when there is none."
+            )
+        loss, (new_state, aux) = out
+        check_same_structure(model_state, new_state, "model_state")
+        return loss, aux, new_state
+    loss, aux = _split_out(loss_fn(params, batch))
+    return loss, aux, None
+
+
+def local_gradients(zero: ZeRO, loss_fn, accum_steps: int, *, stateful: bool = False):
     """The per-device gradient computation, to run inside ``jax.shard_map``.
 
-    Returns ``fn(params_local, batch_local, scale, specs) -> (loss, aux, grads)`` where
-    ``grads`` are already reduced by :meth:`ZeRO.reduce_gradients` (all-reduced for stages
-    0/1, reduce-scattered for stages 2/3). With ``accum_steps > 1`` the local batch is split
-    into micro-batches scanned with ``lax.scan``: stages 0/1 accumulate the full local gradient
-    and all-reduce once; stages 2/3 reduce-scatter every micro-batch into a sharded
-    accumulator, so no full gradient buffer outlives a micro-batch.
+    Returns ``fn(params_local, model_state, batch_local, rng, scale, specs)`` ->
+    ``(loss, aux, grads, new_model_state)`` where ``grads`` are already reduced by
+    :meth:`ZeRO.reduce_gradients` (all-reduced for stages 0/1, reduce-scattered for stages
+    2/3). With ``accum_steps > 1`` the local batch is split into micro-batches scanned with
+    ``lax.scan``: stages 0/1 accumulate the full local gradient and all-reduce once; stages 2/3
+    reduce-scatter every micro-batch into a sharded accumulator, so no full gradient buffer
+    outlives a micro-batch. The model state is threaded through the micro-batches and averaged
+    over devices at the end (identical on every device when BatchNorm is synchronised).
+    ``rng`` is this device's key (already folded with the step and the device index); each
+    micro-batch folds in its index.
     """
     axes = zero.batch_axes
     reduce_each = zero.stage >= 2
 
-    def scaled(params, batch, scale):
-        loss, aux = _split_out(loss_fn(params, batch))
+    def scaled(params, model_state, batch, rng, scale):
+        loss, aux, new_state = _call_loss(loss_fn, stateful, params, model_state, batch, rng)
         if jnp.ndim(loss) != 0:
             raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
-        return loss.astype(jnp.float32) * scale, (loss, aux)
+        return loss.astype(jnp.float32) * scale, (loss, aux, new_state)
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
 
-    def micro(params, specs, batch, scale):
-        full = zero.gather_params(params, specs)
-        # Mark params as device-varying so autodiff returns the local, unreduced gradient;
-        # the reduction is then ours (reduce_gradients), not an implicit psum.
-        full = jax.tree.map(lambda x: to_varying(x, axes), full)
-        (_, (loss, aux)), g = grad_fn(full, batch, scale)
+    def micro(params, specs, model_state, batch, rng, scale):
+        full = zero.params_for_loss(params, specs)
+        (_, (loss, aux, new_state)), g = grad_fn(full, model_state, batch, rng, scale)
         g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)
         if reduce_each:
             g = zero.reduce_gradients(g)
-        return loss, aux, g
+        return loss, aux, g, new_state
 
-    def fn(params, batch, scale, specs):
+    def fold(rng, i):
+        return None if rng is None else jax.random.fold_in(rng, i)
+
+    def fn(params, model_state, batch, rng, scale, specs):
+        if model_state is not None:
+            model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
         if accum_steps == 1:
-            loss, aux, g = micro(params, specs, batch, scale)
-            losses, auxes = loss, aux
+            losses, auxes, g, model_state = micro(params, specs, model_state, batch, rng, scale)
         else:
             mbs = jax.tree.map(
                 lambda x: x.reshape((accum_steps, x.shape[0] // accum_steps) + x.shape[1:]), batch
             )
             first = jax.tree.map(lambda x: x[0], mbs)
             rest = jax.tree.map(lambda x: x[1:], mbs)
-            loss0, aux0, g = micro(params, specs, first, scale)
+            loss0, aux0, g, model_state = micro(
+                params, specs, model_state, first, fold(rng, 0), scale
+            )
 
-            def body(acc, mb):
-                loss, aux, gi = micro(params, specs, mb, scale)
-                return jax.tree.map(jnp.add, acc, gi), (loss, aux)
+            def body(carry, xs):
+                acc, ms = carry
+                mb, i = xs
+                loss, aux, gi, ms = micro(params, specs, ms, mb, fold(rng, i), scale)
+                return (jax.tree.map(jnp.add, acc, gi), ms), (loss, aux)
 
-            g, (losses, auxes) = jax.lax.scan(body, g, rest)
+            idx = jnp.arange(1, accum_steps)
+            (g, model_state), (losses, auxes) = jax.lax.scan(body, (g, model_state), (rest, idx))
             cat = lambda a, b: jnp.concatenate([a[None], b])
-            losses = cat(loss0, losses)
+            losses = cat(loss0, losses).mean()
             auxes = jax.tree.map(cat, aux0, auxes)
-            losses = losses.mean()
             auxes = jax.tree.map(
                 lambda x: x.mean(0) if jnp.issubdtype(x.dtype, jnp.floating) else x[-1], auxes
             )
@@ -96,16 +121,16 @@ def local_gradients(zero: ZeRO, loss_fn, accum_steps: int):
             g = zero.reduce_gradients(g)
         loss = jax.lax.pmean(losses, axes)
         aux = jax.tree.map(lambda x: _mean_over(x, axes), auxes)
-        return loss, aux, g
+        if model_state is not None:
+            model_state = jax.tree.map(lambda x: _mean_over(x, axes), model_state)
+        return loss, aux, g, model_state
 
     return fn
 
 
-def to_varying(x, axes):
-    """``pcast`` ``x`` to device-varying over those of ``axes`` it is not yet varying over."""
-    varying = jax.typeof(x).manual_axis_type.varying
-    missing = tuple(a for a in axes if a not in varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+def device_key(rng, step, axes):
+    """The step's key on this device: ``fold_in(fold_in(rng, step), device index on axes)``."""
+    return jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(axes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +147,7 @@ class TrainStep:
     ema: ShardedEMA | None
     accum_steps: int
     jitted: Any
+    stateful: bool = False
 
     def init(self, params, **kwargs) -> TrainState:
         """``zero.init(params, ema=self.ema, ...)``."""
@@ -165,6 +191,16 @@ class TrainStep:
             raise ValueError(
                 "this step updates an EMA but state has none; create the state with "
                 "step.init(params) or zero.init(params, ema=ema)."
+            )
+        if self.stateful and state.rng is None:
+            raise ValueError(
+                "a stateful step needs state.rng; create the state with "
+                "step.init(params, model_state=..., rng=jax.random.key(seed))."
+            )
+        if not self.stateful and state.model_state is not None:
+            raise ValueError(
+                "state carries a model_state but the step is not stateful; build it with "
+                "make_train_step(..., stateful=True) and a loss_fn(params, model_state, batch, rng)."
             )
         if self.ema is None and state.ema is not None:
             raise ValueError(
@@ -218,6 +254,7 @@ def make_train_step(
     *,
     ema: ShardedEMA | None = None,
     accum_steps: int = 1,
+    stateful: bool = False,
     donate: bool = True,
 ) -> TrainStep:
     """Build the jitted ZeRO train step.
@@ -227,6 +264,15 @@ def make_train_step(
     loss over it; the step's gradient is the gradient of the global mean loss. ``aux`` float
     leaves are averaged over micro-batches and devices (others: last micro-batch, max over
     devices).
+
+    With ``stateful=True`` the loss takes and returns the non-trainable model state and gets
+    a PRNG key: ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))``
+    (e.g. Flax ``apply(..., mutable=["batch_stats"], rngs={"dropout": rng})``). The model state
+    lives replicated in ``state.model_state``; ``rng`` is
+    ``fold_in(fold_in(state.rng, step), device index)`` (and the micro-batch index when
+    accumulating), so every device draws different masks and a run is reproducible for a fixed
+    seed and N. For BatchNorm over the GLOBAL batch (SyncBatchNorm), build the model's
+    ``BatchNorm(axis_name=zero.batch_axes)``: the loss runs inside ``shard_map`` over those axes.
 
     Per step: gradients inside ``jax.shard_map`` (stage 3 all-gathers parameters there;
     stages 0/1 all-reduce, 2/3 reduce-scatter), then :meth:`ZeRO.apply_gradients` under jit:
@@ -246,25 +292,47 @@ def make_train_step(
         raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
     if ema is not None and not isinstance(ema, ShardedEMA):
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
-    grads_fn = local_gradients(zero, loss_fn, accum_steps)
+    grads_fn = local_gradients(zero, loss_fn, accum_steps, stateful=stateful)
+    axes = zero.batch_axes
+
+    def sharded(params, model_state, batch, rng, step, scale, specs):
+        key = None if rng is None else device_key(rng, step, axes)
+        return grads_fn(params, model_state, batch, key, scale, specs)
 
     def step_fn(state: TrainState, batch):
         specs = zero.param_specs(state.params)
-        grad_specs = zero._specs(state.params, zero.stage >= 2)
+        grad_specs = zero.grad_specs(state.params)
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale.scale
         batch_spec = zero.batch_spec()
+        replicated = lambda t: jax.tree.map(lambda _: P(), t)
         sm = jax.shard_map(
-            lambda p, b, s: grads_fn(p, b, s, specs),
+            lambda p, m, b, r, t, s: sharded(p, m, b, r, t, s, specs),
             mesh=zero.mesh,
-            in_specs=(specs, jax.tree.map(lambda _: batch_spec, batch), P()),
-            out_specs=(P(), P(), grad_specs),
+            in_specs=(
+                specs,
+                replicated(state.model_state),
+                jax.tree.map(lambda _: batch_spec, batch),
+                replicated(state.rng),
+                P(),
+                P(),
+            ),
+            out_specs=(P(), P(), grad_specs, replicated(state.model_state)),
         )
-        loss, aux, grads = sm(state.params, batch, scale)
-        new_state, metrics = zero.apply_gradients(state, grads, ema=ema)
+        loss, aux, grads, model_state = sm(
+            state.params, state.model_state, batch, state.rng, state.step, scale
+        )
+        new_state, metrics = zero.apply_gradients(state, grads, ema=ema, model_state=model_state)
         metrics = {"loss": loss, **metrics}
         if aux is not None:
             metrics["aux"] = aux
         return new_state, metrics
 
     jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else ())
-    return TrainStep(loss_fn=loss_fn, zero=zero, ema=ema, accum_steps=accum_steps, jitted=jitted)
+    return TrainStep(
+        loss_fn=loss_fn,
+        zero=zero,
+        ema=ema,
+        accum_steps=accum_steps,
+        jitted=jitted,
+        stateful=stateful,
+    )

@@ -591,7 +591,7 @@ def test_zero_update_ema_shape_mismatch_reports_global_shapes():
     other = _tree()
     other["enc"]["kernel"] = jnp.zeros((32, 5))
     with pytest.raises(
-        ValueError, match=re.escape("shape (16, 5) but the params leaf has shape (32, 5)")
+        ValueError, match=re.escape("shape (16, 5) but the new one has shape (32, 5)")
     ):
         zero.update_ema(ema, state.ema, other, step=1, apply=True)
 
