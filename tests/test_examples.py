@@ -1,0 +1,123 @@
+"""The examples run end to end (``--smoke``, in subprocesses) and a resumed run is bit-for-bit
+the uninterrupted one.
+
+Each example runs as ``sys.executable examples/<name>.py --smoke --out-dir <tmp>`` with the
+test environment (8 simulated CPU devices). A shared JAX persistent compilation cache lets
+later processes reuse the train step's compilation.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jaxzero as jz
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+TIMEOUT = 600
+
+
+def _env(cache_dir):
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:
+        env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    # Later processes reuse every compilation of earlier ones (the step's, Orbax's slices, ...).
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start(script, out_dir, *args, cache_dir):
+    cmd = [sys.executable, os.path.join(EXAMPLES, script), "--smoke", "--out-dir", str(out_dir)]
+    return subprocess.Popen(
+        [*cmd, *args],
+        cwd=str(out_dir),
+        env=_env(cache_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc):
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"{proc.args} timed out:\n{out[-4000:]}") from None
+    assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}:\n{out[-6000:]}"
+    return out
+
+
+def check_outputs(run_dir):
+    assert os.path.getsize(os.path.join(run_dir, "report.png")) > 10_000
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    for key in ("final", "memory", "memory_by_stage", "collectives", "median_step_ms", "table"):
+        assert key in summary, key
+    assert set(summary["final"]) == {"raw", "ema"}
+    assert summary["devices"] == 8
+    return summary
+
+
+def test_gpt_zero3_smoke(tmp_path):
+    out = finish(start("gpt_zero3.py", tmp_path, "--run-name", "gpt", cache_dir=tmp_path / "jc"))
+    s = check_outputs(tmp_path / "gpt")
+    assert s["stage"] == 3 and s["steps"] == 6 and s["optimizer_steps"] == 6
+    assert s["final"]["raw"] < 4.6 and s["final"]["ema"] < 4.6  # below uniform over ~90 chars
+    # Stage 3 shards every persistent component: params, optimizer state and EMA ~1/8 each.
+    mem = s["memory_by_stage"]
+    assert mem["3"]["measured"]["params"] * 7 < mem["0"]["measured"]["params"]
+    assert s["collectives"]["all-gather"]["count"] and s["collectives"]["reduce-scatter"]["count"]
+    assert "validation loss" in out and "sample from the EMA weights" in out
+
+
+def test_digits_smoke_and_resume(tmp_path):
+    """An uninterrupted run (3 epochs x 3 steps), then one stopped after epoch 1 that resumes
+    from its checkpoint (step 3) and must end bit-identical. Run one after the other so the
+    later processes find every compilation in the cache (less CPU than running side by side)."""
+    cache = tmp_path / "jc"
+
+    def digits(name, *extra):
+        args = ("--epochs", "3", "--run-name", name, *extra)
+        return finish(start("digits.py", tmp_path, *args, cache_dir=cache))
+
+    out_full = digits("full")
+    out_part = digits("resumed", "--stop-after-epoch", "1")
+
+    # The uninterrupted smoke run: outputs exist and hold the final numbers.
+    s_full = check_outputs(tmp_path / "full")
+    assert s_full["steps"] == 9 and s_full["optimizer_steps"] == 9
+    assert s_full["resumed_from_step"] is None
+    assert len(s_full["eval"]) == 3 and len(s_full["loss_history"]) == 9
+    assert "test accuracy" in out_full and "median step time" in out_full
+
+    # The stopped run: a complete checkpoint at step 3, no summary yet.
+    ckpt = tmp_path / "resumed" / "ckpt"
+    assert "stopped after epoch 1" in out_part
+    assert jz.checkpoint.latest_step(str(ckpt)) == 3
+    assert not (tmp_path / "resumed" / "summary.json").exists()
+
+    out_res = digits("resumed", "--resume")
+    assert "resumed from" in out_res and "step 3" in out_res
+    s_res = check_outputs(tmp_path / "resumed")
+    assert s_res["resumed_from_step"] == 3
+    assert jz.checkpoint.latest_step(str(ckpt)) == 9
+    # Same steps, same data order, same numbers: bit-for-bit.
+    for key in (
+        "steps",
+        "optimizer_steps",
+        "ema_updates",
+        "final",
+        "eval",
+        "loss_history",
+        "params_sha256",
+        "ema_sha256",
+    ):
+        assert s_res[key] == s_full[key], key
