@@ -14,6 +14,7 @@ the registry section::
 from __future__ import annotations
 
 import argparse
+import math
 import dataclasses
 import re
 import sys
@@ -113,6 +114,12 @@ def _configure_estimate(p: argparse.ArgumentParser) -> None:
         "--params", type=_param_count, metavar="N", help="total parameter count, e.g. 7e9, 7B, 350M"
     )
     which.add_argument(
+        "--from-checkpoint",
+        metavar="DIR",
+        help="read the parameter count (and, unless given, devices, stage and precision) "
+        "from a jaxzero checkpoint's metadata",
+    )
+    which.add_argument(
         "--model",
         choices=["gpt"],
         help="derive the count from a GPT shape: 12*L*h^2 + (vocab+seq_len)*h "
@@ -148,9 +155,9 @@ def _configure_estimate(p: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--devices",
         type=_positive_int,
-        required=True,
         metavar="N",
-        help="data-parallel devices the state is sharded over (required)",
+        help="data-parallel devices the state is sharded over (required unless "
+        "--from-checkpoint gives them)",
     )
     train.add_argument(
         "--stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage to show (default: all four)"
@@ -165,9 +172,9 @@ def _configure_estimate(p: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--precision",
         choices=list(memory.PRECISIONS),
-        default="bf16",
+        default=None,
         help="bf16/fp16: mixed precision with fp32 master; fp32: single copy "
-        "(default: %(default)s)",
+        "(default: bf16, the ZeRO paper's accounting; a checkpoint's own with --from-checkpoint)",
     )
     train.add_argument(
         "--ema",
@@ -195,8 +202,36 @@ def _configure_estimate(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _from_checkpoint(args, parser) -> int:
+    """Fill the parameter count (and missing devices/stage/precision) from checkpoint metadata."""
+    from jaxzero import checkpoint  # imports orbax: only for this option
+
+    try:
+        meta = checkpoint.load_metadata(args.from_checkpoint)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    rows = [r for r in meta.get("leaves", []) if str(r["path"]).startswith("params")]
+    if not rows:
+        parser.error(f"{args.from_checkpoint}: the metadata lists no params leaves")
+    num_params = sum(int(math.prod(r["shape"])) for r in rows)
+    if args.devices is None:
+        args.devices = int(meta.get("mesh", {}).get(meta.get("axis") or "data", 0)) or None
+    if args.stage is None and meta.get("stage") is not None:
+        args.stage = int(meta["stage"])
+    if args.precision is None:
+        dtype = (meta.get("precision") or {}).get("param_dtype", "float32")
+        args.precision = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, "fp32")
+    print(
+        f"{args.from_checkpoint}: step {meta.get('step')}, stage {meta.get('stage')}, "
+        f"mesh {meta.get('mesh')}, {num_params:,} params"
+    )
+    return num_params
+
+
 def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.model == "gpt":
+    if args.from_checkpoint:
+        num_params = _from_checkpoint(args, parser)
+    elif args.model == "gpt":
         missing = [f for f in ("layers", "hidden") if getattr(args, f) is None]
         if missing:
             parser.error(f"--model gpt needs {' and '.join('--' + f for f in missing)}")
@@ -207,6 +242,10 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         )
     else:
         num_params = args.params
+    if args.devices is None:
+        parser.error("--devices is required (or --from-checkpoint with a saved mesh)")
+    if args.precision is None:
+        args.precision = "bf16"
     activations = {k: getattr(args, k) for k in ("batch", "seq", "heads", "ckpt_every")}
     if any(v is not None for v in activations.values()):
         missing = [

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from jaxzero import cli
+from jaxzero import cli, memory
 from jaxzero.memory import estimate_memory, format_table, gpt_param_count
 
 
@@ -127,7 +127,7 @@ def test_estimate_options_flow_through(capsys):
         (["estimate", "--params", "7e9", "--devices", "0"], "--devices"),
         (["estimate", "--params", "7e9", "--devices", "-1"], "--devices"),
         (["estimate", "--params", "7e9"], "--devices"),
-        (["estimate", "--devices", "8"], "--params --model"),
+        (["estimate", "--devices", "8"], "--params --from-checkpoint --model"),
         (["estimate", "--params", "7e9", "--model", "gpt", "--devices", "8"], "not allowed"),
         (["estimate", "--params", "7e9", "--devices", "8", "--optimizer", "lamb"], "lamb"),
         (["estimate", "--params", "7e9", "--devices", "8", "--precision", "int8"], "int8"),
@@ -221,3 +221,20 @@ def test_registry_accepts_new_subcommands(monkeypatch, capsys):
     with pytest.raises(ValueError, match="already registered"):
         cli.register(cli.Command("estimate", "dup", configure, run))
     assert isinstance(cli.build_parser(), argparse.ArgumentParser)
+
+
+def test_estimate_from_checkpoint(tmp_path, capsys):
+    import jax.numpy as jnp
+    import optax
+
+    import jaxzero as jz
+    from jaxzero import checkpoint
+
+    params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}  # 2,080 params
+    zero = jz.ZeRO(optax.adam(1e-3), jz.data_parallel_mesh(8), stage=2)
+    checkpoint.save(str(tmp_path), 1, zero.init(params), zero=zero, wait=True)
+    assert cli.main(["estimate", "--from-checkpoint", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2,080 params" in out and "stage 2" in out
+    want = memory.estimate_memory(2080, 8, stage=2, precision="fp32")
+    assert memory.format_bytes(want.total) in out
