@@ -14,8 +14,8 @@ the registry section::
 from __future__ import annotations
 
 import argparse
-import math
 import dataclasses
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
