@@ -57,6 +57,8 @@ def make_problem(name: str, *, batch: int = 32, steps: int = 10, seed: int = 0):
     rng = np.random.default_rng(seed)
     if name == "mlp":
         model, x_shape, y_shape = MLP(), (17,), (5,)
+    elif name == "wide_mlp":  # every leaf divisible by 8: cheap to compile, fully sharded
+        model, x_shape, y_shape = MLP(hidden=32, out=8), (16,), (8,)
     elif name == "transformer":
         model, x_shape, y_shape = Transformer(), (6, 32), (6, 3)
     else:

@@ -218,7 +218,7 @@ def test_hand_written_step_equals_make_train_step_bitwise(stage):
     sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
     from byo_step import make_my_step
 
-    params, loss_fn, batches = make_problem("transformer", steps=3)
+    params, loss_fn, batches = make_problem("wide_mlp", steps=3)
     zero = jz.ZeRO(optax.adamw(1e-2), jz.data_parallel_mesh(N), stage=stage)
     ours = jz.make_train_step(loss_fn, zero)
     mine = make_my_step(loss_fn, zero, zero.abstract_state(params))

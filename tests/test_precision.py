@@ -161,26 +161,31 @@ def test_clipping_and_unscale_give_unsharded_result():
     step = jz.make_train_step(loss_fn, zero)
     state = step.init(params)
     p, s = params, tx.init(params)
+    grad = jax.jit(jax.grad(loss_fn))
+    update = jax.jit(tx.update)
     for b in batches:
         state, m = step(state, b)
-        g = jax.grad(loss_fn)(p, b)
+        g = grad(p, b)
         np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(g)), rtol=1e-5)
-        u, s = tx.update(g, s, p)
+        u, s = update(g, s, p)
         p = optax.apply_updates(p, u)
     chex.assert_trees_all_close(jz.gather(state), p, atol=1e-6)
 
 
-def run(stage, precision, steps=50, lr=3e-3):
+def run(stage, precision, steps, lr=3e-3, snapshot=None):
+    """Train the test transformer; return the master weights after ``steps`` (and after
+    ``snapshot`` steps) and the losses."""
     params, loss_fn, batches = make_problem("transformer", steps=steps)
     zero = jz.ZeRO(optax.adam(lr), jz.data_parallel_mesh(N), stage=stage, precision=precision)
     step = jz.make_train_step(loss_fn, zero)
     state = step.init(params)
-    losses = []
-    for b in batches:
+    losses, snap = [], None
+    for i, b in enumerate(batches, 1):
         state, m = step(state, b)
         losses.append(float(m["loss"]))
-    master = zero.master_view(state) if state.master is None else state.master
-    return jz.gather(master), np.array(losses)
+        if i == snapshot:
+            snap = jz.gather(zero.master_view(state))
+    return jz.gather(zero.master_view(state)), snap, np.array(losses)
 
 
 def flat(t):
@@ -188,19 +193,21 @@ def flat(t):
 
 
 def test_bf16_tracks_fp32_and_stages_agree():
-    fp32, loss32 = run(2, "fp32")
-    bf = {s: run(s, "bf16") for s in (0, 1, 2, 3)}
-    # bf16 compute (8-bit mantissa: relative rounding 2**-9 per op) vs fp32 after 50 Adam steps
-    # of lr 3e-3: the master weights drift by a small fraction of the total update.
-    total_update = np.abs(
-        flat(fp32) - flat(jax.tree.map(np.asarray, make_problem("transformer", steps=1)[0]))
-    )
-    drift = np.abs(flat(bf[2][0]) - flat(fp32))
+    """bf16 compute (8-bit mantissa: relative rounding 2**-9 per op) vs fp32 after 50 Adam
+    steps of lr 3e-3: the fp32 master weights drift from the fp32 run by well under the
+    size of the training update itself (< 25% of the largest parameter change), and the loss
+    curves agree within 2%. Stages 0-3 in bf16 then agree with each other to within bf16
+    rounding of a different reduction order (2e-3 absolute after 10 steps)."""
+    fp32, _, loss32 = run(2, "fp32", 50)
+    bf2, bf2_at10, loss_bf = run(2, "bf16", 50, snapshot=10)
+    init = make_problem("transformer", steps=1)[0]
+    total_update = np.abs(flat(fp32) - flat(jax.tree.map(np.asarray, init)))
+    drift = np.abs(flat(bf2) - flat(fp32))
     assert drift.max() < 0.25 * total_update.max()
-    assert np.abs(bf[2][1] - loss32).max() < 0.02 * loss32.max()
-    # stages 0-3 in bf16 agree with each other to bf16 rounding of the reduction order
+    assert np.abs(loss_bf - loss32).max() < 0.02 * loss32.max()
     for s in (0, 1, 3):
-        np.testing.assert_allclose(flat(bf[s][0]), flat(bf[2][0]), atol=2e-3)
+        other, _, _ = run(s, "bf16", 10)
+        np.testing.assert_allclose(flat(other), flat(bf2_at10), atol=2e-3)
 
 
 def test_fp16_loss_scaling_prevents_underflow():
