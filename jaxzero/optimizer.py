@@ -277,6 +277,12 @@ class ZeRO:
         check_params(params)
         check_model_state(params, model_state)
         rng = raw_key(rng)
+        if jax.process_count() > 1:
+            from jaxzero.distributed import check_same_on_all_processes
+
+            check_same_on_all_processes(params, "params")
+            check_same_on_all_processes(model_state, "model_state")
+            check_same_on_all_processes(rng, "rng")
         if ema is not None and not isinstance(ema, ShardedEMA):
             raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
         abstract = self.abstract_state(params, ema=ema, model_state=model_state, rng=rng)

@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxzero.distributed import global_batch
 from jaxzero.ema import ShardedEMA, check_same_structure
 from jaxzero.optimizer import ZeRO, to_varying
 from jaxzero.state import TrainState
@@ -209,7 +210,17 @@ class TrainStep:
             )
 
     def place_batch(self, batch):
+        """The batch as global arrays split over every mesh axis (``zero.batch_spec()``).
+
+        Host (numpy) leaves hold THIS process's rows of the global batch: the whole batch on
+        one process; on several processes only the rows of its own devices
+        (``jaxzero.distributed.process_batch_slice``), assembled without communication by
+        ``jax.make_array_from_process_local_data``. Global ``jax.Array`` leaves that already
+        have the batch sharding pass through.
+        """
         sharding = NamedSharding(self.zero.mesh, self.zero.batch_spec())
+        if jax.process_count() > 1:
+            return global_batch(batch, sharding)
         return jax.tree.map(
             lambda x: (
                 x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
@@ -217,10 +228,19 @@ class TrainStep:
             batch,
         )
 
+    def _checked_and_placed(self, batch):
+        # One process: check the global batch, then place it. Several processes: each holds
+        # only its rows, so assemble the global arrays first and check those.
+        if jax.process_count() > 1:
+            batch = self.place_batch(batch)
+            self.check_batch(batch)
+            return batch
+        self.check_batch(batch)
+        return self.place_batch(batch)
+
     def __call__(self, state: TrainState, batch):
         self.check_state(state)
-        self.check_batch(batch)
-        state, metrics = self.jitted(state, self.place_batch(batch))
+        state, metrics = self.jitted(state, self._checked_and_placed(batch))
         if "loss_scale_at_min" in metrics and self.zero.loss_scale.on_min != "ignore":
             self._check_min_scale(state, metrics)
         return state, metrics
@@ -244,8 +264,7 @@ class TrainStep:
 
     def lower(self, state: TrainState, batch):
         """``jax.jit(...).lower`` of the step (for HLO and memory inspection)."""
-        self.check_batch(batch)
-        return self.jitted.lower(state, self.place_batch(batch))
+        return self.jitted.lower(state, self._checked_and_placed(batch))
 
 
 def make_train_step(
