@@ -345,3 +345,25 @@ def test_bad_ema_checkpoints():
         ti.import_ema(tree, {"param": good, "updates": 1})
     with pytest.raises(ValueError, match=r"format='yolo'"):
         ti.export_ema(state, format="yolo")
+
+
+def test_bf16_modelema_checkpoint_is_upcast_not_rejected():
+    """torch's distributed ModelEMA cannot build bf16 buckets (its 8-byte grid table has no
+    entry for itemsize 2 -> KeyError). jaxzero accepts a bf16 EMA state dict and upcasts it
+    exactly to the EMA's float32 (every bf16 value is representable in float32), and the
+    bucket layout for 2-byte items uses a 4-element grid."""
+    from jaxzero.layouts import greedy_partition
+
+    w = torch.randn(6, 5).to(torch.bfloat16)
+    b = torch.randn(5).to(torch.bfloat16)
+    ckpt = {"param": collections.OrderedDict([("w", w), ("b", b)]), "updates": 7}
+    target = jz.ShardedEMA(0.9).init(
+        {"w": np.zeros((6, 5), np.float32), "b": np.zeros(5, np.float32)}
+    )
+    state = ti.import_ema(target, ckpt, name_map=ckpt["param"])
+    assert int(state.updates) == 7
+    assert state.ema["w"].dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(state.ema["w"]), w.float().numpy())
+    np.testing.assert_array_equal(np.asarray(state.ema["b"]), b.float().numpy())
+    plan = greedy_partition([30, 5], 2, sort=False, itemsize=2, align_bytes=8)
+    assert plan.slot_ends[1] - plan.offsets[1] == 8  # 5 bf16 elements padded to the 4-grid
