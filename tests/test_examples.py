@@ -97,6 +97,15 @@ def test_digits_smoke_and_resume(tmp_path):
     assert s_full["resumed_from_step"] is None
     assert len(s_full["eval"]) == 3 and len(s_full["loss_history"]) == 9
     assert "test accuracy" in out_full and "median step time" in out_full
+    # The estimator against the bytes measured from the demo model's arrays (N = 8, stage 2).
+    from jaxzero.memory import estimate_memory
+
+    est = estimate_memory(
+        s_full["num_params"], 8, stage=s_full["stage"], precision="fp32", ema=True
+    )
+    m = s_full["memory"]["measured"]
+    measured = m["params"] + m["master"] + m["opt_state"] + m["ema"]
+    assert abs(measured / (est.params + est.optimizer + est.ema) - 1) < 0.02
 
     # The stopped run: a complete checkpoint at step 3, no summary yet.
     ckpt = tmp_path / "resumed" / "ckpt"
