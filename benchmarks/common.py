@@ -1,0 +1,300 @@
+"""Shared pieces of the benchmarks: a decoder-only transformer, the ZeRO formulas, and HLO
+collective accounting that knows about while loops.
+
+Import this module only after ``XLA_FLAGS`` is set (the scripts do that first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxzero.memory import collective_ops
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer: GPT-2 style (LayerNorm, biases, GELU MLP, learned positions,
+    tied head) or LLaMA style (``llama=True``: RMSNorm, no biases, SwiGLU MLP, no learned
+    positions, untied head). Layers are stacked under ``nn.scan`` (one compiled layer body)."""
+
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    ffn: int
+    max_seq: int
+    llama: bool = False
+    remat: bool = True
+    scan: bool = True
+
+    def num_params(self) -> int:
+        d, f, v = self.d_model, self.ffn, self.vocab
+        if self.llama:
+            per_layer = 4 * d * d + 3 * d * f + 2 * d
+            return self.layers * per_layer + 2 * v * d + d
+        per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+        return self.layers * per_layer + v * d + self.max_seq * d + 2 * d
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, _):
+        c = self.cfg
+        b, s, d = x.shape
+        bias = not c.llama
+        norm = (
+            (lambda name: nn.RMSNorm(name=name))
+            if c.llama
+            else (lambda name: nn.LayerNorm(name=name))
+        )
+        h = norm("ln1")(x)
+        qkv = nn.Dense(3 * d, use_bias=bias, name="qkv")(h).reshape(b, s, 3, c.heads, d // c.heads)
+        h = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+        x = x + nn.Dense(d, use_bias=bias, name="out")(h.reshape(b, s, d))
+        h = norm("ln2")(x)
+        if c.llama:
+            g = nn.Dense(c.ffn, use_bias=False, name="gate")(h)
+            u = nn.Dense(c.ffn, use_bias=False, name="up")(h)
+            h = nn.Dense(d, use_bias=False, name="down")(nn.silu(g) * u)
+        else:
+            h = nn.Dense(c.ffn, name="fc1")(h)
+            h = nn.Dense(d, name="fc2")(nn.gelu(h))
+        return x + h, None
+
+
+class Decoder(nn.Module):
+    """``gather_layer`` (optional): a function applied to each layer's ``{"params": ...}``
+    slice inside the scanned (and rematerialised) layer body, e.g. a per-layer all-gather of
+    ZeRO-3 shards (see ``scale.py``'s per-layer prototype)."""
+
+    cfg: ModelConfig
+    gather_layer: Callable | None = None
+
+    @nn.compact
+    def __call__(self, tokens):
+        c = self.cfg
+        emb = nn.Embed(
+            c.vocab, c.d_model, name="embed", embedding_init=nn.initializers.normal(0.02)
+        )
+        x = emb(tokens)
+        if not c.llama:
+            pos = self.param("pos", nn.initializers.normal(0.02), (c.max_seq, c.d_model))
+            x = x + pos[: tokens.shape[1]].astype(x.dtype)
+        block = Block
+        if self.gather_layer is not None:
+            block = nn.map_variables(Block, "params", trans_in_fn=self.gather_layer)
+        block = nn.remat(block, prevent_cse=not c.scan) if c.remat else block
+        if c.scan:
+            x, _ = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=c.layers,
+            )(c, name="layers")(x, None)
+        else:
+            for i in range(c.layers):
+                x, _ = block(c, name=f"layer{i}")(x, None)
+        x = (nn.RMSNorm if c.llama else nn.LayerNorm)(name="final_norm")(x)
+        if c.llama:
+            return nn.Dense(c.vocab, use_bias=False, name="head")(x)
+        return emb.attend(x)
+
+
+def make_loss(cfg: ModelConfig):
+    model = Decoder(cfg)
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["x"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    return model, loss_fn
+
+
+def abstract_params(cfg: ModelConfig, seq: int):
+    model = Decoder(cfg)
+    return jax.eval_shape(
+        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, seq), jnp.int32))["params"]
+    )
+
+
+def init_params(cfg: ModelConfig, seq: int, seed: int = 0):
+    model = Decoder(cfg)
+    init = jax.jit(model.init)
+    return init(jax.random.PRNGKey(seed), jnp.zeros((1, seq), jnp.int32))["params"]
+
+
+def make_batch(cfg: ModelConfig, batch: int, seq: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    tok = rng.integers(0, cfg.vocab, size=(batch, seq + 1), dtype=np.int32)
+    return {"x": tok[:, :-1], "y": tok[:, 1:]}
+
+
+def count(tree) -> int:
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+# --------------------------------------------------------------------------- ZeRO formulas
+
+
+def persistent_formula(phi: int, n: int, stage: int, precision: str) -> int:
+    """Persistent bytes per device (params + master + Adam state), ZeRO accounting.
+
+    fp32 (no separate master): 12Φ / 4Φ+8Φ/N / 4Φ+8Φ/N / 12Φ/N.
+    bf16 (bf16 params + fp32 master + Adam): 14Φ / 2Φ+12Φ/N / 2Φ+12Φ/N / 14Φ/N.
+    """
+    p, k = (4, 8) if precision == "fp32" else (2, 12)
+    if stage == 0:
+        return (p + k) * phi
+    if stage in (1, 2):
+        return p * phi + k * phi // n
+    return (p + k) * phi // n
+
+
+def collective_theory(phi: int, stage: int | str, precision: str = "fp32") -> dict[str, int]:
+    """Theoretical payload bytes per device and step, by kind (all-reduce and all-gather:
+    output bytes; reduce-scatter: input bytes). ``stage``: 0-3, "dp" or "fsdp" (ideal FSDP =
+    ZeRO-3). Gradients are communicated in the reduce dtype and parameters gathered in the
+    compute dtype: 4 bytes/param for fp32, 2 for bf16."""
+    b = 4 if precision == "fp32" else 2
+    stage = {"dp": 0, "fsdp": 3}.get(stage, stage)
+    return {
+        0: {"all-reduce": b * phi},
+        1: {"all-reduce": b * phi, "all-gather": b * phi},
+        2: {"reduce-scatter": b * phi, "all-gather": b * phi},
+        3: {"all-gather": b * phi, "reduce-scatter": b * phi},
+    }[stage]
+
+
+# --------------------------------------------------------------------------- HLO accounting
+
+_COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->.*)?\{\s*$")
+_CALLED = re.compile(
+    r"(?:body|condition|to_apply|calls|branch_computations|called_computations)="
+    r"(\{[^}]*\}|%?[\w.\-]+)"
+)
+_WHILE = re.compile(r"=\s*.*?\swhile\(.*?body=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _computations(hlo: str):
+    """{computation name: [instruction lines]} and the ENTRY computation's name."""
+    comps, cur, entry = {}, None, None
+    for line in hlo.splitlines():
+        m = _COMP_HEAD.match(line)
+        if m and not line[:1].isspace():  # headers start in column 0, instructions do not
+            cur = m.group(2)
+            comps[cur] = []
+            if m.group(1):
+                entry = cur
+            continue
+        if cur is not None:
+            comps[cur].append(line)
+    return comps, entry
+
+
+def computation_multipliers(hlo: str) -> dict[str, int]:
+    """How many times each computation runs per execution of the module: 1 for ENTRY, the
+    known trip count for while bodies (multiplied through nesting). Computations reached only
+    through non-loop calls inherit their caller's multiplier; a while with no known trip count
+    counts once (flagged by a negative multiplier)."""
+    comps, entry = _computations(hlo)
+    mult = {entry: 1}
+    stack = [entry]
+    while stack:
+        name = stack.pop()
+        for line in comps.get(name, []):
+            w = _WHILE.search(line)
+            trip = None
+            if w:
+                t = _TRIP.search(line)
+                trip = int(t.group(1)) if t else -1
+            for ref in _CALLED.findall(line):
+                for callee in re.findall(r"[\w.\-]+", ref):
+                    if callee not in comps:
+                        continue
+                    k = abs(mult[name])
+                    if w and callee == w.group(1):
+                        k = k * abs(trip) * (1 if trip > 0 else -1)
+                    if callee not in mult or abs(k) > abs(mult[callee]):
+                        mult[callee] = k
+                        stack.append(callee)
+    return mult
+
+
+def collectives(hlo: str, n: int) -> dict:
+    """Per-kind collective accounting of compiled HLO with loop trip counts applied.
+
+    Payload per device per step: all-reduce / all-gather / all-to-all / collective-permute
+    output bytes; reduce-scatter output bytes x its group size (= its input bytes). Returns
+    ``{"payload": {kind: bytes}, "count": {kind: static ops}, "in_loop": {kind: static ops
+    inside a while body}, "dtypes": {kind: [dtypes]}, "unknown_trip": bool}``."""
+    mult = computation_multipliers(hlo)
+    out = {"payload": {}, "count": {}, "in_loop": {}, "dtypes": {}, "unknown_trip": False}
+    for op in collective_ops(hlo):
+        m = mult.get(op.computation, 1)
+        if m < 0:
+            out["unknown_trip"] = True
+        k = op.kind
+        size = op.bytes * (n if k == "reduce-scatter" else 1) * abs(m)
+        out["payload"][k] = out["payload"].get(k, 0) + size
+        out["count"][k] = out["count"].get(k, 0) + 1
+        out["in_loop"][k] = out["in_loop"].get(k, 0) + (abs(m) > 1)
+        dts = out["dtypes"].setdefault(k, [])
+        for dt in op.dtypes:
+            if dt not in dts:
+                dts.append(dt)
+    return out
+
+
+def memory_stats(compiled) -> dict:
+    stats = compiled.memory_analysis()
+    if isinstance(stats, (list, tuple)):
+        stats = stats[0] if stats else None
+    return {
+        f"{k}_bytes": int(getattr(stats, f"{k}_size_in_bytes", 0) or 0)
+        for k in ("argument", "output", "alias", "temp")
+    }
+
+
+# --------------------------------------------------------------------------- misc
+
+
+def timed(fn) -> float:
+    """Seconds of ``jax.block_until_ready(fn())``."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def md_table(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
