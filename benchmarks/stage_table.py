@@ -1,11 +1,14 @@
-import os, sys
+import os
+import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-import jax, optax, numpy as np
+import jax
+import optax
+from models import make_problem
+
 import jaxzero as jz
 from jaxzero.memory import collective_bytes, device_bytes
-from models import make_problem
 
 params, loss_fn, batches = make_problem("transformer", steps=1)
 phi = sum(x.size for x in jax.tree.leaves(params))
@@ -39,7 +42,9 @@ for prec in ("fp32", "bf16"):
         }[prec][stage]
         c = step.lower(st, batches[0]).compile()
         cb = collective_bytes(c.as_text())
-        pay = lambda k: sum(o.bytes * (N if k == "reduce-scatter" else 1) for o in cb[k]["ops"])
+        pay = lambda k, cb=cb: sum(
+            o.bytes * (N if k == "reduce-scatter" else 1) for o in cb[k]["ops"]
+        )
         temp = c.memory_analysis().temp_size_in_bytes
         print(
             f"| {prec} | {stage} | {pers:,} | {f:,.0f} | {pers / f - 1:+.2%} | {per(st.ema.ema):,} | {pay('all-reduce') / (4 * phi):.3f} | {pay('all-gather') / (4 * phi):.3f} | {pay('reduce-scatter') / (4 * phi):.3f} | {temp:,} |"
