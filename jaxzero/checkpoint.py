@@ -45,6 +45,7 @@ from etils import epath
 from jax.sharding import NamedSharding
 
 from jaxzero.ema import ShardedEMA
+from jaxzero.gather import mesh_of
 from jaxzero.optimizer import ZeRO
 from jaxzero.state import TrainState
 
@@ -204,14 +205,6 @@ def _flat(tree) -> dict[tuple[str, ...], Any]:
     return ocp.tree.to_flat_dict(tree)
 
 
-def _mesh_of(tree):
-    for x in jax.tree.leaves(tree):
-        s = getattr(x, "sharding", None)
-        if isinstance(s, NamedSharding):
-            return s.mesh
-    return None
-
-
 def _node_types(tree) -> list[str]:
     """Names of the NamedTuple / dataclass nodes of an optimizer state, depth first."""
     out = []
@@ -278,7 +271,7 @@ def describe(
     """The JSON metadata :func:`save` stores next to ``state``."""
     from jaxzero import __version__
 
-    mesh = zero.mesh if zero is not None else _mesh_of(state)
+    mesh = zero.mesh if zero is not None else mesh_of(state)
     params_dtype = jnp.dtype(jax.tree.leaves(state.params)[0].dtype).name
     if zero is not None:
         pol = zero.precision

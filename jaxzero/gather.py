@@ -12,7 +12,8 @@ from jaxzero.ema import EmaState
 from jaxzero.state import TrainState
 
 
-def _mesh_of(tree):
+def mesh_of(tree):
+    """The mesh of the first leaf placed with a NamedSharding (None if there is none)."""
     for x in jax.tree.leaves(tree):
         s = getattr(x, "sharding", None)
         if isinstance(s, NamedSharding):
@@ -44,7 +45,7 @@ def gather(tree):
         tree = tree.ema
     elif isinstance(tree, TrainState):
         tree = tree.params
-    mesh = _mesh_of(tree)
+    mesh = mesh_of(tree)
     if mesh is None:
         return tree
     return _replicator(mesh)(tree)
@@ -61,7 +62,7 @@ def ema_params(state: TrainState, dtype=None):
     tree = state.ema.ema
     if state.model_state is not None:  # the EMA averages {"params", "model_state"}
         tree = tree["params"]
-    return _replicator(_mesh_of(tree), dtype)(tree)
+    return _replicator(mesh_of(tree), dtype)(tree)
 
 
 def ema_model_state(state: TrainState):
