@@ -733,8 +733,6 @@ def register_cli(cli_module) -> None:
         j.set_defaults(_convert=_run_jax2torch, _convert_parser=j)
 
     def _run_torch2jax(args):
-        if not args.dry_run and args.out is None:
-            raise ConvertError("--out is required (or --dry-run)")
         return torch_to_jax(
             args.model,
             args.out,
@@ -748,8 +746,6 @@ def register_cli(cli_module) -> None:
         )
 
     def _run_jax2torch(args):
-        if not args.dry_run and args.out is None:
-            raise ConvertError("--out is required (or --dry-run)")
         return jax_to_torch(
             args.ckpt,
             args.out,
@@ -771,6 +767,8 @@ def register_cli(cli_module) -> None:
             parser.error("choose a direction: torch2jax or jax2torch")
         sub_parser = args._convert_parser
         try:
+            if not args.dry_run and args.out is None:
+                raise ConvertError("--out is required (or --dry-run)")
             summary = fn(args)
         except (ConvertError, FileNotFoundError, ImportError) as e:
             sub_parser.error(str(e))

@@ -38,6 +38,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxzero.sharding import batch_rows
+
 ENV_COORDINATOR = "JAXZERO_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXZERO_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXZERO_PROCESS_ID"
@@ -277,24 +279,11 @@ def global_batch(local_batch, zero):
     n_local_devices = sum(1 for d in sharding.mesh.devices.flat if d.process_index == me)
     if n_local_devices == 0:
         raise ValueError(f"process {me} has no device in the mesh; it cannot feed a batch.")
-    leaves = jax.tree_util.tree_flatten_with_path(local_batch)[0]
-    if not leaves:
-        raise ValueError("batch is an empty tree; pass this process's batch arrays.")
-    rows = {}
-    for path, x in leaves:
-        if isinstance(x, jax.Array) and x.sharding == sharding:
-            continue
-        if np.ndim(x) == 0:
-            raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path)} is a scalar; every batch leaf needs "
-                f"a leading batch dimension."
-            )
-        rows[jax.tree_util.keystr(path)] = np.shape(x)[0]
-    if len(set(rows.values())) > 1:
-        raise ValueError(
-            "local batch leaves disagree on the leading (batch) dimension: "
-            + ", ".join(f"{k}: {v}" for k, v in rows.items())
-        )
+    rows = batch_rows(
+        local_batch,
+        what="local batch",
+        skip=lambda x: isinstance(x, jax.Array) and x.sharding == sharding,
+    )
     if rows:
         n = next(iter(rows.values()))
         if n % n_local_devices:

@@ -13,9 +13,10 @@ replicated. See BUILD_NOTES.md for why we replicate rather than pad, and the mea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -62,3 +63,31 @@ def spec_dim(spec: P) -> int | None:
         if entry is not None:
             return d
     return None
+
+
+def batch_rows(batch, *, what: str = "batch", skip: Callable | None = None) -> dict[str, int]:
+    """The leading (batch) dimension of every leaf of ``batch``, keyed by path.
+
+    Leaves for which ``skip(leaf)`` is true are left out. Raises ValueError (naming the
+    leaves) for an empty tree, a scalar leaf, or leaves that disagree on the leading dim.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise ValueError(f"{what} is an empty tree; pass the batch arrays.")
+    rows = {}
+    for path, x in leaves:
+        if skip is not None and skip(x):
+            continue
+        if np.ndim(x) == 0:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path)} is a scalar; every batch leaf needs "
+                f"a leading batch dimension."
+            )
+        rows[jax.tree_util.keystr(path)] = np.shape(x)[0]
+    if len(set(rows.values())) > 1:
+        raise ValueError(
+            f"{what} leaves disagree on the leading (batch) dimension: "
+            + ", ".join(f"{k}: {v}" for k, v in rows.items())
+            + "; every leaf must hold the same number of examples."
+        )
+    return rows

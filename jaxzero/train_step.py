@@ -9,13 +9,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.distributed import global_batch
 from jaxzero.ema import ShardedEMA, check_same_structure
 from jaxzero.optimizer import ZeRO, to_varying
+from jaxzero.sharding import batch_rows
 from jaxzero.state import TrainState
 
 
@@ -155,24 +155,7 @@ class TrainStep:
         return self.zero.init(params, ema=self.ema, **kwargs)
 
     def check_batch(self, batch) -> None:
-        leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-        if not leaves:
-            raise ValueError("batch is an empty tree; pass the global batch arrays.")
-        dims = {}
-        for path, x in leaves:
-            if np.ndim(x) == 0:
-                raise ValueError(
-                    f"batch leaf {jax.tree_util.keystr(path)} is a scalar; every batch leaf needs "
-                    f"a leading batch dimension."
-                )
-            dims[jax.tree_util.keystr(path)] = np.shape(x)[0]
-        if len(set(dims.values())) > 1:
-            raise ValueError(
-                "batch leaves disagree on the leading (batch) dimension: "
-                + ", ".join(f"{k}: {v}" for k, v in dims.items())
-                + "; every leaf "
-                "must hold the same number of examples."
-            )
+        dims = batch_rows(batch)
         b = next(iter(dims.values()))
         need = self.zero.num_batch_shards * self.accum_steps
         if b % need:
