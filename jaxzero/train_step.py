@@ -80,9 +80,13 @@ def local_gradients(zero: ZeRO, loss_fn, accum_steps: int, *, stateful: bool = F
     def micro(params, specs, model_state, batch, rng, scale):
         full = zero.params_for_loss(params, specs)
         (_, (loss, aux, new_state)), g = grad_fn(full, model_state, batch, rng, scale)
-        g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)
         if reduce_each:
+            # reduce_gradients casts to reduce_dtype for the collective and to output_dtype
+            # after it: no full-size upcast of the local gradient before a 16-bit scatter.
             g = zero.reduce_gradients(g)
+        else:
+            # stages 0/1 accumulate the local gradient in output_dtype, reduce once at the end
+            g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)
         return loss, aux, g, new_state
 
     def fold(rng, i):
