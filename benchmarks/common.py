@@ -79,8 +79,7 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     """``gather_layer`` (optional): a function applied to each layer's ``{"params": ...}``
-    slice inside the scanned (and rematerialised) layer body, e.g. a per-layer all-gather of
-    ZeRO-3 shards (see ``scale.py``'s per-layer prototype)."""
+    slice inside the scanned (and rematerialised) layer body: ``jaxzero.gather_layer``."""
 
     cfg: ModelConfig
     gather_layer: Callable | None = None
@@ -116,7 +115,12 @@ class Decoder(nn.Module):
 
 
 def make_loss(cfg: ModelConfig):
-    model = Decoder(cfg)
+    """The model and its loss. Each scanned layer's variables pass through
+    ``jaxzero.gather_layer``: the identity, except in a stage-3 step whose ZeRO names the
+    layer stack (``layers="layers"``), where it all-gathers that layer's shards."""
+    import jaxzero as jz
+
+    model = Decoder(cfg, gather_layer=jz.gather_layer)
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch["x"]).astype(jnp.float32)

@@ -63,71 +63,6 @@ def model_config(name: str, layers: int | None = None):
 # --------------------------------------------------------------------------- worker side
 
 
-def per_layer_stage3_step(cfg, zero, params_abs):
-    """A stage-3 step whose parameter all-gather happens per layer, inside the scanned and
-    rematerialised layer body (FSDP ``reshard_after_forward=True``): the prototype of the
-    library change proposed in the report, built from ``ZeRO.param_specs`` and
-    ``ZeRO.apply_gradients``. The backward of each ``all_gather`` is a ``psum_scatter``, so
-    gradients are reduce-scattered per layer as the backward loop runs."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from common import Decoder
-    from jax.sharding import PartitionSpec as P
-
-    from jaxzero import sharding as sh
-
-    assert zero.stage == 3 and not zero.replica_axes
-    axis, n_total = zero.axis, zero.num_batch_shards
-    specs = zero.param_specs(params_abs)
-
-    def dims_of(tree, shift):
-        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda s: isinstance(s, P))[0]
-        out = {}
-        for path, spec in flat:
-            d = sh.spec_dim(spec)
-            if d is not None and d - shift < 0:
-                raise ValueError(
-                    f"{path} is sharded on the layer axis; per-layer gather needs another dimension"
-                )
-            out[tuple(k.key for k in path)] = None if d is None else d - shift
-        return out
-
-    layer_dims = dims_of(specs["layers"], 1)
-    top_specs = {k: v for k, v in specs.items() if k != "layers"}
-    top_dims = dims_of(top_specs, 0)
-
-    def gather(tree, dims, drop):
-        def one(path, x):
-            d = dims[tuple(k.key for k in path)[drop:]]
-            return x if d is None else jax.lax.all_gather(x, axis, axis=d, tiled=True)
-
-        return jax.tree_util.tree_map_with_path(one, tree)
-
-    model = Decoder(cfg, gather_layer=lambda vs: gather(vs, layer_dims, 1))
-
-    def local_loss(p_local, batch):
-        top = gather({k: v for k, v in p_local.items() if k != "layers"}, top_dims, 0)
-        logits = model.apply({"params": {**top, "layers": p_local["layers"]}}, batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), batch["y"]
-        ).mean()
-
-    def local(p_local, batch):
-        loss, g = jax.value_and_grad(local_loss)(p_local, batch)
-        # all_gather's transpose already summed (reduce-scattered) the gradient over devices.
-        return jax.lax.pmean(loss, axis), jax.tree.map(lambda x: x / n_total, g)
-
-    def step_fn(state, batch):
-        loss, grads = jax.shard_map(
-            local, mesh=zero.mesh, in_specs=(specs, P(axis)), out_specs=(P(), specs)
-        )(state.params, batch)
-        new_state, metrics = zero.apply_gradients(state, grads)
-        return new_state, {"loss": loss, **metrics}
-
-    return jax.jit(step_fn, donate_argnums=(0,))
-
-
 def compile_case(model_name, cfg, n, stage, *, per_layer=False, skip_nonfinite=True):
     """Compile one step; returns the measurements (no arrays are allocated)."""
     import jax
@@ -146,13 +81,15 @@ def compile_case(model_name, cfg, n, stage, *, per_layer=False, skip_nonfinite=T
     phi = count(params_abs)
     mesh = jz.data_parallel_mesh(n)
     zero = jz.ZeRO(
-        optax.adam(1e-4), mesh, stage=stage, precision="bf16", skip_nonfinite=skip_nonfinite
+        optax.adam(1e-4),
+        mesh,
+        stage=stage,
+        precision="bf16",
+        skip_nonfinite=skip_nonfinite,
+        layers="layers" if per_layer else None,
     )
-    if per_layer:
-        jitted = per_layer_stage3_step(cfg, zero, params_abs)
-    else:
-        _, loss_fn = make_loss(cfg)
-        jitted = jz.make_train_step(loss_fn, zero).jitted
+    _, loss_fn = make_loss(cfg)
+    jitted = jz.make_train_step(loss_fn, zero).jitted
     state = zero.abstract_state(params_abs)
     bs = NamedSharding(mesh, P("data"))
     tok = jax.ShapeDtypeStruct((n, seq), jnp.int32, sharding=bs)  # one sequence per device

@@ -4,6 +4,7 @@ model EMA, for JAX + optax."""
 from jaxzero import checkpoint, layouts, memory, nnx, torch_interop
 from jaxzero.ema import EmaState, ShardedEMA
 from jaxzero.gather import ema_model_state, ema_params, gather
+from jaxzero.layer_gather import gather_layer
 from jaxzero.layouts import greedy_partition
 from jaxzero.memory import estimate_memory, measure
 from jaxzero.mesh import data_parallel_mesh
@@ -36,5 +37,6 @@ __all__ = [
     "data_parallel_mesh",
     "ema_params",
     "gather",
+    "gather_layer",
     "make_train_step",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxzero import sharding as sh
@@ -120,6 +120,12 @@ class ZeRO:
       loss_scale: :class:`DynamicLossScale`, :class:`StaticLossScale` or None.
       skip_nonfinite: skip the whole update (params, master, optimizer state, EMA and step
         unchanged) when any gradient on any device is non-finite.
+      layers: names of the params subtrees that hold scanned layer stacks (``nn.scan`` puts
+        the layer index on axis 0 of every leaf), e.g. ``"layers"``. Those leaves, and the
+        optimizer-state and EMA leaves that mirror them, are never split along axis 0. With
+        stage 3 the step then gathers the stacks one layer at a time: the loss sees them as
+        shards and the model gathers each layer with :func:`jaxzero.gather_layer` inside its
+        scanned, rematerialised block (peak memory: one layer's weights, not the model's).
 
     Example:
       >>> zero = ZeRO(optax.adamw(3e-4), data_parallel_mesh(), stage=2)
@@ -133,6 +139,7 @@ class ZeRO:
     precision: Any = None
     loss_scale: DynamicLossScale | StaticLossScale | None = None
     skip_nonfinite: bool = True
+    layers: tuple[str, ...] | str | None = None
 
     def __post_init__(self):
         if self.stage not in STAGES or isinstance(self.stage, bool):
@@ -145,6 +152,19 @@ class ZeRO:
                 f"tx={self.tx!r} is not an optax.GradientTransformation (needs init and update)."
             )
         check_mesh(self.mesh, self.axis)
+        layers = self.layers
+        if layers is None:
+            layers = ()
+        elif isinstance(layers, str):
+            layers = (layers,)
+        if not isinstance(layers, tuple | list) or not all(
+            isinstance(k, str) and k for k in layers
+        ):
+            raise TypeError(
+                f"layers={self.layers!r} must name the params subtrees holding scanned layer "
+                f"stacks, e.g. layers='layers' or layers=('encoder', 'decoder')."
+            )
+        object.__setattr__(self, "layers", tuple(layers))
         precision = self.precision
         if precision is None:
             precision = Precision()
@@ -182,7 +202,38 @@ class ZeRO:
 
     # -- the sharding rule ------------------------------------------------------------------
     def _specs(self, tree, shard: bool):
-        return sh.tree_specs(tree, self.num_shards, self.axis, shard=shard)
+        return sh.tree_specs(tree, self.num_shards, self.axis, shard=shard, stacked=self.layers)
+
+    @property
+    def per_layer(self) -> bool:
+        """Stage 3 with named layer stacks: parameters are gathered one layer at a time."""
+        return self.stage == 3 and bool(self.layers)
+
+    def _stacked_mask(self, tree):
+        """True for the leaves of ``tree`` that belong to a named layer stack."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: sh.is_stacked(path, self.layers), tree
+        )
+
+    def check_layers(self, params) -> None:
+        """Every name in ``layers`` must be a params subtree of arrays with a layer axis."""
+        if not self.layers:
+            return
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        for name in self.layers:
+            leaves = [(p, x) for p, x in flat if sh.is_stacked(p, (name,))]
+            if not leaves:
+                top = list(params) if isinstance(params, dict) else type(params).__name__
+                raise ValueError(
+                    f"ZeRO(layers={self.layers!r}): params has no subtree named {name!r} "
+                    f"(top-level keys: {top}); name the nn.scan'd module's params key."
+                )
+            scalars = [jax.tree_util.keystr(p) for p, x in leaves if not jnp.ndim(x)]
+            if scalars:
+                raise ValueError(
+                    f"ZeRO(layers=...): {scalars[:5]} under {name!r} are scalars, not stacked "
+                    f"per layer; a layer stack's leaves carry the layer index on axis 0."
+                )
 
     def param_specs(self, params):
         """Specs of the compute params: sharded for stage 3, replicated otherwise."""
@@ -219,15 +270,8 @@ class ZeRO:
     def _init_raw(self, params, ema: ShardedEMA | None, model_state, rng) -> TrainState:
         pol = self.precision
         master_full = _cast(params, pol.master_dtype)
-        n, axis = self.num_shards, self.axis
-        master_view = jax.tree.map(
-            lambda x: jax.lax.with_sharding_constraint(
-                x,
-                NamedSharding(
-                    self.mesh, sh.leaf_spec(x.shape, n, axis) if self.stage >= 1 else P()
-                ),
-            ),
-            master_full,
+        master_view = jax.lax.with_sharding_constraint(
+            master_full, sh.named(self.mesh, self.shard_specs(master_full))
         )
         master = master_view if pol.separate_master else None
         compute = _cast(params, pol.param_dtype)
@@ -276,6 +320,7 @@ class ZeRO:
         """
         check_params(params)
         check_model_state(params, model_state)
+        self.check_layers(params)
         rng = raw_key(rng)
         if jax.process_count() > 1:
             from jaxzero.distributed import check_same_on_all_processes
@@ -305,13 +350,13 @@ class ZeRO:
         ``specs`` are the global params' specs (``param_specs(params)``, computed outside).
         """
 
-        def gather(p_local, spec):
+        def gather(stacked, p_local, spec):
             d = sh.spec_dim(spec)
-            if d is None:
+            if d is None or (stacked and self.per_layer):
                 return p_local
             return jax.lax.all_gather(p_local, self.axis, axis=d, tiled=True)
 
-        return jax.tree.map(gather, local_params, specs)
+        return jax.tree.map(gather, self._stacked_mask(local_params), local_params, specs)
 
     def all_gather(self, tree):
         """Replicate a tree of shards with one explicit ``all_gather`` per sharded leaf.
@@ -344,36 +389,74 @@ class ZeRO:
         Stage 3 shards are all-gathered; then every leaf is marked device-varying over the
         batch axes (``jax.lax.pcast``), so autodiff returns each device's local, unreduced
         gradient and the reduction is :meth:`reduce_gradients`'s, not an implicit ``psum``.
+        With :attr:`per_layer`, the layer stacks stay shards (in ``output_dtype``, the dtype
+        their gradients come back in): :func:`jaxzero.gather_layer` gathers them per layer
+        and its backward reduces their gradients.
         """
         full = self.gather_params(local_params, specs)
-        return jax.tree.map(lambda x: to_varying(x, self.batch_axes), full)
+        if not self.per_layer:
+            return jax.tree.map(lambda x: to_varying(x, self.batch_axes), full)
+        out_dtype = self.precision.output_dtype
+        return jax.tree.map(
+            lambda stacked, x: x.astype(out_dtype) if stacked else to_varying(x, self.batch_axes),
+            self._stacked_mask(full),
+            full,
+        )
 
-    def reduce_gradients(self, grads, *, shapes=None):
+    def layer_plan(self, local_params, specs):
+        """The :class:`~jaxzero.layer_gather.LayerPlan` of a per-layer stage-3 step (None
+        otherwise): for each leaf of one layer, the dimension it is sharded on."""
+        if not self.per_layer:
+            return None
+        from jaxzero.layer_gather import LayerPlan, path_keys
+
+        flat_specs = dict(
+            jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P))[0]
+        )
+        dims = {}
+        for path, x in jax.tree_util.tree_flatten_with_path(local_params)[0]:
+            if not sh.is_stacked(path, self.layers):
+                continue
+            keys = path_keys(path)
+            start = next(i for i, k in enumerate(keys) if k in self.layers) + 1
+            d = sh.spec_dim(flat_specs[path])
+            dims[(keys[start:], tuple(x.shape[1:]))] = None if d is None else d - 1
+        return LayerPlan(self, dims)
+
+    def reduce_gradients(self, grads):
         """Inside ``shard_map``: average local gradients over every batch axis.
 
         Stages 0/1 all-reduce (``psum``) each leaf; stages 2/3 reduce-scatter
         (``psum_scatter(..., tiled=True)``) each shardable leaf along its shard dimension over
         the data axis (then ``psum`` over replica axes). Leaves are communicated in
         ``precision.reduce_dtype`` and returned in ``precision.output_dtype``, divided by the
-        number of batch shards.
+        number of batch shards. With :attr:`per_layer` the layer stacks' gradients were
+        already reduced layer by layer (by :func:`jaxzero.gather_layer`'s backward) and pass
+        through.
         """
+        specs = self.grad_specs(grads)
+
+        def one(stacked, g, spec):
+            if stacked and self.per_layer:
+                return g
+            return self.reduce_leaf(g, sh.spec_dim(spec))
+
+        return jax.tree.map(one, self._stacked_mask(grads), grads, specs)
+
+    def reduce_leaf(self, g, d):
+        """Inside ``shard_map``, one leaf of :meth:`reduce_gradients`: reduce-scatter along
+        dimension ``d`` over the data axis (then ``psum`` over replica axes), or all-reduce when
+        ``d`` is None; communicated in ``reduce_dtype``, returned in ``output_dtype`` and
+        divided by the number of batch shards."""
         pol = self.precision
-        n_total = self.num_batch_shards
-        axes = self.batch_axes
-
-        def one(g):
-            out_dtype = pol.output_dtype
-            g = g.astype(pol.reduce_dtype)
-            d = sh.shard_dim(g.shape, self.num_shards) if self.stage >= 2 else None
-            if d is None:
-                g = jax.lax.psum(g, axes)
-            else:
-                g = jax.lax.psum_scatter(g, self.axis, scatter_dimension=d, tiled=True)
-                if self.replica_axes:
-                    g = jax.lax.psum(g, self.replica_axes)
-            return g.astype(out_dtype) / n_total
-
-        return jax.tree.map(one, grads)
+        g = g.astype(pol.reduce_dtype)
+        if d is None:
+            g = jax.lax.psum(g, self.batch_axes)
+        else:
+            g = jax.lax.psum_scatter(g, self.axis, scatter_dimension=d, tiled=True)
+            if self.replica_axes:
+                g = jax.lax.psum(g, self.replica_axes)
+        return g.astype(pol.output_dtype) / self.num_batch_shards
 
     def update_ema(self, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply):
         """The EMA update as a ``shard_map`` over the EMA's shards: provably local.

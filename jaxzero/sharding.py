@@ -9,6 +9,11 @@ counters) get a consistent placement of their own without jaxzero knowing the op
 
 A leaf with no dimension divisible by ``N`` (a bias of 31 elements on 8 devices, a scalar) is
 replicated. See BUILD_NOTES.md for why we replicate rather than pad, and the measured cost.
+
+Stacked layers (``nn.scan``: every leaf of a layer stack carries the layer index on axis 0) are
+named by the key of their subtree (``stacked=("layers",)``): any leaf whose path holds that key
+(the params, and the optimizer-state and EMA leaves that mirror them) is never split along
+axis 0, so each scanned layer is a slice of whole shards and can be gathered on its own.
 """
 
 from __future__ import annotations
@@ -36,20 +41,34 @@ def shard_dim(shape: Sequence[int], n: int) -> int | None:
     return best
 
 
-def leaf_spec(shape: Sequence[int], n: int, axis: str) -> P:
-    """``PartitionSpec`` that shards ``shape`` over ``axis`` per :func:`shard_dim`."""
-    d = shard_dim(shape, n)
+def leaf_spec(shape: Sequence[int], n: int, axis: str, *, stacked: bool = False) -> P:
+    """``PartitionSpec`` that shards ``shape`` over ``axis`` per :func:`shard_dim`; a
+    ``stacked`` leaf (layer index on axis 0) is split along one of its other dimensions."""
+    skip = 1 if stacked else 0
+    d = shard_dim(tuple(shape)[skip:], n)
     if d is None:
         return P()
-    return P(*([None] * d + [axis]))
+    return P(*([None] * (d + skip) + [axis]))
 
 
-def tree_specs(tree, n: int, axis: str, *, shard: bool = True):
+def is_stacked(path, stacked: Sequence[str]) -> bool:
+    """Whether a leaf's key path runs through one of the ``stacked`` subtree names."""
+    return bool(stacked) and any(
+        getattr(k, "key", getattr(k, "name", None)) in stacked for k in path
+    )
+
+
+def tree_specs(tree, n: int, axis: str, *, shard: bool = True, stacked: Sequence[str] = ()):
     """PartitionSpecs for every leaf of ``tree`` (arrays or ShapeDtypeStructs).
 
-    With ``shard=False`` every leaf is replicated (``P()``).
+    With ``shard=False`` every leaf is replicated (``P()``). Leaves under a ``stacked`` key
+    keep axis 0 whole (see the module docstring).
     """
-    return jax.tree.map(lambda x: leaf_spec(x.shape, n, axis) if shard else P(), tree)
+    if not shard:
+        return jax.tree.map(lambda _: P(), tree)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: leaf_spec(x.shape, n, axis, stacked=is_stacked(path, stacked)), tree
+    )
 
 
 def named(mesh: Mesh, specs):

@@ -14,9 +14,17 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero.distributed import global_batch
 from jaxzero.ema import ShardedEMA, check_same_structure
+from jaxzero.layer_gather import layer_plan
 from jaxzero.optimizer import ZeRO, to_varying
 from jaxzero.sharding import batch_rows
 from jaxzero.state import TrainState
+
+_NO_LAYER_GATHER = (
+    "ZeRO(stage=3, layers={}) hands the loss each layer stack as shards, but the model never "
+    "called jaxzero.gather_layer: wrap the scanned block, e.g. nn.remat(nn.map_variables("
+    "Block, 'params', trans_in_fn=jaxzero.gather_layer)), or drop layers= to gather the whole "
+    "model up front."
+)
 
 
 def _split_out(out):
@@ -79,7 +87,15 @@ def local_gradients(zero: ZeRO, loss_fn, accum_steps: int, *, stateful: bool = F
 
     def micro(params, specs, model_state, batch, rng, scale):
         full = zero.params_for_loss(params, specs)
-        (_, (loss, aux, new_state)), g = grad_fn(full, model_state, batch, rng, scale)
+        with layer_plan(zero.layer_plan(params, specs)) as plan:
+            try:
+                (_, (loss, aux, new_state)), g = grad_fn(full, model_state, batch, rng, scale)
+            except Exception as e:
+                if plan is None or plan.calls:
+                    raise
+                raise ValueError(_NO_LAYER_GATHER.format(zero.layers)) from e
+        if plan is not None and not plan.calls:
+            raise ValueError(_NO_LAYER_GATHER.format(zero.layers))
         if reduce_each:
             # reduce_gradients casts to reduce_dtype for the collective and to output_dtype
             # after it: no full-size upcast of the local gradient before a 16-bit scatter.

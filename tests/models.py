@@ -52,8 +52,45 @@ class Transformer(nn.Module):
         return nn.Dense(self.out, name="head")(x)
 
 
-def make_problem(name: str, *, batch: int = 32, steps: int = 10, seed: int = 0):
-    """(params, loss_fn, batches) for ``name`` in {"mlp", "transformer"}."""
+class ScanBlock(nn.Module):
+    """:class:`Block` with the ``(carry, x) -> (carry, y)`` signature ``nn.scan`` wants."""
+
+    d_model: int = 32
+    ff: int = 64
+
+    @nn.compact
+    def __call__(self, x, _):
+        return Block(d_model=self.d_model, ff=self.ff, name="block")(x), None
+
+
+class ScannedTransformer(nn.Module):
+    """:class:`Transformer` with its layers stacked by ``nn.scan`` under ``params["layers"]``,
+    each layer rematerialised; ``gather_layer`` (e.g. ``jaxzero.gather_layer``) is applied to
+    each layer's variables inside the scanned body, as a ZeRO-3 per-layer model does."""
+
+    layers: int = 3
+    d_model: int = 32
+    ff: int = 64
+    out: int = 3
+    gather_layer: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        block = ScanBlock
+        if self.gather_layer is not None:
+            block = nn.map_variables(block, "params", trans_in_fn=self.gather_layer, init=True)
+        block = nn.remat(block)
+        x, _ = nn.scan(
+            block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers
+        )(d_model=self.d_model, ff=self.ff, name="layers")(x, None)
+        return nn.Dense(self.out, name="head")(x)
+
+
+def make_problem(
+    name: str, *, batch: int = 32, steps: int = 10, seed: int = 0, gather_layer=None, **kw
+):
+    """(params, loss_fn, batches) for ``name`` in {"mlp", "wide_mlp", "transformer",
+    "scanned"} ("scanned": :class:`ScannedTransformer`, ``gather_layer`` and ``kw`` passed on)."""
     rng = np.random.default_rng(seed)
     if name == "mlp":
         model, x_shape, y_shape = MLP(), (17,), (5,)
@@ -61,6 +98,9 @@ def make_problem(name: str, *, batch: int = 32, steps: int = 10, seed: int = 0):
         model, x_shape, y_shape = MLP(hidden=32, out=8), (16,), (8,)
     elif name == "transformer":
         model, x_shape, y_shape = Transformer(), (6, 32), (6, 3)
+    elif name == "scanned":
+        model = ScannedTransformer(gather_layer=gather_layer, **kw)
+        x_shape, y_shape = (6, model.d_model), (6, model.out)
     else:
         raise ValueError(name)
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, *x_shape)))["params"]
