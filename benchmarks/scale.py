@@ -19,9 +19,10 @@ Reported per (model, N, stage):
 
 Part 3, stage-3 parameter gathering: at GPT-2-XL width (d=1600) on N=8, 4 vs 16 scanned
 layers: where the parameter all-gathers sit (entry computation or the layer loop) and how temp
-memory grows with depth, for jaxzero's stage 3 and for a per-layer-gather prototype built from
-jaxzero's public pieces (the all-gather inside the rematerialised scan body; its transpose is
-the per-layer reduce-scatter). Rows labelled ``3-per-layer`` are that prototype, not jaxzero.
+memory grows with depth, for stage 3 gathering the whole model up front (``ZeRO(stage=3)``) and
+one layer at a time (``ZeRO(stage=3, layers="layers")`` with ``jaxzero.gather_layer`` inside the
+rematerialised scan body; its backward reduce-scatters the layer's gradient). Rows labelled
+``3-per-layer`` are the latter.
 
 Writes ``benchmarks/results/scale.json`` and ``scale.md``.
 """
@@ -63,7 +64,9 @@ def model_config(name: str, layers: int | None = None):
 # --------------------------------------------------------------------------- worker side
 
 
-def compile_case(model_name, cfg, n, stage, *, per_layer=False, skip_nonfinite=True):
+def compile_case(
+    model_name, cfg, n, stage, *, per_layer=False, skip_nonfinite=True, precision="bf16"
+):
     """Compile one step; returns the measurements (no arrays are allocated)."""
     import jax
     import jax.numpy as jnp
@@ -84,7 +87,7 @@ def compile_case(model_name, cfg, n, stage, *, per_layer=False, skip_nonfinite=T
         optax.adam(1e-4),
         mesh,
         stage=stage,
-        precision="bf16",
+        precision=precision,
         skip_nonfinite=skip_nonfinite,
         layers="layers" if per_layer else None,
     )
@@ -109,12 +112,14 @@ def compile_case(model_name, cfg, n, stage, *, per_layer=False, skip_nonfinite=T
         n,
         stage=stage,
         optimizer="adam",
-        precision="bf16",
+        precision=precision,
         batch=1,
         seq=seq,
         hidden=cfg.d_model,
         layers=cfg.layers,
         heads=cfg.heads,
+        vocab=cfg.vocab,
+        layer_params=layer_params(params_abs) if per_layer else None,
     )
     state_bytes = sum(x.size * x.dtype.itemsize // _shards(x) for x in jax.tree.leaves(state))
     mem = memory_stats(compiled)
@@ -126,6 +131,7 @@ def compile_case(model_name, cfg, n, stage, *, per_layer=False, skip_nonfinite=T
         "devices": n,
         "stage": "3-per-layer" if per_layer else stage,
         "skip_nonfinite": skip_nonfinite,
+        "precision": precision,
         "params": phi,
         **mem,
         "argument_plus_temp": mem["argument_bytes"] + mem["temp_bytes"],
@@ -135,6 +141,7 @@ def compile_case(model_name, cfg, n, stage, *, per_layer=False, skip_nonfinite=T
             "grads": est.grads,
             "optimizer": est.optimizer,
             "activations": est.activations,
+            "gathered": est.gathered,
             "total": est.total,
         },
         "collectives": col,
@@ -146,6 +153,17 @@ def compile_case(model_name, cfg, n, stage, *, per_layer=False, skip_nonfinite=T
         "lower_s": t1 - t0,
         "compile_s": t2 - t1,
     }
+
+
+def layer_params(params) -> int:
+    """Parameters of one scanned layer (the stack's leaves carry the layer axis first)."""
+    return sum(x.size // x.shape[0] for x in jax_leaves(params["layers"]))
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
 
 
 def _shards(x) -> int:
@@ -169,12 +187,20 @@ def worker(args) -> None:
     assert jax.device_count() == n, (jax.device_count(), n)
     out = []
 
-    def run(model_name, cfg, stage, per_layer=False, part=None, skip=True):
-        label = f"{model_name} L={cfg.layers} N={n} stage {stage}" + (
-            " per-layer prototype" if per_layer else ""
+    def run(model_name, cfg, stage, per_layer=False, part=None, skip=True, precision="bf16"):
+        label = f"{model_name} L={cfg.layers} N={n} stage {stage} {precision}" + (
+            " layers='layers'" if per_layer else ""
         )
         try:
-            r = compile_case(model_name, cfg, n, stage, per_layer=per_layer, skip_nonfinite=skip)
+            r = compile_case(
+                model_name,
+                cfg,
+                n,
+                stage,
+                per_layer=per_layer,
+                skip_nonfinite=skip,
+                precision=precision,
+            )
             r["part"] = part
             r["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
             out.append(r)
@@ -203,8 +229,13 @@ def worker(args) -> None:
         cfg = model_config(name)
         for stage in args.stages:
             run(name, cfg, stage, part="scale")
-        if 3 in args.stages and not args.no_prototype:
+        if 3 in args.stages and not args.no_per_layer:
             run(name, cfg, 3, per_layer=True, part="scale")
+        if name == "llama-7b" and n == 64:
+            # fp32: no 16-bit tensors for XLA:CPU to widen, so the compiled buffers are the
+            # ones a GPU would allocate (up to layouts); the estimator's check row.
+            for stage in (0, 3):
+                run(name, cfg, stage, per_layer=stage == 3, part="scale", precision="fp32")
     if args.part3:
         for layers in (4, 16):
             cfg = model_config("gpt2-xl", layers)
@@ -237,12 +268,13 @@ def render(rows: list[dict], meta: dict) -> str:
         "model",
         "N",
         "stage",
+        "precision",
         "Φ",
         "argument (state+batch)",
         "persistent formula",
         "temp",
         "argument+temp",
-        "estimate_memory (p+g+opt+act)",
+        "estimate_memory (p+g+opt+act+gathered)",
         "ratio",
         "AR / AG / RS payload (measured, ×2Φ)",
         "theory (bf16; CPU moves f32 = ×2)",
@@ -254,24 +286,31 @@ def render(rows: list[dict], meta: dict) -> str:
         1: "AR 1 + AG 1",
         2: "RS 1 + AG 1",
         3: "AG 1 + RS 1",
-        "3-per-layer": "AG ~2 + RS 1 (prototype)",
+        "3-per-layer": "AG 2 + RS 1",
     }
     for r in [r for r in ok if r["part"] == "scale"]:
         phi = r["params"]
         p = r["collectives"]["payload"]
         stage = r["stage"]
         s = 3 if stage == "3-per-layer" else stage
+        fp32 = r.get("precision", "bf16") == "fp32"
+        n_dev = r["devices"]
         formula = {
             0: 14 * phi,
-            1: 2 * phi + 12 * phi // r["devices"],
-            2: 2 * phi + 12 * phi // r["devices"],
-            3: 14 * phi // r["devices"],
+            1: 2 * phi + 12 * phi // n_dev,
+            2: 2 * phi + 12 * phi // n_dev,
+            3: 14 * phi // n_dev,
         }[s]
+        if fp32:  # params are the master: 4 + 8 bytes, sharded as the stage says
+            formula = {0: 12 * phi, 1: 4 * phi + 8 * phi // n_dev}.get(
+                s, 4 * phi + 8 * phi // n_dev if s == 2 else 12 * phi // n_dev
+            )
         body.append(
             [
                 r["model"],
                 r["devices"],
                 stage,
+                r.get("precision", "bf16"),
                 f"{phi / 1e9:.3f}B",
                 gb(r["argument_bytes"]),
                 gb(formula),
@@ -320,7 +359,7 @@ def render(rows: list[dict], meta: dict) -> str:
             p = r["collectives"]["payload"]
             body3.append(
                 [
-                    "jaxzero stage 3" if r["stage"] == 3 else "per-layer prototype",
+                    "stage 3, whole model" if r["stage"] == 3 else "stage 3, layers='layers'",
                     r["layers"],
                     f"{phi / 1e6:.0f}M",
                     f"{r['big_all_gathers']['in_loop']} / {r['big_all_gathers']['in_entry']}",
@@ -334,7 +373,7 @@ def render(rows: list[dict], meta: dict) -> str:
         by = {(r["stage"], r["layers"]): r for r in p3}
         d = 1600
         layer_params = 12 * d * d + 13 * d  # qkv, out, fc1, fc2 kernels + biases + 2 norms
-        for st, label in ((3, "jaxzero stage 3"), ("3-per-layer", "per-layer prototype")):
+        for st, label in ((3, "stage 3, whole model"), ("3-per-layer", "stage 3, layers='layers'")):
             if (st, 4) in by and (st, 16) in by:
                 grow = (by[(st, 16)]["temp_bytes"] - by[(st, 4)]["temp_bytes"]) / 12
                 lines.append(
@@ -343,19 +382,17 @@ def render(rows: list[dict], meta: dict) -> str:
                     f"({4 * layer_params / 1e6:.0f} MB in f32, the dtype XLA:CPU gathers in)."
                 )
         lines += [
-            "* jaxzero's stage 3 gathers every parameter at the start of the step "
+            "* Stage 3 without `layers=` gathers every parameter at the start of the step "
             "(`ZeRO.gather_params` inside the gradient `shard_map`): all big all-gathers sit in "
             "the entry computation, none in the layer loop, and temp grows by the whole "
             "model — each added layer adds its gathered weights plus its full, unreduced "
             "gradient (reduce-scattered only after the backward loop).",
-            "* The per-layer prototype all-gathers inside the rematerialised scan body (forward, "
-            "and again when the backward recomputes the layer; the all-gather's transpose "
-            "reduce-scatters the layer's gradient inside the backward loop): temp grows by less "
-            "than one layer's gathered weights per layer — the growth is the 1/N sharded state "
-            "temporaries (one layer is 30.7M params, 3.84M per device; 37 MB ≈ 10 bytes per "
-            "sharded parameter for the optimizer update), while the gathered weights of one "
-            "layer at a time are a constant. Cost: the layer parameters are gathered twice "
-            "(FSDP reshard_after_forward=True), AG payload ≈ 2× the model instead of 1×.",
+            "* With `layers='layers'` the model's `jaxzero.gather_layer` all-gathers inside the "
+            "rematerialised scan body (forward, and again when the backward recomputes the "
+            "layer; its backward reduce-scatters the layer's gradient inside the backward "
+            "loop): temp grows by the layer's 1/N gradient shard and optimizer temporaries, "
+            "while one layer's gathered weights are a constant. Cost: the layer parameters are "
+            "gathered twice (FSDP reshard_after_forward=True), AG payload ≈ 2× the model.",
             "",
         ]
     sk = [r for r in ok if r["part"] == "skip"]
@@ -389,10 +426,14 @@ def render(rows: list[dict], meta: dict) -> str:
         "state). temp = everything else XLA keeps live during the step (gradients, gathered "
         "parameters, activations, optimizer temporaries).",
         "* estimate_memory counts 2Φ bytes of bf16 gradients (stage 0/1) or 2Φ/N (stage 2/3), "
-        "2Φ or 2Φ/N of params, 12Φ(/N) of optimizer state and checkpointed activations; it does "
-        "not count stage 3's gathered parameters, nor unreduced full gradients before a "
-        "reduce-scatter, nor XLA:CPU's f32 widening of bf16 collectives (their f32 "
-        "operands/results are temp buffers here; on GPU they would be bf16).",
+        "2Φ or 2Φ/N of params, 12Φ(/N) of optimizer state, activations (checkpoints, one "
+        "layer's working set, f32 logits ×3 with `vocab=`) and, for stage 3 with `layers=`, the "
+        "gathered working set (p+g)·`layer_params` + g·(Φ − L·`layer_params`) (one layer whole "
+        "with its gradient, and the full gradients of the embeddings/head). It does not count "
+        "unreduced full gradients before a stage-2 reduce-scatter, the whole model gathered by "
+        "stage 3 without `layers=`, nor XLA:CPU's f32 widening of bf16 matmul operands "
+        "and collectives (f32 temp buffers here; bf16 on GPU): compare the fp32 rows, where "
+        "nothing is widened.",
         "* collective payloads per device per step, in units of 2Φ bytes (the model in bf16): "
         "all-reduce / all-gather = output bytes, reduce-scatter = output × N, loop bodies × trip "
         "count. The bf16 theory is 1 per collective; XLA:CPU widens bf16 collectives to f32, so "
@@ -408,7 +449,7 @@ def main(argv=None) -> None:
     ap.add_argument("--devices", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--models", nargs="+", default=list(MODEL_NAMES), choices=MODEL_NAMES)
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
-    ap.add_argument("--no-prototype", action="store_true", help="skip the per-layer prototype")
+    ap.add_argument("--no-per-layer", action="store_true", help="skip stage 3 with layers='layers'")
     ap.add_argument("--no-part3", action="store_true", help="skip the 4-vs-16-layer study")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "scale.json"))
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per device count")
@@ -448,8 +489,8 @@ def main(argv=None) -> None:
             "--stages",
             *map(str, args.stages),
         ]
-        if args.no_prototype:
-            cmd.append("--no-prototype")
+        if args.no_per_layer:
+            cmd.append("--no-per-layer")
         if n == 8 and not args.no_part3:
             cmd.append("--part3")
         env = dict(os.environ)

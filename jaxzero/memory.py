@@ -83,10 +83,13 @@ class MemoryEstimate:
     optimizer: int
     ema: int
     activations: int
+    gathered: int = 0
     total: int = dataclasses.field(init=False)
 
     def __post_init__(self):
-        total = self.params + self.grads + self.optimizer + self.ema + self.activations
+        total = (
+            self.params + self.grads + self.optimizer + self.ema + self.activations + self.gathered
+        )
         object.__setattr__(self, "total", total)
 
     def fits(self, gpu_memory: int) -> bool:
@@ -116,12 +119,12 @@ def gpt_param_count(layers: int, hidden: int, vocab: int = 50257, seq: int = 102
     return 12 * layers * hidden**2 + (vocab + seq) * hidden
 
 
-def _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every) -> int:
+def _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every, vocab, act_bytes) -> int:
     given = {"batch": batch, "seq": seq, "hidden": hidden, "layers": layers}
     if all(v is None for v in given.values()):
-        if heads is not None or ckpt_every is not None:
+        if heads is not None or ckpt_every is not None or vocab is not None:
             raise ValueError(
-                "heads/ckpt_every only matter for activations; also pass "
+                "heads/ckpt_every/vocab only matter for activations; also pass "
                 "batch, seq, hidden and layers"
             )
         return 0
@@ -137,9 +140,10 @@ def _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every) -> int:
     ci = _check_int("ckpt_every", 1 if ckpt_every is None else ckpt_every)
     if ci > nl:
         raise ValueError(f"ckpt_every={ci} exceeds layers={nl}; use 1 <= ckpt_every <= layers")
-    checkpoints = 2 * b * s * h * math.ceil(nl / ci)
-    working = b * s * ci * (16 * h + 2 * a * s)
-    return checkpoints + working
+    checkpoints = act_bytes * b * s * h * math.ceil(nl / ci)
+    working = b * s * ci * (16 * h + 2 * a * s) * act_bytes // 2
+    logits = 0 if vocab is None else 3 * 4 * b * s * _check_int("vocab", vocab)
+    return checkpoints + working + logits
 
 
 def estimate_memory(
@@ -156,6 +160,8 @@ def estimate_memory(
     layers=None,
     heads=None,
     ckpt_every=None,
+    vocab=None,
+    layer_params=None,
 ):
     """Estimate per-device training memory under ZeRO stage 0-3.
 
@@ -181,6 +187,16 @@ def estimate_memory(
 
         checkpoints = 2 * batch * seq * hidden * ceil(layers / ci)
         working     = batch * seq * ci * (16 * hidden + 2 * heads * seq)
+        logits      = 3 * 4 * batch * seq * vocab     (only with vocab=)
+
+    in 16-bit precisions; fp32 doubles checkpoints and working. ``logits`` are the float32
+    logits, their softmax and their gradient (the cross-entropy over a vocabulary).
+
+    Stage 3 one layer at a time (``ZeRO(layers=...)``; ``layer_params=`` the parameters of one
+    scanned layer, DeepSpeed's "largest layer"; needs ``layers``) adds the gathered working set
+    ``(p + g) * layer_params + g * (Φ - layers * layer_params)``: one layer whole with its full
+    gradient before its reduce-scatter, and the full gradients of the leaves outside the stacks
+    (embeddings, head), which are gathered for the micro-batch and reduced after the backward.
 
     Example: Φ = 7.5e9, N = 64, adam, bf16 gives 120 / 31.4 / 16.6 / 1.9 GB for
     stages 0 / 1 / 2 / 3 (the paper's Figure 1).
@@ -198,6 +214,8 @@ def estimate_memory(
         layers: number of transformer layers.
         heads: number of attention heads.
         ckpt_every: layers between activation checkpoints ci (1 <= ci <= layers).
+        vocab: vocabulary size, for the logits term (needs the activation arguments).
+        layer_params: parameters of one scanned layer, for stage 3 with ``ZeRO(layers=...)``.
 
     Returns:
         A :class:`MemoryEstimate`, or a list of four (stages 0..3) when stage is None.
@@ -213,10 +231,21 @@ def estimate_memory(
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
         raise ValueError(f"stage must be 0, 1, 2, 3 or None (all stages), got {stage!r}")
-    act = _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every)
-
     mixed = precision != "fp32"
+    act = _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every, vocab, 2 if mixed else 4)
     p = g = 2 if mixed else 4
+    gathered = 0
+    if layer_params is not None:
+        one_layer = _check_int("layer_params", layer_params)
+        if layers is None:
+            raise ValueError("layer_params needs layers= (how many layers the stack holds)")
+        rest = phi - one_layer * _check_int("layers", layers)
+        if rest < 0:
+            raise ValueError(
+                f"layer_params={one_layer} x layers={layers} exceeds num_params={phi}; pass "
+                f"the parameters of ONE layer"
+            )
+        gathered = (p + g) * one_layer + g * rest
     k = _OPT_STATE_BYTES[optimizer] + (_MASTER_BYTES if mixed else 0)
     shard = -(-phi // n)  # ceil(Φ/N): elements of the padded flat shard per device
 
@@ -232,6 +261,7 @@ def estimate_memory(
             optimizer=k * (shard if s >= 1 else phi),
             ema=_EMA_BYTES * shard if ema else 0,
             activations=act,
+            gathered=gathered if s == 3 else 0,
         )
 
     return one(stage) if stage is not None else [one(s) for s in range(4)]
@@ -304,7 +334,7 @@ def format_table(estimates, gpu_memory=None) -> str:
         )
     budget = None if gpu_memory is None else parse_bytes(gpu_memory)
     cols = ["params", "grads", "optimizer"]
-    cols += [c for c in ("ema", "activations") if any(getattr(e, c) for e in rows)]
+    cols += [c for c in ("ema", "activations", "gathered") if any(getattr(e, c) for e in rows)]
     header = ["stage", *cols, "total"] + (["fits"] if budget is not None else [])
     body = []
     for e in rows:

@@ -114,9 +114,38 @@ def test_activations_formula():
         assert all(e.total == e.params + e.grads + e.optimizer + ckpt + work for e in ests)
 
 
+def test_logits_fp32_activations_and_stage3_gathered_working_set():
+    b, s, h, nl, a, v = 1, 2048, 4096, 32, 32, 32000
+    shape = dict(batch=b, seq=s, hidden=h, layers=nl, heads=a)
+    ckpt16 = 2 * b * s * h * nl
+    work16 = b * s * (16 * h + 2 * a * s)
+    logits = 3 * 4 * b * s * v  # f32 logits, their softmax and their gradient
+    e16 = estimate_memory(7e9, 64, stage=3, vocab=v, **shape)
+    assert e16.activations == ckpt16 + work16 + logits
+    e32 = estimate_memory(7e9, 64, stage=3, precision="fp32", **shape)
+    assert e32.activations == 2 * (ckpt16 + work16)  # 4-byte activations
+    layer = 12 * h * h
+    rest = 7_000_000_000 - nl * layer  # embeddings and head: outside the layer stack
+    for prec, pb in (("bf16", 2), ("fp32", 4)):
+        ests = estimate_memory(7e9, 64, precision=prec, layer_params=layer, **shape)
+        # one layer whole with its full gradient, plus the full gradients outside the stack
+        assert [e.gathered for e in ests] == [0, 0, 0, 2 * pb * layer + pb * rest]
+        plain = estimate_memory(7e9, 64, precision=prec, **shape)
+        assert ests[3].total == plain[3].total + 2 * pb * layer + pb * rest
+    assert "gathered" in format_table(ests) and "gathered" not in format_table(plain)
+
+
 @pytest.mark.parametrize(
     "args,kwargs,exc,match",
     [
+        ((1e9, 8), {"layer_params": 1e6}, ValueError, "needs layers"),
+        (
+            (1e9, 8),
+            dict(batch=1, seq=8, hidden=8, layers=2, heads=1, layer_params=6e8),
+            ValueError,
+            "exceeds num_params",
+        ),
+        ((1e9, 8), {"vocab": 1000}, ValueError, "batch, seq, hidden and layers"),
         ((-5, 8), {}, ValueError, "num_params"),
         ((0, 8), {}, ValueError, "num_params"),
         ((1e9, 0), {}, ValueError, "world_size"),
