@@ -135,6 +135,7 @@ class Experiment:
     config: dict  # the knobs that must match for a faithful resume
     after: Callable | None = None  # (state, summary) -> None: extra end-of-run output
     unit: str = "samples"  # what samples_per_step counts (images, tokens, ...)
+    layers: tuple[str, ...] = ()  # nn.scan stacks: ZeRO(layers=...), stage 3 gathers per layer
 
 
 def param_count(params) -> int:
@@ -180,7 +181,7 @@ def memory_by_stage(exp: Experiment, mesh, precision: str, ema, *, allocate=True
     phi, n = param_count(exp.params), int(mesh.shape["data"])
     out = {}
     for s in range(4):
-        zero = jz.ZeRO(exp.tx, mesh, stage=s, precision=precision)
+        zero = jz.ZeRO(exp.tx, mesh, stage=s, precision=precision, layers=exp.layers)
         if allocate:
             state = zero.init(exp.params, ema=ema)
             measured = _field_bytes(state)
@@ -367,7 +368,7 @@ def run_experiment(exp: Experiment, args) -> dict | None:
     total_steps = args.epochs * exp.steps_per_epoch
     tau = args.ema_tau if args.ema_tau is not None else max(1.0, total_steps / 10)
     ema = jz.ShardedEMA(args.ema_decay, tau=tau)
-    zero = jz.ZeRO(exp.tx, mesh, stage=args.stage, precision=precision)
+    zero = jz.ZeRO(exp.tx, mesh, stage=args.stage, precision=precision, layers=exp.layers)
     step = jz.make_train_step(exp.loss_fn, zero, ema=ema, accum_steps=args.accum)
 
     run_dir = os.path.abspath(os.path.join(args.out_dir, args.run_name))

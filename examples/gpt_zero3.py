@@ -11,10 +11,11 @@ of the text is held out for validation.
 
 The model: token + learned position embeddings, ``--layers`` pre-norm decoder blocks under
 ``flax.linen.scan`` (one set of stacked parameters with a leading layer axis; each leaf is then
-sharded 1/N on its largest dimension divisible by N), a final LayerNorm and an output head tied
-to the token embedding. With stage 3 every device holds 1/N of the parameters, gradients,
-optimizer state and EMA; the step all-gathers the parameters inside its ``shard_map`` and
-reduce-scatters the gradients.
+sharded 1/N on its largest dimension divisible by N, never the layer axis), a final LayerNorm
+and an output head tied to the token embedding. With stage 3 every device holds 1/N of the
+parameters, gradients, optimizer state and EMA; ``ZeRO(layers=("blocks",))`` and
+``jaxzero.gather_layer`` inside the scanned block gather one block at a time (its backward
+reduce-scatters that block's gradient), so the step never holds the whole model.
 
 Progress bar, per-epoch validation loss of the raw vs the EMA weights, per-epoch Orbax
 checkpoints with ``--resume``, the summary table, ``runs/<name>/summary.json`` and
@@ -36,6 +37,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxzero as jz  # noqa: E402
 
 STDLIB_FALLBACK = ("textwrap.py", "string.py", "this.py", "bisect.py", "heapq.py", "fnmatch.py")
 
@@ -95,8 +98,12 @@ class GPT(nn.Module):
         )
         wpe = self.param("wpe", nn.initializers.normal(0.02), (self.seq, self.d_model))
         x = wte(idx) + wpe[: idx.shape[1]].astype(wte.embedding.dtype)
+        # Stage 3 gathers one block at a time: jz.gather_layer all-gathers a block's shards
+        # inside the scanned loop (the identity outside a stage-3 step), nn.remat drops the
+        # gathered copy after the forward and gathers again for the backward.
+        block = nn.remat(nn.map_variables(Block, "params", trans_in_fn=jz.gather_layer, init=True))
         blocks = nn.scan(
-            Block,
+            block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             length=self.layers,
@@ -159,8 +166,6 @@ def make_experiment(args) -> digits.Experiment:
 
     def after(state, summary):
         """A short sample from the EMA weights (temperature 0.8, fixed seed)."""
-        import jaxzero as jz
-
         p = jz.gather(state.ema)
         fwd = jax.jit(lambda p, idx: model.apply({"params": p}, idx))
         prompt = text[:16]
@@ -191,6 +196,7 @@ def make_experiment(args) -> digits.Experiment:
         example_batch=windows(train, np.arange(args.batch) * 7),
         samples_per_step=args.batch * args.seq,
         unit="tokens",
+        layers=("blocks",),
         config={
             "example": "gpt_zero3",
             "corpus": source,
