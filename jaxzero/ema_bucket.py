@@ -173,19 +173,20 @@ def pack_local(pieces, layout: BucketLayout):
     return row[None]
 
 
-def _bucket_tree(tree, layout: BucketLayout) -> BucketedTree:
-    rest, small = split(tree, layout)
-    bucket = jax.shard_map(
+@functools.partial(jax.jit, static_argnums=1)
+def _pack(small, layout: BucketLayout):
+    """The ``[N, L]`` bucket from the bucketed leaves (each device packs its own pieces)."""
+    return jax.shard_map(
         lambda *pieces: pack_local(pieces, layout),
         mesh=layout.mesh,
         in_specs=tuple(layout.spec(i) for i in layout.bucketed),
         out_specs=P(layout.axis),
     )(*small)
-    return BucketedTree(rest, bucket, layout)
 
 
-def _unbucket_tree(tree: BucketedTree):
-    layout = tree.layout
+@functools.partial(jax.jit, static_argnums=1)
+def _slice(bucket_array, layout: BucketLayout):
+    """The bucketed leaves, in their per-leaf shardings, from the ``[N, L]`` bucket."""
     idx = layout.bucketed
 
     def local(row):
@@ -199,15 +200,19 @@ def _unbucket_tree(tree: BucketedTree):
 
     # A replicated leaf's copies are identical on every device (same inputs, same program),
     # but the row is typed device-varying: skip the replication check for the P() outputs.
-    small = jax.shard_map(
+    return jax.shard_map(
         local,
         mesh=layout.mesh,
         in_specs=P(layout.axis),
         out_specs=tuple(layout.spec(i) for i in idx),
         check_vma=False,
-    )(tree.bucket)
+    )(bucket_array)
+
+
+def _unbucket_tree(tree: BucketedTree):
+    layout = tree.layout
     leaves = layout.treedef.flatten_up_to(tree.rest)  # None at the bucketed positions
-    for i, x in zip(idx, small, strict=True):
+    for i, x in zip(layout.bucketed, _slice(tree.bucket, layout), strict=True):
         leaves[i] = x
     return layout.treedef.unflatten(leaves)
 
@@ -221,45 +226,31 @@ def is_bucketed(tree) -> bool:
     return any(_is_bucketed(x) for x in jax.tree.leaves(tree, is_leaf=_is_bucketed))
 
 
-def _unbucket(tree):
-    return jax.tree.map(
-        lambda x: _unbucket_tree(x) if _is_bucketed(x) else x, tree, is_leaf=_is_bucketed
-    )
-
-
-_unbucket_jit = jax.jit(_unbucket)
-
-
 def unbucket(tree):
     """Every :class:`BucketedTree` in ``tree`` back to the ordinary per-leaf sharded tree.
 
     Accepts a :class:`BucketedTree`, an :class:`~jaxzero.EmaState`, a
     :class:`~jaxzero.TrainState` or any pytree holding them; anything without a bucket is
-    returned as is. Each device slices its own row: no communication. Jitted (compiled once
-    per layout) unless called inside a trace.
+    returned as is. Only the bucket goes through a (cached, per-layout) jitted ``shard_map``
+    in which each device slices its own row, with no communication; every other leaf is
+    passed on as the same array, not copied. Works eagerly and inside ``jax.jit``.
     """
-    if not is_bucketed(tree):
-        return tree
-    return _unbucket_jit(tree)
-
-
-def _bucket(tree, layout):
-    from jaxzero.ema import EmaState
-
-    if isinstance(tree, EmaState):
-        return EmaState(tree.updates, _bucket(tree.ema, layout))
-    tree = _unbucket(tree)
-    if layout is None:
-        return tree
-    return _bucket_tree(tree, layout)
-
-
-_bucket_jit = jax.jit(_bucket, static_argnums=1)
+    return jax.tree.map(
+        lambda x: _unbucket_tree(x) if _is_bucketed(x) else x, tree, is_leaf=_is_bucketed
+    )
 
 
 def bucket(tree, layout: BucketLayout | None):
     """The inverse of :func:`unbucket`: a per-leaf EMA tree (or :class:`~jaxzero.EmaState`)
     with ``layout``'s leaves moved into its bucket (a local concatenate per device, no
-    communication). ``layout=None`` returns the per-leaf form. Use
-    :meth:`jaxzero.ZeRO.bucket_ema` to plan the layout for a ZeRO mesh."""
-    return _bucket_jit(tree, layout)
+    communication; the other leaves are passed on, not copied). ``layout=None`` returns the
+    per-leaf form. Use :meth:`jaxzero.ZeRO.bucket_ema` to plan the layout for a ZeRO mesh."""
+    from jaxzero.ema import EmaState
+
+    if isinstance(tree, EmaState):
+        return EmaState(tree.updates, bucket(tree.ema, layout))
+    tree = unbucket(tree)
+    if layout is None:
+        return tree
+    rest, small = split(tree, layout)
+    return BucketedTree(rest, _pack(small, layout), layout)

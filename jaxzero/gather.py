@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.ema import EmaState
-from jaxzero.ema_bucket import _unbucket
+from jaxzero.ema_bucket import unbucket
 from jaxzero.state import TrainState
 
 
@@ -31,7 +31,7 @@ def _replicator(mesh, dtype=None, key=None):
     replicated = NamedSharding(mesh, P())
 
     def fn(tree):
-        tree = _unbucket(tree)
+        tree = unbucket(tree)
         if key is not None:
             tree = tree[key]
         if dtype is not None:
