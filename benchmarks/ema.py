@@ -245,7 +245,7 @@ def main(argv=None) -> dict:
             f"{bucket_info['leaves_per_leaf']} per-leaf"
         )
     print(f"timing: {rounds} round-robin rounds x {per_round} runs per case")
-    print(f"{'case':<38}{'median ms':>11}{'min ms':>10}{'EMA MiB/device':>16}")
+    print(f"{'case':<42}{'median ms':>11}{'min ms':>10}{'EMA MiB/device':>16}")
     labels = {
         "a_replicated": "(a) replicated tree.map EMA",
         "b_sharded_stage2": "(b) sharded EMA, stage 2",
@@ -260,10 +260,9 @@ def main(argv=None) -> dict:
         r = rows[key]
         mib = r.get("ema_bytes_per_device")
         mib = f"{mib / 2**20:16.2f}" if mib is not None else f"{'':>16}"
-        print(f"{label:<38}{r['median_ms']:11.2f}{r['min_ms']:10.2f}{mib}")
-    for key in ("c_gather", "c_gather_bucketed"):
-        label = f"{key.replace('c_', '(c) ').replace('_', ' ')}, first call (compile)"
-        print(f"{label:<38}{rows[key]['first_call_ms']:11.2f}")
+        print(f"{label:<42}{r['median_ms']:11.2f}{r['min_ms']:10.2f}{mib}")
+    for key, label in (("c_gather", "(c) gather"), ("c_gather_bucketed", "(c) gather, bucketed")):
+        print(f"{label + ', first call (compile)':<42}{rows[key]['first_call_ms']:11.2f}")
     print()
     names = {
         "a_over_b_stage2": "a / b  stage 2 (per-leaf)",

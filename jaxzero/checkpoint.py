@@ -502,8 +502,9 @@ def restore(
         and dtypes are used), or an (abstract) ``TrainState``.
       step: the step to restore; None: the newest complete step.
       ema: the ``ShardedEMA`` when the state carries an EMA (must match the checkpoint). Its
-        ``bucket_leaves_up_to`` decides the restored EMA's storage; the checkpoint (always
-        per-leaf on disk) restores into either.
+        ``bucket_leaves_up_to`` decides the restored EMA's storage (given an abstract
+        ``TrainState``, its EMA's storage does); the checkpoint, always per-leaf on disk,
+        restores into either.
       model_state, rng: templates of those state fields, when the state has them.
       with_extra: also return the ``extra`` tree saved with the step (None if none was).
       check_dtypes: refuse leaves whose stored dtype differs from the target's.

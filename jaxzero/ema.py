@@ -77,14 +77,19 @@ class ShardedEMA:
         (``d`` and ``1 - d`` computed in float64 on the host and rounded to float32).
       bucket_leaves_up_to: when the EMA is placed by :class:`jaxzero.ZeRO` (``ZeRO.init``,
         ``make_train_step``), store the EMA of every float leaf whose per-device shard has at
-        most this many elements in one flat ``[N, L]`` bucket (sharded by rows, ``P(axis)``),
+        most this many elements in one flat ``[N, L]`` bucket sharded by rows (``P(axis)``),
         updated in one elementwise loop per device (see :mod:`jaxzero.ema_bucket`). 0 (the
-        default) keeps one array per leaf. Same numbers, same bytes per device, no
-        collective; it saves the per-leaf kernel overhead of biases and norm scales (on
-        XLA:CPU ~5 us per leaf per device: 1.2-1.6 ms of a 9 ms update of a 20M-float,
-        54-leaf transformer EMA; ``benchmarks/ema.py`` uses 65536). :func:`jaxzero.gather`,
-        :func:`jaxzero.ema_params`, checkpoints and the torch interop see the per-leaf tree
-        (:func:`jaxzero.unbucket_ema`). ``init``/``update`` on plain trees stay per-leaf.
+        default) keeps one array per leaf. Same numbers as per-leaf storage (bit for bit with
+        ``torch_compatible``; otherwise XLA may contract ``d * e + (1 - d) * x`` into an FMA
+        in one and not the other: an ulp), same bytes per device, no collective. Why: on
+        XLA:CPU every leaf is its own kernel per device (~5 us each); the 37 small leaves
+        (biases, norm scales: 45K floats) of ``benchmarks/ema.py``'s 20M-float, 54-leaf tree
+        cost 1.2-1.6 ms of a ~9 ms sharded update. 4096 buckets exactly those there; big
+        leaves are better left alone (their master piece would be copied into the row every
+        step).
+        :func:`jaxzero.gather`, :func:`jaxzero.ema_params`, checkpoints (per-leaf on disk)
+        and the torch interop see the per-leaf tree (:func:`jaxzero.unbucket_ema`);
+        ``init``/``update`` on plain trees stay per-leaf.
 
     Example:
       >>> ema = ShardedEMA(0.9999, tau=2000)
