@@ -334,6 +334,13 @@ def test_checkpoint_round_trip_any_mode_any_n(tmp_path):
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
         assert int(restored.ema.updates) == 3
+    # An abstract TrainState target keeps its EMA's storage (here bucketed, laid out for N=2).
+    zero2 = jz.ZeRO(optax.adam(1e-2), jz.data_parallel_mesh(2), stage=2)
+    abstract = zero2.abstract_state(params, ema=jz.ShardedEMA(0.95, bucket_leaves_up_to=K))
+    restored = ck.restore(tmp_path / "b", zero2, abstract)
+    assert restored.ema.ema.layout == abstract.ema.ema.layout
+    assert restored.ema.ema.bucket.sharding == abstract.ema.ema.bucket.sharding
+    assert_same(jax.device_get(jz.gather(restored.ema)), want, exact=True)
     # A per-leaf checkpoint restores into the bucketed form, too.
     per_leaf = ck.restore(tmp_path / "b", step.zero, params, ema=jz.ShardedEMA(0.95))
     ck.save(tmp_path / "p", 3, per_leaf, zero=step.zero)
