@@ -3,6 +3,8 @@ model EMA, for JAX + optax."""
 
 from jaxzero import checkpoint, layouts, memory, nnx, torch_interop
 from jaxzero.ema import EmaState, ShardedEMA
+from jaxzero.ema_bucket import BucketedTree
+from jaxzero.ema_bucket import unbucket as unbucket_ema
 from jaxzero.gather import ema_model_state, ema_params, gather
 from jaxzero.layer_gather import gather_layer
 from jaxzero.layouts import greedy_partition
@@ -25,6 +27,7 @@ __all__ = [
     "estimate_memory",
     "greedy_partition",
     "measure",
+    "BucketedTree",
     "DynamicLossScale",
     "EmaState",
     "LossScaleState",
@@ -36,6 +39,7 @@ __all__ = [
     "ZeRO",
     "data_parallel_mesh",
     "ema_params",
+    "unbucket_ema",
     "gather",
     "gather_layer",
     "make_train_step",

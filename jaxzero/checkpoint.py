@@ -44,7 +44,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import NamedSharding
 
-from jaxzero.ema import ShardedEMA
+from jaxzero import ema_bucket as eb
+from jaxzero.ema import EmaState, ShardedEMA
 from jaxzero.gather import mesh_of
 from jaxzero.optimizer import ZeRO
 from jaxzero.state import TrainState
@@ -367,6 +368,9 @@ def save(
     if zero is not None and not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO or None, got {type(zero).__name__}.")
     step = int(np.asarray(step))
+    # A bucketed EMA is stored per leaf (a local slice, no communication): the on-disk format
+    # does not depend on ShardedEMA(bucket_leaves_up_to=...), N or the stage.
+    state = eb.unbucket(state)
     mngr, owned = _open(manager_or_dir, read_only=False)
     try:
         meta = describe(state, zero=zero, optimizer=optimizer, metadata=metadata)
@@ -435,19 +439,41 @@ def check_compatible(stored: dict, target, *, check_dtypes: bool = True, context
             )
 
 
-def _target(zero: ZeRO, params_or_abstract_state, ema, model_state, rng) -> TrainState:
+def _per_leaf_target(target: TrainState) -> tuple[TrainState, eb.BucketLayout | None]:
+    """The target with a bucketed EMA replaced by its per-leaf form (what checkpoints hold),
+    and the bucket layout to restore into (None: per-leaf)."""
+    if target.ema is None or not isinstance(target.ema.ema, eb.BucketedTree):
+        return target, None
+    layout = target.ema.ema.layout
+    return target.replace(ema=EmaState(target.ema.updates, layout.abstract())), layout
+
+
+def _target(
+    zero: ZeRO, params_or_abstract_state, ema, model_state, rng
+) -> tuple[TrainState, eb.BucketLayout | None]:
     if isinstance(params_or_abstract_state, TrainState):
-        shapes = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params_or_abstract_state
-        )
+        template = params_or_abstract_state
+        max_elements = 0
+        if template.ema is not None and isinstance(template.ema.ema, eb.BucketedTree):
+            # Keep the template's storage, re-planned for zero's mesh.
+            max_elements = template.ema.ema.layout.max_elements
+            template = template.replace(
+                ema=EmaState(template.ema.updates, template.ema.ema.layout.abstract())
+            )
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), template)
         shardings = zero.state_shardings(shapes)
-        return jax.tree.map(
+        target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
         )
+        layout = None
+        if target.ema is not None:
+            layout = eb.plan(target.ema.ema, zero.mesh, zero.axis, max_elements)
+        return target, layout
     shapes = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params_or_abstract_state
     )
-    return zero.abstract_state(shapes, ema=ema, model_state=model_state, rng=rng)
+    target = zero.abstract_state(shapes, ema=ema, model_state=model_state, rng=rng)
+    return _per_leaf_target(target)
 
 
 def restore(
@@ -475,7 +501,10 @@ def restore(
       params_or_abstract_state: the model params (arrays or ShapeDtypeStructs; only shapes
         and dtypes are used), or an (abstract) ``TrainState``.
       step: the step to restore; None: the newest complete step.
-      ema: the ``ShardedEMA`` when the state carries an EMA (must match the checkpoint).
+      ema: the ``ShardedEMA`` when the state carries an EMA (must match the checkpoint). Its
+        ``bucket_leaves_up_to`` decides the restored EMA's storage (given an abstract
+        ``TrainState``, its EMA's storage does); the checkpoint, always per-leaf on disk,
+        restores into either.
       model_state, rng: templates of those state fields, when the state has them.
       with_extra: also return the ``extra`` tree saved with the step (None if none was).
       check_dtypes: refuse leaves whose stored dtype differs from the target's.
@@ -497,7 +526,8 @@ def restore(
         if not owned:
             _settle(mngr)
         step = _resolve_step(mngr, step)
-        target = _target(zero, params_or_abstract_state, ema, model_state, rng)
+        # Checkpoints hold the per-leaf EMA; a bucketed target is filled after the read.
+        target, layout = _target(zero, params_or_abstract_state, ema, model_state, rng)
         stored = _stored_tree(mngr, step)
         context = ""
         try:
@@ -528,6 +558,8 @@ def restore(
             items[EXTRA] = ocp.args.StandardRestore()
         out = mngr.restore(step, args=ocp.args.Composite(**items))
         state = out[STATE]
+        if layout is not None:
+            state = state.replace(ema=eb.bucket(state.ema, layout))
         if with_extra:
             return state, (out[EXTRA] if has_extra else None)
         return state
@@ -578,7 +610,7 @@ def _export_tree(state_or_tree, which: str):
                     "export(which='ema') needs a state with an EMA; use which='params' or "
                     "create the state with an EMA (zero.init(params, ema=ShardedEMA(...)))."
                 )
-            tree = state_or_tree.ema.ema
+            tree = eb.unbucket(state_or_tree.ema.ema)
         elif which == "params":
             tree = state_or_tree.params
         elif which == "master":

@@ -350,7 +350,8 @@ def gather_to_host(tree):
 
     Sharded leaves are replicated first (:func:`jaxzero.gather`: one all-gather per sharded
     leaf, so every process must call this together), then each process reads its local copy.
-    Accepts an :class:`~jaxzero.EmaState` (its EMA tree), a :class:`~jaxzero.TrainState`
+    Accepts an :class:`~jaxzero.EmaState` (its per-leaf EMA tree, also when small leaves are
+    bucketed), a :class:`~jaxzero.TrainState`
     (its params) or any pytree; non-jax leaves are returned as numpy arrays.
     """
     from jax.experimental import multihost_utils

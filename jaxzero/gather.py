@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.ema import EmaState
+from jaxzero.ema_bucket import unbucket
 from jaxzero.state import TrainState
 
 
@@ -22,11 +23,17 @@ def mesh_of(tree):
 
 
 @functools.cache
-def _replicator(mesh, dtype=None):
-    """One jitted "replicate (and cast) every leaf" per mesh; jit caches per tree structure."""
+def _replicator(mesh, dtype=None, key=None):
+    """One jitted "replicate (and cast) every leaf" per mesh; jit caches per tree structure.
+
+    A bucketed EMA is first sliced back into its per-leaf form on each device (no
+    communication); ``key`` then picks one entry of the resulting dict ("params")."""
     replicated = NamedSharding(mesh, P())
 
     def fn(tree):
+        tree = unbucket(tree)
+        if key is not None:
+            tree = tree[key]
         if dtype is not None:
             tree = jax.tree.map(lambda x: x.astype(dtype), tree)
         return jax.lax.with_sharding_constraint(tree, replicated)
@@ -37,9 +44,9 @@ def _replicator(mesh, dtype=None):
 def gather(tree):
     """Return ``tree`` fully replicated on its mesh: one all-gather per sharded leaf.
 
-    Accepts an :class:`EmaState` (returns the gathered EMA tree), a :class:`TrainState`
-    (returns its gathered compute params) or any pytree of arrays on a mesh. Compiled once per
-    tree structure and mesh.
+    Accepts an :class:`EmaState` (returns the gathered EMA tree, per leaf also when its small
+    leaves are stored in a bucket), a :class:`TrainState` (returns its gathered compute
+    params) or any pytree of arrays on a mesh. Compiled once per tree structure and mesh.
     """
     if isinstance(tree, EmaState):
         tree = tree.ema
@@ -60,9 +67,9 @@ def ema_params(state: TrainState, dtype=None):
         )
     dtype = jax.numpy.dtype(dtype or jax.tree.leaves(state.params)[0].dtype)
     tree = state.ema.ema
-    if state.model_state is not None:  # the EMA averages {"params", "model_state"}
-        tree = tree["params"]
-    return _replicator(mesh_of(tree), dtype)(tree)
+    # With a model state the EMA averages {"params", "model_state"}: keep "params".
+    key = None if state.model_state is None else "params"
+    return _replicator(mesh_of(tree), dtype, key)(tree)
 
 
 def ema_model_state(state: TrainState):
@@ -70,4 +77,5 @@ def ema_model_state(state: TrainState):
     state when the EMA does not cover one."""
     if state.ema is None or state.model_state is None:
         return state.model_state
-    return gather(state.ema.ema["model_state"])
+    tree = state.ema.ema
+    return _replicator(mesh_of(tree), None, "model_state")(tree)

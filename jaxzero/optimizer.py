@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxzero import ema_bucket as eb
 from jaxzero import sharding as sh
 from jaxzero.ema import EmaState, ShardedEMA, check_same_structure, check_same_tree
 from jaxzero.mesh import check_mesh
@@ -243,6 +244,13 @@ class ZeRO:
         """Specs of the master/optimizer/gradient shards (sharded for stages 1-3)."""
         return self._specs(params, self.stage >= 1)
 
+    def ema_specs(self, ema_tree):
+        """Specs of an EMA tree: the per-leaf rule (always sharded), and ``P(axis)`` (rows) for
+        the ``[N, L]`` bucket of a :class:`~jaxzero.ema_bucket.BucketedTree`."""
+        if isinstance(ema_tree, eb.BucketedTree):
+            return eb.BucketedTree(self._specs(ema_tree.rest, True), P(self.axis), ema_tree.layout)
+        return self._specs(ema_tree, True)
+
     def state_specs(self, state: TrainState) -> TrainState:
         """PartitionSpecs for every leaf of ``state`` (concrete or abstract)."""
         replicated = lambda t: jax.tree.map(lambda _: P(), t)
@@ -252,7 +260,7 @@ class ZeRO:
             master=None if state.master is None else self.shard_specs(state.master),
             opt_state=self._specs(state.opt_state, self.stage >= 1),
             skipped=P(),
-            ema=None if state.ema is None else EmaState(P(), self._specs(state.ema.ema, True)),
+            ema=None if state.ema is None else EmaState(P(), self.ema_specs(state.ema.ema)),
             loss_scale=None if state.loss_scale is None else replicated(state.loss_scale),
             model_state=None if state.model_state is None else replicated(state.model_state),
             rng=None if state.rng is None else P(),
@@ -281,11 +289,31 @@ class ZeRO:
             master=master,
             opt_state=self.tx.init(master_view),
             skipped=jnp.zeros((), jnp.int32),
-            ema=None if ema is None else ema.init(self._ema_target(master_view, model_state)),
+            ema=None
+            if ema is None
+            else self.bucket_ema(ema, ema.init(self._ema_target(master_view, model_state))),
             loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
             model_state=model_state,
             rng=rng,
         )
+
+    def bucket_ema(self, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
+        """``ema_state`` in ``ema``'s storage for this mesh: small float leaves in one
+        ``[N, L]`` bucket when ``ema.bucket_leaves_up_to > 0``, per-leaf otherwise.
+
+        Accepts either form (e.g. a per-leaf state from ``torch_interop.import_ema``, or a
+        bucketed one with another threshold); the conversion is a local slice/concatenate
+        per device, with no communication. The inverse is :func:`jaxzero.unbucket_ema`.
+        """
+        tree = ema_state.ema
+        if isinstance(tree, eb.BucketedTree):
+            tree = tree.layout.abstract()
+        layout = eb.plan(tree, self.mesh, self.axis, ema.bucket_leaves_up_to)
+        if isinstance(ema_state.ema, eb.BucketedTree) and ema_state.ema.layout == layout:
+            return ema_state
+        if layout is None and not eb.is_bucketed(ema_state):
+            return ema_state
+        return eb.bucket(ema_state, layout)
 
     @staticmethod
     def _ema_target(master, model_state):
@@ -462,10 +490,20 @@ class ZeRO:
         """The EMA update as a ``shard_map`` over the EMA's shards: provably local.
 
         Each device updates only its own EMA shard from its own master shard; for stage 0
-        (replicated master) it slices its part out of the local replica. No collective.
+        (replicated master) it slices its part out of the local replica. No collective. A
+        bucketed EMA (``ShardedEMA(bucket_leaves_up_to=...)``) concatenates the device's
+        pieces of the small master leaves into one row and updates its bucket row in one
+        elementwise loop; the big leaves are updated per leaf as usual.
         """
-        check_same_tree(ema_state.ema, master)
-        ema_specs = self._specs(ema_state.ema, True)
+        layout = None
+        if isinstance(ema_state.ema, eb.BucketedTree):
+            layout = ema_state.ema.layout
+            check_same_tree(layout.abstract(), master)
+        else:
+            check_same_tree(ema_state.ema, master)
+        state_specs = EmaState(P(), self.ema_specs(ema_state.ema))
+        # The per-leaf EMA specs: what each device's piece of the master must match.
+        ema_specs = self._specs(master, True)
         if isinstance(master, dict) and set(master) == {"params", "model_state"}:
             master_specs = {
                 "params": self.shard_specs(master["params"]),
@@ -484,9 +522,11 @@ class ZeRO:
                 return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * size, size, d)
 
             mine = jax.tree.map(take, m_local, master_specs, ema_specs)
+            if layout is not None:  # the bucket's pieces, packed like the bucket row
+                rest, small = eb.split(mine, layout)
+                mine = eb.BucketedTree(rest, eb.pack_local(small, layout), layout)
             return ema.update(e_state, mine, step=step, apply=apply)
 
-        state_specs = EmaState(P(), ema_specs)
         return jax.shard_map(
             local,
             mesh=self.mesh,

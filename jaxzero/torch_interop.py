@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxzero import ema_bucket as eb
 from jaxzero.ema import EmaState
 from jaxzero.layouts import greedy_partition
 
@@ -950,13 +951,16 @@ def import_ema(ema_state: EmaState, ckpt, *, name_map=None, strict: bool = True)
     load pickled modules yourself with ``torch.load(..., weights_only=False)``), or a path to
     a weights-only file. Non-float entries (``num_batches_tracked``) are ignored; fp16 weights
     are cast to the EMA's dtype. ``updates`` becomes ``EmaState.updates``, so the next
-    :meth:`ShardedEMA.update` uses ``updates + 1`` as torch does.
+    :meth:`ShardedEMA.update` uses ``updates + 1`` as torch does. A bucketed ``ema_state``
+    (``ShardedEMA(bucket_leaves_up_to=...)``) gives a bucketed result with the same layout.
     """
     if not isinstance(ema_state, EmaState):
         raise TypeError(f"ema_state must be a jaxzero.EmaState, got {type(ema_state).__name__}")
     sd, updates = _ema_payload(ckpt)
-    ema = torch_to_flax(sd, ema_state.ema, name_map, strict=strict)
-    return EmaState(_place(np.asarray(updates), ema_state.updates), ema)
+    layout = ema_state.ema.layout if isinstance(ema_state.ema, eb.BucketedTree) else None
+    ema = torch_to_flax(sd, eb.unbucket(ema_state.ema), name_map, strict=strict)
+    out = EmaState(_place(np.asarray(updates), ema_state.updates), ema)
+    return out if layout is None else eb.bucket(out, layout)
 
 
 def export_ema(ema_state: EmaState, *, format: str = "modelema", name_map=None, model=None):
@@ -975,6 +979,7 @@ def export_ema(ema_state: EmaState, *, format: str = "modelema", name_map=None, 
         raise TypeError(f"ema_state must be a jaxzero.EmaState, got {type(ema_state).__name__}")
     if format not in ("modelema", "ultralytics"):
         raise ValueError(f"format={format!r} must be 'modelema' or 'ultralytics'")
+    ema_state = eb.unbucket(ema_state)
     updates = int(_host(ema_state.updates))
     template = None if model is None else _as_state_dict(model)
     sd = flax_to_torch(ema_state.ema, name_map if name_map is not None else template)
