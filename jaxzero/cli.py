@@ -200,6 +200,19 @@ def _configure_estimate(p: argparse.ArgumentParser) -> None:
         metavar="CI",
         help="layers between activation checkpoints (default: 1)",
     )
+    act.add_argument(
+        "--logits",
+        action="store_true",
+        help="add the f32 logits over --vocab (logits, softmax, gradient: 12*batch*seq*vocab)",
+    )
+    train.add_argument(
+        "--layer-params",
+        type=_param_count,
+        metavar="N",
+        help="stage 3 one layer at a time (ZeRO(layers=...)): parameters of one layer; adds "
+        "that layer gathered with its gradient and the full gradients outside the stack "
+        "(needs --layers)",
+    )
 
 
 def _from_checkpoint(args, parser) -> int:
@@ -246,7 +259,11 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("--devices is required (or --from-checkpoint with a saved mesh)")
     if args.precision is None:
         args.precision = "bf16"
+    if args.layer_params is not None and args.layers is None:
+        parser.error("--layer-params needs --layers (how many layers the stack holds)")
     activations = {k: getattr(args, k) for k in ("batch", "seq", "heads", "ckpt_every")}
+    if args.logits:
+        activations["vocab"] = args.vocab
     if any(v is not None for v in activations.values()):
         missing = [
             f"--{k.replace('_', '-')}"
@@ -264,6 +281,10 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             optimizer=args.optimizer,
             precision=args.precision,
             ema=args.ema,
+            layer_params=args.layer_params,
+            **(
+                {"layers": args.layers} if args.layer_params and "layers" not in activations else {}
+            ),
             **activations,
         )
     except (ValueError, TypeError) as e:

@@ -118,9 +118,33 @@ def test_estimate_options_flow_through(capsys):
     assert "ema" in out and "activations" in out and "sgd, fp32" in out
 
 
+def test_estimate_logits_and_layer_params_flow_through(capsys):
+    shape = dict(layers=32, hidden=4096, heads=32, batch=1, seq=2048)
+    argv = ["estimate", "--params", "6.738B", "--devices", "64", "--stage", "3"]
+    argv += ["--precision", "fp32", "--vocab", "32000", "--logits", "--layer-params", "202M"]
+    argv += [f"--{k}={v}" for k, v in shape.items()]
+    cli.main(argv)
+    out = capsys.readouterr().out
+    expected = estimate_memory(
+        6_738_000_000,
+        64,
+        stage=3,
+        precision="fp32",
+        vocab=32000,
+        layer_params=202_000_000,
+        **shape,
+    )
+    assert out.strip() == format_table(expected)
+    assert "gathered" in out
+
+
 @pytest.mark.parametrize(
     "argv,match",
     [
+        (
+            ["estimate", "--params", "7e9", "--devices", "8", "--layer-params", "1e8"],
+            "--layer-params needs --layers",
+        ),
         (["estimate", "--params", "-5", "--devices", "8"], "--params"),
         (["estimate", "--params", "0", "--devices", "8"], "--params"),
         (["estimate", "--params", "seven", "--devices", "8"], "--params"),
