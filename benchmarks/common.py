@@ -302,3 +302,28 @@ def md_table(header, rows) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- EMA cases
+
+
+def replicated_ema_update(decay: float):
+    """The baseline: a donated, jitted ``tree.map`` EMA over replicated arrays."""
+    return jax.jit(
+        lambda e, p: jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, e, p),
+        donate_argnums=0,
+    )
+
+
+def sharded_ema_case(mesh, params, ema, stage: int):
+    """``(update, args)`` for jaxzero's ``ZeRO.update_ema`` at ``stage`` (SGD state, the EMA
+    started from ``params``): ``update(*args)`` returns the next EMA state (donated)."""
+    import jaxzero as jz
+
+    zero = jz.ZeRO(optax.sgd(0.1), mesh, stage=stage)
+    state = zero.init(params, ema=ema)
+    master = jax.jit(zero.master_view)(state)
+    update = jax.jit(
+        lambda e, m, t: zero.update_ema(ema, e, m, step=t, apply=True), donate_argnums=0
+    )
+    return update, [state.ema, master, jnp.asarray(1, jnp.int32)]

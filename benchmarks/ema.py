@@ -44,9 +44,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -166,10 +164,9 @@ def main(argv=None) -> dict:
 
     # (a) replicated EMA on replicated arrays; (b) per-leaf and (b') bucketed sharded EMAs,
     # stage 2 (sharded master) and stage 0 (replicated master).
-    rep_ema = jax.jit(
-        lambda e, p: jax.tree.map(lambda e, p: DECAY * e + (1.0 - DECAY) * p, e, p),
-        donate_argnums=0,
-    )
+    from common import replicated_ema_update, sharded_ema_case
+
+    rep_ema = replicated_ema_update(DECAY)
     cases = {"a_replicated": [rep_ema, [jax.device_put(host, replicated), params]]}
     bucket_info = None
     for prefix, ema in (
@@ -177,23 +174,17 @@ def main(argv=None) -> dict:
         ("b_bucketed", jz.ShardedEMA(DECAY, bucket_leaves_up_to=args.bucket)),
     ):
         for stage in (2, 0):
-            zero = jz.ZeRO(optax.sgd(0.1), mesh, stage=stage)
-            state = zero.init(params, ema=ema)
-            master = jax.jit(zero.master_view)(state)
-            upd = jax.jit(
-                lambda e, m, t, zero=zero, ema=ema: zero.update_ema(ema, e, m, step=t, apply=True),
-                donate_argnums=0,
-            )
-            cases[f"{prefix}_stage{stage}"] = [upd, [state.ema, master, jnp.asarray(1, jnp.int32)]]
-            if isinstance(state.ema.ema, jz.BucketedTree):
-                layout = state.ema.ema.layout
+            upd, upd_args = sharded_ema_case(mesh, params, ema, stage)
+            cases[f"{prefix}_stage{stage}"] = [upd, upd_args]
+            ema_tree = upd_args[0].ema
+            if isinstance(ema_tree, jz.BucketedTree):
+                layout = ema_tree.layout
                 bucket_info = {
                     "bucket_leaves_up_to": args.bucket,
                     "leaves_in_bucket": len(layout.bucketed),
                     "leaves_per_leaf": len(layout.offsets) - len(layout.bucketed),
                     "bucket_floats_per_device": layout.length,
                 }
-            del state
 
     times = round_robin(cases, rounds=rounds, per_round=per_round, warmup=warmup)
     rows = {k: summary(v) for k, v in times.items()}

@@ -55,7 +55,6 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from common import (  # noqa: E402
     ModelConfig,
@@ -71,6 +70,8 @@ from common import (  # noqa: E402
     median,
     memory_stats,
     persistent_formula,
+    replicated_ema_update,
+    sharded_ema_case,
 )
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -170,7 +171,7 @@ def param_shapes(params_abs, n: int) -> set[tuple[int, ...]]:
     out = set()
     for path, x in jax.tree_util.tree_flatten_with_path(params_abs)[0]:
         shapes = [tuple(x.shape)]
-        if any(getattr(k, "key", None) == "layers" for k in path):
+        if sh.is_stacked(path, ("layers",)):
             shapes.append(tuple(x.shape[1:]))
         for s in shapes:
             out.add(s)
@@ -301,25 +302,13 @@ def ema_section(params_host, mesh, reps: int, decay: float = 0.999) -> dict:
     rep = NamedSharding(mesh, P())
     params = jax.device_put(params_host, rep)
     ema0 = jax.device_put(params_host, rep)  # its own buffers (params_host is numpy)
-    rep_ema = jax.jit(
-        lambda e, p: jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, e, p),
-        donate_argnums=0,
-    )
-    cases = {"replicated": [rep_ema, [ema0, params]]}
+    cases = {"replicated": [replicated_ema_update(decay), [ema0, params]]}
     for name, stage, ema in (
         ("sharded_stage2", 2, jz.ShardedEMA(decay)),
         ("sharded_stage0", 0, jz.ShardedEMA(decay)),
         ("bucketed_stage2", 2, jz.ShardedEMA(decay, bucket_leaves_up_to=4096)),
     ):
-        zero = jz.ZeRO(optax.sgd(0.1), mesh, stage=stage)
-        state = zero.init(params, ema=ema)
-        master = jax.jit(zero.master_view)(state)
-        upd = jax.jit(
-            lambda e, m, t, zero=zero, ema=ema: zero.update_ema(ema, e, m, step=t, apply=True),
-            donate_argnums=0,
-        )
-        cases[name] = [upd, [state.ema, master, jnp.asarray(1, jnp.int32)]]
-        del state
+        cases[name] = list(sharded_ema_case(mesh, params, ema, stage))
     times = {k: [] for k in cases}
     for r in range(reps + 1):  # the first pass is warm-up (and compile)
         for k, (fn, args) in cases.items():

@@ -157,13 +157,9 @@ def compile_case(
 
 def layer_params(params) -> int:
     """Parameters of one scanned layer (the stack's leaves carry the layer axis first)."""
-    return sum(x.size // x.shape[0] for x in jax_leaves(params["layers"]))
-
-
-def jax_leaves(tree):
     import jax
 
-    return jax.tree.leaves(tree)
+    return sum(x.size // x.shape[0] for x in jax.tree.leaves(params["layers"]))
 
 
 def _shards(x) -> int:

@@ -27,14 +27,11 @@ from typing import Any
 
 import jax
 
+from jaxzero.sharding import path_keys
+
 _PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(
     "jaxzero_layer_plan", default=None
 )
-
-
-def path_keys(path) -> tuple:
-    """A key path as plain keys: ``(DictKey('attn'), DictKey('kernel'))`` -> ``('attn', 'kernel')``."""
-    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
 @dataclasses.dataclass

@@ -436,7 +436,7 @@ class ZeRO:
         otherwise): for each leaf of one layer, the dimension it is sharded on."""
         if not self.per_layer:
             return None
-        from jaxzero.layer_gather import LayerPlan, path_keys
+        from jaxzero.layer_gather import LayerPlan
 
         flat_specs = dict(
             jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P))[0]
@@ -445,7 +445,7 @@ class ZeRO:
         for path, x in jax.tree_util.tree_flatten_with_path(local_params)[0]:
             if not sh.is_stacked(path, self.layers):
                 continue
-            keys = path_keys(path)
+            keys = sh.path_keys(path)
             start = next(i for i, k in enumerate(keys) if k in self.layers) + 1
             d = sh.spec_dim(flat_specs[path])
             dims[(keys[start:], tuple(x.shape[1:]))] = None if d is None else d - 1

@@ -51,11 +51,14 @@ def leaf_spec(shape: Sequence[int], n: int, axis: str, *, stacked: bool = False)
     return P(*([None] * (d + skip) + [axis]))
 
 
+def path_keys(path) -> tuple:
+    """A key path as plain keys: ``(DictKey('attn'), DictKey('kernel'))`` -> ``('attn', 'kernel')``."""
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+
+
 def is_stacked(path, stacked: Sequence[str]) -> bool:
     """Whether a leaf's key path runs through one of the ``stacked`` subtree names."""
-    return bool(stacked) and any(
-        getattr(k, "key", getattr(k, "name", None)) in stacked for k in path
-    )
+    return bool(stacked) and any(k in stacked for k in path_keys(path))
 
 
 def tree_specs(tree, n: int, axis: str, *, shard: bool = True, stacked: Sequence[str] = ()):
