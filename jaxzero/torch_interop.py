@@ -18,6 +18,9 @@ tensors (``pip install 'jaxzero[torch]'``).
   ultralytics/YOLOv5 ``{"ema": model_or_state_dict, "updates": n}`` <-> :class:`EmaState`.
   Non-float entries (``num_batches_tracked``) are never averaged and are left out.
 
+Names and weights live in :mod:`jaxzero.torch_names` (re-exported here); this module holds the
+optimizer-state and EMA formats.
+
 Imports are pure: everything is validated before any array is placed, and the result is a new
 tree whose leaves have the target leaves' dtypes and shardings (``jax.device_put``). Errors list
 every offending name.
@@ -27,20 +30,38 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxzero import ema_bucket as eb
 from jaxzero.ema import EmaState
 from jaxzero.layouts import greedy_partition
+from jaxzero.torch_names import (
+    ADAM_KEYS,
+    SGD_KEYS,
+    NameMap,
+    _as_state_dict,
+    _fits,
+    _fmt,
+    _host,
+    _is_float,
+    _list,
+    _place,
+    _resolve_map,
+    _shape,
+    _table,
+    _to_flax,
+    _to_torch,
+    _torch,
+    build_name_map,
+    flax_to_torch,
+    torch_to_flax,
+)
 
 __all__ = [
     "NameMap",
@@ -55,440 +76,6 @@ __all__ = [
     "import_ema",
     "export_ema",
 ]
-
-KINDS = ("identity", "linear", "conv")
-ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
-SGD_KEYS = ("momentum_buffer",)
-_UNSET = object()
-
-
-# ------------------------------------------------------------------ small helpers
-def _torch():
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("this needs PyTorch: pip install 'jaxzero[torch]' (torch==2.13.0)") from e
-    return torch
-
-
-def _host(x) -> np.ndarray:
-    """A numpy copy of a torch tensor, jax array (gathered) or array-like."""
-    if isinstance(x, jax.Array):
-        if not x.is_fully_addressable:
-            from jax.experimental import multihost_utils
-
-            x = multihost_utils.process_allgather(x, tiled=True)
-        return np.array(x)
-    if type(x).__module__.startswith("torch"):
-        t = x.detach().cpu()
-        if t.dtype.is_floating_point and t.dtype.itemsize < 4 and str(t.dtype) != "torch.float16":
-            t = t.float()  # bfloat16/float8 have no numpy dtype
-        return t.numpy().copy()
-    return np.array(x)
-
-
-def _is_float(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return True
-    if type(x).__module__.startswith("torch"):
-        return bool(dtype.is_floating_point)
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-
-
-def _shape(x) -> tuple[int, ...]:
-    if isinstance(x, tuple | list) and all(isinstance(d, int) for d in x):
-        return tuple(x)
-    return tuple(int(d) for d in x.shape)
-
-
-def _key_str(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def _table(tree) -> dict[tuple[str, ...], Any]:
-    """``{path (tuple of str): leaf}`` in flatten order."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {tuple(_key_str(k) for k in path): leaf for path, leaf in leaves}
-
-
-def _fmt(path) -> str:
-    return "/".join(path)
-
-
-def _to_flax(kind: str, a: np.ndarray) -> np.ndarray:
-    if kind == "linear":
-        return a.T
-    if kind == "conv":
-        return np.transpose(a, tuple(range(2, a.ndim)) + (1, 0))
-    return a
-
-
-def _to_torch(kind: str, a: np.ndarray) -> np.ndarray:
-    if kind == "linear":
-        return a.T
-    if kind == "conv":
-        return np.transpose(a, (a.ndim - 1, a.ndim - 2) + tuple(range(a.ndim - 2)))
-    return a
-
-
-def _flax_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return _to_flax(kind, np.empty(shape, np.int8)).shape if kind != "identity" else shape
-
-
-def _list(items, limit=20) -> str:
-    items = list(items)
-    more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
-    return ", ".join(str(i) for i in items[:limit]) + more
-
-
-# ------------------------------------------------------------------ name map
-@dataclasses.dataclass(frozen=True)
-class NameMap:
-    """Pairs of torch state-dict names and JAX tree paths (see :func:`build_name_map`).
-
-    Attributes:
-      entries: ``(torch_name, path, kind)`` in torch order; ``path`` is a tuple of str keys and
-        ``kind`` one of ``"identity"``, ``"linear"`` (transpose), ``"conv"``.
-      unmatched_torch: float torch names with no path (with the reason).
-      unmatched_flax: tree paths (``"a/b"``) no torch name maps to.
-      ignored: torch names left out on purpose (non-float entries, ``None`` overrides).
-    """
-
-    entries: tuple[tuple[str, tuple[str, ...], str], ...]
-    unmatched_torch: tuple[str, ...] = ()
-    unmatched_flax: tuple[str, ...] = ()
-    ignored: tuple[str, ...] = ()
-
-    @functools.cached_property
-    def _index(self) -> dict[str, tuple[tuple[str, ...], str]]:
-        return {name: (path, kind) for name, path, kind in self.entries}
-
-    @property
-    def torch_names(self) -> tuple[str, ...]:
-        return tuple(e[0] for e in self.entries)
-
-    def __contains__(self, torch_name) -> bool:
-        return torch_name in self._index
-
-    def lookup(self, torch_name: str) -> tuple[tuple[str, ...], str]:
-        """``(path, kind)`` of a torch name; KeyError if it is not mapped."""
-        if torch_name not in self._index:
-            raise KeyError(f"{torch_name!r} is not in the name map")
-        return self._index[torch_name]
-
-    def report(self) -> str:
-        """A human-readable summary of the pairing."""
-        lines = [f"{len(self.entries)} matched"]
-        for title, items in (
-            ("unmatched torch names", self.unmatched_torch),
-            ("unmatched tree paths", self.unmatched_flax),
-            ("ignored", self.ignored),
-        ):
-            if items:
-                lines.append(f"{title}: {_list(items, 1000)}")
-        return "\n".join(lines)
-
-    def check(self, *, torch_side: bool = True, flax_side: bool = True) -> None:
-        """Raise ValueError listing the unmatched names on the requested sides."""
-        problems = []
-        if torch_side and self.unmatched_torch:
-            problems.append(f"torch entries with no tree leaf: {_list(self.unmatched_torch)}")
-        if flax_side and self.unmatched_flax:
-            problems.append(f"tree leaves with no torch entry: {_list(self.unmatched_flax)}")
-        if problems:
-            raise ValueError(
-                "; ".join(problems) + ". Pass overrides= to build_name_map (torch name -> "
-                "path, or None to skip it) or strict=False."
-            )
-
-
-def _torch_entries(source) -> list[tuple[str, tuple[int, ...] | None, bool]]:
-    """(name, shape or None, is_float) from a state dict, module, {name: shape} or names."""
-    if hasattr(source, "state_dict") and callable(source.state_dict):
-        source = source.state_dict()
-    if isinstance(source, Sequence) and not isinstance(source, str):
-        if not all(isinstance(n, str) for n in source):
-            raise TypeError("a list of torch names must hold only str")
-        return [(n, None, not n.endswith("num_batches_tracked")) for n in source]
-    if not isinstance(source, Mapping):
-        raise TypeError(
-            f"expected a torch state dict, nn.Module, {{name: shape}} mapping or list of names, "
-            f"got {type(source).__name__}"
-        )
-    out = []
-    for name, v in source.items():
-        if not isinstance(name, str):
-            raise TypeError(f"state-dict keys must be str, got {name!r}")
-        is_float = _is_float(v) and not name.endswith("num_batches_tracked")
-        out.append((name, _shape(v), is_float))
-    return out
-
-
-def _module_variants(parts: list[str]) -> list[tuple[str, ...]]:
-    merged: list[str] = []
-    for p in parts:
-        if p.isdigit() and merged:
-            merged[-1] = f"{merged[-1]}_{p}"
-        else:
-            merged.append(f"layers_{p}" if p.isdigit() else p)
-    return list(dict.fromkeys([tuple(parts), tuple(merged)]))
-
-
-def _candidates(name: str, shape: tuple[int, ...] | None) -> list[tuple[tuple[str, ...], str]]:
-    """Candidate (path, kind) pairs for a torch name, best first (``shape`` None: any ndim)."""
-    parts = name.split(".")
-    cands = [((name,), "identity"), (tuple(parts), "identity")]
-    module, leaf = parts[:-1], parts[-1]
-    nd = None if shape is None else len(shape)
-    leaves: list[tuple[str, str, str]] = []
-    if leaf == "weight":
-        if nd in (None, 2):
-            leaves += [("kernel", "linear", "params"), ("embedding", "identity", "params")]
-        if nd is None or nd >= 3:
-            leaves.append(("kernel", "conv", "params"))
-        if nd in (None, 1):
-            leaves.append(("scale", "identity", "params"))
-    elif leaf == "bias":
-        leaves.append(("bias", "identity", "params"))
-    elif leaf in ("running_mean", "running_var"):
-        leaves.append((leaf[len("running_") :], "identity", "batch_stats"))
-    for mod in _module_variants(module) if module else [()]:
-        for new_leaf, kind, collection in leaves:
-            for prefix in ((), (collection,)):
-                cands.append((prefix + mod + (new_leaf,), kind))
-    return list(dict.fromkeys(cands))
-
-
-def _fits(kind: str, torch_shape, flax_shape) -> bool:
-    flax_shape = tuple(flax_shape)
-    if torch_shape is None:  # names only: the layout follows from the leaf's rank
-        return {"linear": len(flax_shape) == 2, "conv": len(flax_shape) >= 3}.get(kind, True)
-    torch_shape = tuple(torch_shape)
-    if kind == "linear" and len(torch_shape) != 2 or kind == "conv" and len(torch_shape) < 3:
-        return False
-    return _flax_shape(kind, torch_shape) == flax_shape
-
-
-def _infer_kind(torch_shape, flax_shape) -> str | None:
-    if torch_shape is None:
-        return "identity"
-    return next((k for k in KINDS if _fits(k, torch_shape, flax_shape)), None)
-
-
-def _parse_override(value, name) -> tuple[tuple[str, ...], str | None] | None:
-    if value is None:
-        return None
-    kind = None
-    if isinstance(value, tuple) and len(value) == 2 and value[1] in KINDS:
-        value, kind = value
-    if isinstance(value, str):
-        return tuple(value.split("/")), kind
-    if isinstance(value, tuple | list) and value and all(isinstance(p, str) for p in value):
-        return tuple(value), kind
-    raise TypeError(
-        f"override for {name!r} must be a path ('a/b' or tuple of str), (path, kind) with "
-        f"kind in {KINDS}, or None; got {value!r}"
-    )
-
-
-def build_name_map(torch_source, tree, *, overrides: Mapping | Callable | None = None) -> NameMap:
-    """Pair torch state-dict names with the leaves of ``tree``.
-
-    Rules, first match wins (a candidate matches only if its path exists in ``tree`` and the
-    torch shape in the candidate's layout equals the leaf's shape):
-
-    1. an override: ``overrides[name]`` or ``overrides(name, shape)`` giving a path (``"a/b"``
-       or a tuple of str), ``(path, kind)`` with kind in ``identity``/``linear``/``conv``, or
-       None to ignore the entry; a callable returns ``NotImplemented`` to fall through;
-    2. the name itself as one key (``{"fc1.weight": ...}``) or its dotted parts as nested keys,
-       layout unchanged;
-    3. ``weight`` -> ``kernel`` (2-D: transposed; >= 3-D: conv layout), ``embedding``, or (1-D)
-       ``scale``; ``bias`` -> ``bias``; ``running_mean``/``running_var`` -> ``mean``/``var``;
-       the module path as given or with numeric parts merged (``layers.0`` -> ``layers_0``),
-       with or without a leading ``params`` / ``batch_stats`` collection key.
-
-    Args:
-      torch_source: a torch state dict, ``nn.Module``, ``{name: shape}`` mapping, or a list of
-        names (shapes unknown: layouts follow from the leaves' ranks), in torch order; None to
-        derive torch names from ``tree`` (the rules backwards; numeric parts are not split).
-      tree: the JAX tree (arrays or ShapeDtypeStructs).
-      overrides: a mapping or a callable, see rule 1.
-
-    Returns:
-      A :class:`NameMap`. Non-float torch entries (``num_batches_tracked``) are ``ignored``.
-
-    Raises:
-      ValueError: two torch names map to one leaf, or an override names a missing path or a
-        shape that does not fit (all such problems are listed).
-    """
-    return _build({p: _shape(v) for p, v in _table(tree).items()}, torch_source, overrides)
-
-
-def _build(shapes: dict, torch_source, overrides=None) -> NameMap:
-    if torch_source is None:
-        return _reverse_map(shapes)
-    entries, unmatched, ignored, errors = [], [], [], []
-    owner: dict[tuple[str, ...], str] = {}
-    for name, tshape, is_float in _torch_entries(torch_source):
-        override = _UNSET
-        if callable(overrides):
-            override = overrides(name, tshape)
-            if override is NotImplemented:
-                override = _UNSET
-        elif overrides is not None and name in overrides:
-            override = overrides[name]
-        if override is not _UNSET:
-            parsed = _parse_override(override, name)
-            if parsed is None:
-                ignored.append(name)
-                continue
-            path, kind = parsed
-            if path not in shapes:
-                errors.append(f"override {name!r} -> {_fmt(path)!r}: no such path")
-                continue
-            kind = kind or _infer_kind(tshape, shapes[path])
-            if kind is None or not _fits(kind, tshape, shapes[path]):
-                errors.append(
-                    f"override {name!r} {tshape} -> {_fmt(path)} {shapes[path]}: shapes do not fit"
-                )
-                continue
-            match = (path, kind)
-        elif not is_float:
-            ignored.append(name)
-            continue
-        else:
-            match, near = None, None
-            for path, kind in _candidates(name, tshape):
-                if path in shapes:
-                    if _fits(kind, tshape, shapes[path]):
-                        match = (path, kind)
-                        break
-                    near = near or f"{_fmt(path)} has shape {shapes[path]}"
-            if match is None:
-                shown = "" if tshape is None else f" {tshape}"
-                unmatched.append(f"{name}{shown}" + (f" ({near})" if near else ""))
-                continue
-        if match[0] in owner:
-            errors.append(f"{owner[match[0]]!r} and {name!r} both map to {_fmt(match[0])}")
-            continue
-        owner[match[0]] = name
-        entries.append((name, match[0], match[1]))
-    if errors:
-        raise ValueError("cannot build the name map: " + "; ".join(errors))
-    return NameMap(
-        entries=tuple(entries),
-        unmatched_torch=tuple(unmatched),
-        unmatched_flax=tuple(_fmt(p) for p in shapes if p not in owner),
-        ignored=tuple(ignored),
-    )
-
-
-_REVERSE_LEAF = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
-
-
-def _reverse_map(shapes: dict) -> NameMap:
-    entries, seen = [], {}
-    for path, shape in shapes.items():
-        if len(path) == 1:
-            name, kind = path[0], "identity"
-        else:
-            collection = path[0] if path[0] in ("params", "batch_stats") else None
-            core = path[1:] if collection else path
-            leaf, kind = core[-1], "identity"
-            if leaf == "kernel" and len(shape) >= 2:
-                kind = "linear" if len(shape) == 2 else "conv"
-            torch_leaf = _REVERSE_LEAF.get(leaf, leaf)
-            if collection == "batch_stats" and leaf in ("mean", "var"):
-                torch_leaf = f"running_{leaf}"
-            name = ".".join(core[:-1] + (torch_leaf,))
-        if name in seen:
-            raise ValueError(
-                f"paths {_fmt(seen[name])} and {_fmt(path)} both give torch name {name!r}; "
-                f"pass a torch state dict or name list (and overrides) to build the name map"
-            )
-        seen[name] = path
-        entries.append((name, path, kind))
-    return NameMap(entries=tuple(entries))
-
-
-def _resolve_map(name_map, torch_source, shapes: dict) -> NameMap:
-    """A NameMap as given, else built from a template (``name_map``) or ``torch_source``."""
-    if isinstance(name_map, NameMap):
-        return name_map
-    return _build(shapes, name_map if name_map is not None else torch_source)
-
-
-def _place(value: np.ndarray, target):
-    """``value`` with ``target``'s dtype and sharding."""
-    value = np.asarray(value, dtype=target.dtype)
-    sharding = getattr(target, "sharding", None)
-    return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
-
-
-# ------------------------------------------------------------------ weights
-def _as_state_dict(source):
-    if hasattr(source, "state_dict") and callable(source.state_dict):
-        return source.state_dict()
-    if not isinstance(source, Mapping):
-        raise TypeError(f"expected a state dict or nn.Module, got {type(source).__name__}")
-    return source
-
-
-def torch_to_flax(state_dict, tree, name_map=None, *, strict: bool = True):
-    """Load torch weights into a copy of ``tree`` (same structure, dtypes and shardings).
-
-    Args:
-      state_dict: torch state dict (tensors or numpy arrays) or ``nn.Module``.
-      tree: the target tree; its leaves give shapes, dtypes and shardings.
-      name_map: a :class:`NameMap` (default: ``build_name_map(state_dict, tree)``).
-      strict: every float torch entry and every tree leaf must be paired (leaves left unpaired
-        with ``strict=False`` keep their value).
-
-    Raises:
-      ValueError: unpaired names (strict), mapped names absent from ``state_dict``, shapes.
-    """
-    sd = _as_state_dict(state_dict)
-    table = _table(tree)
-    nm = _resolve_map(name_map, sd, {p: _shape(v) for p, v in table.items()})
-    if strict:
-        nm.check()
-    missing = [n for n in nm.torch_names if n not in sd]
-    if missing:
-        raise ValueError(f"state_dict lacks the mapped entries: {_list(missing)}")
-    new, errors = {}, []
-    for name, path, kind in nm.entries:
-        if path not in table:
-            errors.append(f"{name} -> {_fmt(path)}: no such leaf")
-            continue
-        value = _to_flax(kind, _host(sd[name]))
-        if value.shape != _shape(table[path]):
-            errors.append(
-                f"{name} {_shape(sd[name])} does not fit {_fmt(path)} {_shape(table[path])}"
-            )
-        new[path] = value
-    if errors:
-        raise ValueError("cannot load the weights: " + "; ".join(errors))
-    placed = [_place(new[p], leaf) if p in new else leaf for p, leaf in table.items()]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), placed)
-
-
-def flax_to_torch(tree, name_map=None) -> OrderedDict:
-    """``tree``'s leaves as an ``OrderedDict`` of torch tensors, in torch layout and order.
-
-    ``name_map``: a :class:`NameMap`, a torch template (state dict, module, ``{name: shape}``,
-    list of names) fixing names and order, or None (names derived from the tree's paths).
-    """
-    torch = _torch()
-    table = _table(tree)
-    nm = _resolve_map(name_map, None, {p: _shape(v) for p, v in table.items()})
-    return OrderedDict(
-        (name, torch.from_numpy(np.ascontiguousarray(_to_torch(kind, _host(table[path])))))
-        for name, path, kind in nm.entries
-    )
 
 
 # ------------------------------------------------------------------ optimizer state
