@@ -3,7 +3,12 @@
 import os
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+    # On a loaded 2-core machine a simulated device can reach a collective long after the
+    # others; XLA:CPU would abort the process after its default rendezvous timeout.
+    + " --xla_cpu_collective_call_terminate_timeout_seconds=1200"
+    + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=300"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
