@@ -77,8 +77,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxzero as jz  # noqa: E402
-from jaxzero import sharding as sh  # noqa: E402
 from jaxzero.memory import collective_ops, device_bytes  # noqa: E402
+from jaxzero.zero import specs as sh  # noqa: E402
 
 N_DEVICES = 8
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

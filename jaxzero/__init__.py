@@ -2,18 +2,18 @@
 model EMA, for JAX + optax."""
 
 from jaxzero import checkpoint, layouts, memory, nnx, torch_interop
-from jaxzero.ema import EmaState, ShardedEMA
-from jaxzero.ema_bucket import BucketedTree
-from jaxzero.ema_bucket import unbucket as unbucket_ema
-from jaxzero.gather import ema_model_state, ema_params, gather
-from jaxzero.layer_gather import gather_layer
+from jaxzero.ema.ema import EmaState, ShardedEMA
+from jaxzero.ema.storage import BucketedTree
+from jaxzero.ema.storage import unbucket as unbucket_ema
+from jaxzero.evaluation import ema_model_state, ema_params, gather
 from jaxzero.layouts import greedy_partition
 from jaxzero.memory import estimate_memory, measure
 from jaxzero.mesh import data_parallel_mesh
-from jaxzero.optimizer import ZeRO
 from jaxzero.precision import DynamicLossScale, LossScaleState, Precision, StaticLossScale
-from jaxzero.state import TrainState
-from jaxzero.train_step import TrainStep, make_train_step
+from jaxzero.train.state import TrainState
+from jaxzero.train.step import TrainStep, make_train_step
+from jaxzero.zero.config import ZeRO
+from jaxzero.zero.layers import gather_layer
 
 __version__ = "0.1.0"
 

@@ -44,11 +44,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import NamedSharding
 
-from jaxzero import ema_bucket as eb
-from jaxzero.ema import EmaState, ShardedEMA
-from jaxzero.gather import mesh_of
-from jaxzero.optimizer import ZeRO
-from jaxzero.state import TrainState
+from jaxzero.ema import storage as eb
+from jaxzero.ema.ema import EmaState, ShardedEMA
+from jaxzero.evaluation import mesh_of
+from jaxzero.train.state import TrainState
+from jaxzero.zero.config import ZeRO
 
 STATE = "state"
 METADATA = "metadata"
@@ -601,7 +601,7 @@ def load_metadata(manager_or_dir, step: int | None = None) -> dict:
 
 # --------------------------------------------------------------------------------- export
 def _export_tree(state_or_tree, which: str):
-    from jaxzero.gather import gather
+    from jaxzero.evaluation import gather
 
     if isinstance(state_or_tree, TrainState):
         if which == "ema":

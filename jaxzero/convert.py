@@ -279,7 +279,7 @@ def torch_to_jax(
     from jaxzero import checkpoint
     from jaxzero import torch_interop as ti
     from jaxzero.mesh import data_parallel_mesh
-    from jaxzero.optimizer import ZeRO
+    from jaxzero.zero.config import ZeRO
 
     if (optim is None) == (optim_dir is None):
         raise ConvertError("give exactly one of --optim FILE or --optim-dir DIR")
@@ -480,7 +480,7 @@ def jax_to_torch(
     from jaxzero import checkpoint
     from jaxzero import torch_interop as ti
     from jaxzero.mesh import data_parallel_mesh
-    from jaxzero.optimizer import ZeRO
+    from jaxzero.zero.config import ZeRO
 
     if world_size is None and not consolidated:
         raise ConvertError("give --world-size N (per-rank files) and/or --consolidated")

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxzero.sharding import batch_rows
+from jaxzero.zero.specs import batch_rows
 
 ENV_COORDINATOR = "JAXZERO_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXZERO_NUM_PROCESSES"
@@ -356,7 +356,7 @@ def gather_to_host(tree):
     """
     from jax.experimental import multihost_utils
 
-    from jaxzero.gather import gather
+    from jaxzero.evaluation import gather
 
     tree = gather(tree)
 

@@ -38,8 +38,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from jaxzero import ema_bucket as eb
-from jaxzero.ema import EmaState
+from jaxzero.ema import storage as eb
+from jaxzero.ema.ema import EmaState
 from jaxzero.layouts import greedy_partition
 from jaxzero.torch_names import (
     ADAM_KEYS,

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero import sharding as sh
+from jaxzero.zero import specs as sh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +117,7 @@ def _local_size(shape, n: int) -> int:
 def plan(tree, mesh: Mesh, axis: str, max_elements: int) -> BucketLayout | None:
     """The bucket layout of a per-leaf EMA ``tree`` (arrays or ShapeDtypeStructs).
 
-    Float leaves whose per-device block (per :func:`jaxzero.sharding.shard_dim`) has at most
+    Float leaves whose per-device block (per :func:`jaxzero.zero.specs.shard_dim`) has at most
     ``max_elements`` elements go into the bucket, in flatten order, if they share the first
     such leaf's dtype (the EMA casts every float leaf to ``ShardedEMA.dtype``). Returns None
     when ``max_elements`` is 0 or no leaf qualifies (the tree then stays per-leaf).
@@ -245,7 +245,7 @@ def bucket(tree, layout: BucketLayout | None):
     with ``layout``'s leaves moved into its bucket (a local concatenate per device, no
     communication; the other leaves are passed on, not copied). ``layout=None`` returns the
     per-leaf form. Use :meth:`jaxzero.ZeRO.bucket_ema` to plan the layout for a ZeRO mesh."""
-    from jaxzero.ema import EmaState
+    from jaxzero.ema.ema import EmaState
 
     if isinstance(tree, EmaState):
         return EmaState(tree.updates, bucket(tree.ema, layout))

@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from jaxzero.sharding import path_keys
+from jaxzero.zero.specs import path_keys
 
 _PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(
     "jaxzero_layer_plan", default=None
@@ -72,7 +72,7 @@ def _gather_leaf(zero, x, d):
     """All-gather one shard in the compute dtype; its backward reduces the gradient with
     :meth:`ZeRO.reduce_leaf` (reduce-scatter over the data axis, or all-reduce when the leaf is
     replicated) and returns it in ``x``'s dtype."""
-    from jaxzero.optimizer import to_varying  # (optimizer imports this module's users)
+    from jaxzero.zero.config import to_varying  # (optimizer imports this module's users)
 
     dtype = x.dtype
 

@@ -8,9 +8,9 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.ema import EmaState
-from jaxzero.ema_bucket import unbucket
-from jaxzero.state import TrainState
+from jaxzero.ema.ema import EmaState
+from jaxzero.ema.storage import unbucket
+from jaxzero.train.state import TrainState
 
 
 def mesh_of(tree):

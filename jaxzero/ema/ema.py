@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.ema_bucket import BucketedTree
+from jaxzero.ema.storage import BucketedTree
 
 SCHEDULES = ("constant", "yolov5", "tf")
 
@@ -78,7 +78,7 @@ class ShardedEMA:
       bucket_leaves_up_to: when the EMA is placed by :class:`jaxzero.ZeRO` (``ZeRO.init``,
         ``make_train_step``), store the EMA of every float leaf whose per-device shard has at
         most this many elements in one flat ``[N, L]`` bucket sharded by rows (``P(axis)``),
-        updated in one elementwise loop per device (see :mod:`jaxzero.ema_bucket`). 0 (the
+        updated in one elementwise loop per device (see :mod:`jaxzero.ema.storage`). 0 (the
         default) keeps one array per leaf. Same numbers as per-leaf storage (bit for bit with
         ``torch_compatible``; otherwise XLA may contract ``d * e + (1 - d) * x`` into an FMA
         in one and not the other: an ulp), same bytes per device, no collective. Why: on

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 from flax import struct
 
-from jaxzero.ema import EmaState
+from jaxzero.ema.ema import EmaState
 from jaxzero.precision import LossScaleState
 
 

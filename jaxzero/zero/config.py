@@ -11,9 +11,8 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxzero import ema_bucket as eb
-from jaxzero import sharding as sh
-from jaxzero.ema import EmaState, ShardedEMA, check_same_structure, check_same_tree
+from jaxzero.ema import storage as eb
+from jaxzero.ema.ema import EmaState, ShardedEMA, check_same_structure, check_same_tree
 from jaxzero.mesh import check_mesh
 from jaxzero.precision import (
     DynamicLossScale,
@@ -21,7 +20,8 @@ from jaxzero.precision import (
     StaticLossScale,
     check_loss_scale,
 )
-from jaxzero.state import TrainState
+from jaxzero.train.state import TrainState
+from jaxzero.zero import specs as sh
 
 STAGES = (0, 1, 2, 3)
 
@@ -246,7 +246,7 @@ class ZeRO:
 
     def ema_specs(self, ema_tree):
         """Specs of an EMA tree: the per-leaf rule (always sharded), and ``P(axis)`` (rows) for
-        the ``[N, L]`` bucket of a :class:`~jaxzero.ema_bucket.BucketedTree`."""
+        the ``[N, L]`` bucket of a :class:`~jaxzero.ema.storage.BucketedTree`."""
         if isinstance(ema_tree, eb.BucketedTree):
             return eb.BucketedTree(self._specs(ema_tree.rest, True), P(self.axis), ema_tree.layout)
         return self._specs(ema_tree, True)
@@ -432,11 +432,11 @@ class ZeRO:
         )
 
     def layer_plan(self, local_params, specs):
-        """The :class:`~jaxzero.layer_gather.LayerPlan` of a per-layer stage-3 step (None
+        """The :class:`~jaxzero.zero.layers.LayerPlan` of a per-layer stage-3 step (None
         otherwise): for each leaf of one layer, the dimension it is sharded on."""
         if not self.per_layer:
             return None
-        from jaxzero.layer_gather import LayerPlan
+        from jaxzero.zero.layers import LayerPlan
 
         flat_specs = dict(
             jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P))[0]

@@ -13,11 +13,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.distributed import global_batch
-from jaxzero.ema import ShardedEMA, check_same_structure
-from jaxzero.layer_gather import layer_plan
-from jaxzero.optimizer import ZeRO, to_varying
-from jaxzero.sharding import batch_rows
-from jaxzero.state import TrainState
+from jaxzero.ema.ema import ShardedEMA, check_same_structure
+from jaxzero.train.state import TrainState
+from jaxzero.zero.config import ZeRO, to_varying
+from jaxzero.zero.layers import layer_plan
+from jaxzero.zero.specs import batch_rows
 
 _NO_LAYER_GATHER = (
     "ZeRO(stage=3, layers={}) hands the loss each layer stack as shards, but the model never "
