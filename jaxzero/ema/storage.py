@@ -245,12 +245,60 @@ def bucket(tree, layout: BucketLayout | None):
     with ``layout``'s leaves moved into its bucket (a local concatenate per device, no
     communication; the other leaves are passed on, not copied). ``layout=None`` returns the
     per-leaf form. Use :meth:`jaxzero.ZeRO.bucket_ema` to plan the layout for a ZeRO mesh."""
-    from jaxzero.ema.ema import EmaState
-
-    if isinstance(tree, EmaState):
-        return EmaState(tree.updates, bucket(tree.ema, layout))
+    if _is_ema_state(tree):
+        return tree._replace(ema=bucket(tree.ema, layout))
     tree = unbucket(tree)
     if layout is None:
         return tree
     rest, small = split(tree, layout)
     return BucketedTree(rest, _pack(small, layout), layout)
+
+
+def _is_ema_state(x) -> bool:
+    # EmaState is a NamedTuple (updates, ema); tested by shape so this module stays below ema.
+    return isinstance(x, tuple) and getattr(x, "_fields", None) == ("updates", "ema")
+
+
+# -- the storage interface: nothing outside jaxzero.ema looks at BucketedTree -----------------
+def to_per_leaf(tree):
+    """``tree`` (an EMA tree, EmaState, TrainState or any pytree) with every bucketed EMA in
+    its per-leaf form: concrete arrays are sliced locally (:func:`unbucket`); an abstract
+    bucket becomes the per-leaf ShapeDtypeStructs with their shardings."""
+
+    def one(x):
+        if not _is_bucketed(x):
+            return x
+        if isinstance(x.bucket, jax.ShapeDtypeStruct):
+            return x.layout.abstract()
+        return _unbucket_tree(x)
+
+    return jax.tree.map(one, tree, is_leaf=_is_bucketed)
+
+
+def threshold(tree) -> int:
+    """The ``bucket_leaves_up_to`` the bucketed EMA in ``tree`` was planned with (0: per-leaf)."""
+    for x in jax.tree.leaves(tree, is_leaf=_is_bucketed):
+        if _is_bucketed(x):
+            return x.layout.max_elements
+    return 0
+
+
+def store(ema_state, mesh: Mesh, axis: str, max_elements: int):
+    """``ema_state`` (an EmaState in either storage) in the storage planned for ``mesh`` with
+    ``bucket_leaves_up_to=max_elements``: small float leaves bucketed when > 0, per-leaf
+    otherwise. A local slice/concatenate per device, no communication; returned as is when
+    it is already stored that way."""
+    current = ema_state.ema
+    per_leaf = current.layout.abstract() if _is_bucketed(current) else current
+    layout = plan(per_leaf, mesh, axis, max_elements)
+    if _is_bucketed(current) and current.layout == layout:
+        return ema_state
+    if layout is None and not _is_bucketed(current):
+        return ema_state
+    return bucket(ema_state, layout)
+
+
+def like(per_leaf_tree, reference):
+    """``per_leaf_tree`` stored the way ``reference`` (an EMA tree or EmaState) is."""
+    ref = reference.ema if _is_ema_state(reference) else reference
+    return bucket(per_leaf_tree, ref.layout) if _is_bucketed(ref) else per_leaf_tree
