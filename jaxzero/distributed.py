@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxzero.zero.specs import batch_rows
+from jaxzero._tree import batch_rows
 
 ENV_COORDINATOR = "JAXZERO_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXZERO_NUM_PROCESSES"

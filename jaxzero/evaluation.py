@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.ema.ema import EmaState
-from jaxzero.ema.storage import unbucket
+from jaxzero.ema.storage import to_per_leaf
 from jaxzero.train.state import TrainState
 
 
@@ -31,7 +31,7 @@ def _replicator(mesh, dtype=None, key=None):
     replicated = NamedSharding(mesh, P())
 
     def fn(tree):
-        tree = unbucket(tree)
+        tree = to_per_leaf(tree)
         if key is not None:
             tree = tree[key]
         if dtype is not None:

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.ema.storage import BucketedTree
+from jaxzero._tree import check_same_structure
+from jaxzero.ema.storage import is_bucketed
 
 SCHEDULES = ("constant", "yolov5", "tf")
 
@@ -186,7 +187,7 @@ class ShardedEMA:
         Raises:
           ValueError: ``params`` has a different tree structure or leaf shapes than the EMA.
         """
-        if isinstance(state.ema, BucketedTree) and not isinstance(params, BucketedTree):
+        if is_bucketed(state.ema) and not is_bucketed(params):
             raise ValueError(
                 "this EMA state stores small leaves in a bucket (ShardedEMA(bucket_leaves_up_to"
                 "=...) placed by ZeRO); update it with zero.update_ema(ema, state, master), or "
@@ -226,26 +227,6 @@ class ShardedEMA:
 
         ema = jax.tree.map(leaf, state.ema, params)
         return EmaState(jnp.where(averaging, n, state.updates).astype(jnp.int32), ema)
-
-
-def check_same_structure(reference, other, what: str) -> None:
-    """Raise ValueError naming the first path where ``other``'s tree or leaf shapes differ
-    from ``reference``'s; ``what`` names the tree in the message."""
-    ref = dict(jax.tree_util.tree_flatten_with_path(reference)[0])
-    got = dict(jax.tree_util.tree_flatten_with_path(other)[0])
-    if ref.keys() != got.keys():
-        missing = [jax.tree_util.keystr(k) for k in ref if k not in got]
-        extra = [jax.tree_util.keystr(k) for k in got if k not in ref]
-        raise ValueError(
-            f"{what} changed structure: missing paths {missing[:5]}, unexpected paths {extra[:5]}."
-        )
-    for k, r in ref.items():
-        g = got[k]
-        if tuple(np.shape(r)) != tuple(np.shape(g)):
-            raise ValueError(
-                f"{what} leaf at {jax.tree_util.keystr(k)} has shape {tuple(np.shape(r))} but "
-                f"the new one has shape {tuple(np.shape(g))}."
-            )
 
 
 def check_same_tree(reference, other) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -260,15 +261,16 @@ def _is_ema_state(x) -> bool:
 
 
 # -- the storage interface: nothing outside jaxzero.ema looks at BucketedTree -----------------
-def to_per_leaf(tree):
+def to_per_leaf(tree, *, abstract: bool = False):
     """``tree`` (an EMA tree, EmaState, TrainState or any pytree) with every bucketed EMA in
     its per-leaf form: concrete arrays are sliced locally (:func:`unbucket`); an abstract
-    bucket becomes the per-leaf ShapeDtypeStructs with their shardings."""
+    bucket (or any bucket, with ``abstract=True``: nothing is computed) becomes the per-leaf
+    ShapeDtypeStructs with their shardings."""
 
     def one(x):
         if not _is_bucketed(x):
             return x
-        if isinstance(x.bucket, jax.ShapeDtypeStruct):
+        if abstract or isinstance(x.bucket, jax.ShapeDtypeStruct):
             return x.layout.abstract()
         return _unbucket_tree(x)
 
@@ -302,3 +304,22 @@ def like(per_leaf_tree, reference):
     """``per_leaf_tree`` stored the way ``reference`` (an EMA tree or EmaState) is."""
     ref = reference.ema if _is_ema_state(reference) else reference
     return bucket(per_leaf_tree, ref.layout) if _is_bucketed(ref) else per_leaf_tree
+
+
+def specs(tree, per_leaf_specs: Callable, axis: str):
+    """The PartitionSpecs of an EMA tree in its storage: ``per_leaf_specs(tree)`` for a
+    per-leaf tree; for a bucketed one the per-leaf rule for the rest and ``P(axis)`` (rows)
+    for the ``[N, L]`` bucket."""
+    if _is_bucketed(tree):
+        return BucketedTree(per_leaf_specs(tree.rest), P(axis), tree.layout)
+    return per_leaf_specs(tree)
+
+
+def pack_like(pieces, local_ema):
+    """Inside ``shard_map``: this device's per-leaf master ``pieces`` in the storage of its
+    ``local_ema`` tree (the small pieces packed into one bucket row when it is bucketed)."""
+    if not _is_bucketed(local_ema):
+        return pieces
+    layout = local_ema.layout
+    rest, small = split(pieces, layout)
+    return BucketedTree(rest, pack_local(small, layout), layout)

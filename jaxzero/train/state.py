@@ -1,14 +1,21 @@
-"""The training state pytree."""
+"""The training state pytree, its shardings, and its creation on the mesh."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
-from jaxzero.ema.ema import EmaState
+import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
+from jaxzero._tree import leaves_by_keystr
+from jaxzero.ema import placement
+from jaxzero.ema import storage as ema_storage
+from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.precision import LossScaleState
+from jaxzero.zero import specs as sh
 
 
 class TrainState(struct.PyTreeNode):
@@ -38,3 +45,141 @@ class TrainState(struct.PyTreeNode):
     loss_scale: LossScaleState | None = None
     model_state: Any = None
     rng: Any = None
+
+
+def check_params(params) -> None:
+    """Every trainable leaf must be a floating array; list every offender otherwise."""
+    bad = []
+    for path, leaf in leaves_by_keystr(params):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            bad.append(
+                f"{path or '<root>'} ({dtype if dtype is not None else type(leaf).__name__})"
+            )
+    if bad:
+        raise TypeError(
+            f"params must hold only floating-point arrays (they are all trained), but these "
+            f"leaves are not: {', '.join(bad)}. Move counters and integer buffers out of the "
+            f"trainable tree (e.g. into model_state) or cast them to float."
+        )
+    if not leaves_by_keystr(params):
+        raise ValueError("params is an empty tree: there is nothing to train.")
+
+
+def check_model_state(params, model_state) -> None:
+    """The model state must not hold what the optimizer trains (e.g. a "params" collection)."""
+    if model_state is None:
+        return
+    if isinstance(model_state, dict) and "params" in model_state:
+        raise ValueError(
+            "model_state has a 'params' collection: trainable arrays belong in params, and "
+            "model_state holds only non-trainable collections (e.g. {'batch_stats': ...}). "
+            "Split the variables: params = variables.pop('params')."
+        )
+    param_paths = {k for k, _ in leaves_by_keystr(params)}
+    shared = [k for k, _ in leaves_by_keystr(model_state) if k in param_paths]
+    if shared:
+        raise ValueError(
+            f"model_state leaves {shared[:5]} have the same paths as trainable params; the "
+            f"optimizer would see them twice. Keep non-trainable state out of params."
+        )
+
+
+def raw_key(rng):
+    """Typed PRNG keys are stored as their raw uint32 data (checkpointable everywhere);
+    ``jax.random.fold_in`` and friends accept both."""
+    if rng is None:
+        return None
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if isinstance(rng, jax.ShapeDtypeStruct):
+            return jax.eval_shape(jax.random.key_data, rng)
+        return jax.random.key_data(rng)
+    return rng
+
+
+def cast(tree, dtype):
+    """Every leaf of ``tree`` cast to ``dtype``."""
+    return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
+def ema_target(master, model_state):
+    """What the EMA averages: the master weights, plus the model state when there is one
+    (float buffers such as BatchNorm statistics are averaged, integer ones copied)."""
+    if model_state is None:
+        return master
+    return {"params": master, "model_state": model_state}
+
+
+def state_specs(zero: jaxzero.ZeRO, state: TrainState) -> TrainState:
+    """PartitionSpecs for every leaf of ``state`` (concrete or abstract) under ``zero``."""
+    replicated = lambda t: jax.tree.map(lambda _: P(), t)
+    ema = None
+    if state.ema is not None:
+        ema = placement.state_specs(state.ema, zero.ema_leaf_specs, zero.axis)
+    return TrainState(
+        step=P(),
+        params=zero.param_specs(state.params),
+        master=None if state.master is None else zero.shard_specs(state.master),
+        opt_state=zero.shard_specs(state.opt_state),
+        skipped=P(),
+        ema=ema,
+        loss_scale=None if state.loss_scale is None else replicated(state.loss_scale),
+        model_state=None if state.model_state is None else replicated(state.model_state),
+        rng=None if state.rng is None else P(),
+    )
+
+
+def _init_raw(zero: jaxzero.ZeRO, params, ema: ShardedEMA | None, model_state, rng) -> TrainState:
+    pol = zero.precision
+    master_full = cast(params, pol.master_dtype)
+    master_view = jax.lax.with_sharding_constraint(
+        master_full, sh.named(zero.mesh, zero.shard_specs(master_full))
+    )
+    ema_state = None
+    if ema is not None:
+        ema_state = ema.init(ema_target(master_view, model_state))
+        ema_state = ema_storage.store(ema_state, zero.mesh, zero.axis, ema.bucket_leaves_up_to)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=cast(params, pol.param_dtype),
+        master=master_view if pol.separate_master else None,
+        opt_state=zero.tx.init(master_view),
+        skipped=jnp.zeros((), jnp.int32),
+        ema=ema_state,
+        loss_scale=None if zero.loss_scale is None else zero.loss_scale.init(),
+        model_state=model_state,
+        rng=rng,
+    )
+
+
+def abstract_state(
+    zero: jaxzero.ZeRO, params, *, ema=None, model_state=None, rng=None
+) -> TrainState:
+    """The state's ShapeDtypeStructs, with shardings, without allocating anything."""
+    rng = raw_key(rng)
+    shapes = jax.eval_shape(lambda p, m, r: _init_raw(zero, p, ema, m, r), params, model_state, rng)
+    shardings = sh.named(zero.mesh, state_specs(zero, shapes))
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
+def init(zero: jaxzero.ZeRO, params, *, ema=None, model_state=None, rng=None) -> TrainState:
+    """:meth:`jaxzero.ZeRO.init`: check the inputs, then place the state on the mesh."""
+    check_params(params)
+    check_model_state(params, model_state)
+    zero.check_layers(params)
+    rng = raw_key(rng)
+    if jax.process_count() > 1:
+        from jaxzero.distributed import check_same_on_all_processes
+
+        check_same_on_all_processes(params, "params")
+        check_same_on_all_processes(model_state, "model_state")
+        check_same_on_all_processes(rng, "rng")
+    if ema is not None and not isinstance(ema, ShardedEMA):
+        raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
+    abstract = abstract_state(zero, params, ema=ema, model_state=model_state, rng=rng)
+    out = jax.tree.map(lambda x: x.sharding, abstract)
+    fn = jax.jit(lambda p, m, r: _init_raw(zero, p, ema, m, r), out_shardings=out)
+    return fn(params, model_state, rng)

@@ -12,141 +12,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxzero._tree import batch_rows
 from jaxzero.distributed import global_batch
-from jaxzero.ema.ema import ShardedEMA, check_same_structure
+from jaxzero.ema.ema import ShardedEMA
+from jaxzero.train.grads import local_gradients
 from jaxzero.train.state import TrainState
-from jaxzero.zero.config import ZeRO, to_varying
-from jaxzero.zero.layers import layer_plan
-from jaxzero.zero.specs import batch_rows
-
-_NO_LAYER_GATHER = (
-    "ZeRO(stage=3, layers={}) hands the loss each layer stack as shards, but the model never "
-    "called jaxzero.gather_layer: wrap the scanned block, e.g. nn.remat(nn.map_variables("
-    "Block, 'params', trans_in_fn=jaxzero.gather_layer)), or drop layers= to gather the whole "
-    "model up front."
-)
-
-
-def _split_out(out):
-    if isinstance(out, tuple):
-        if len(out) != 2:
-            raise ValueError(
-                f"loss_fn returned a tuple of {len(out)} items; return a scalar loss or "
-                f"(loss, aux)."
-            )
-        return out[0], out[1]
-    return out, None
-
-
-def _mean_over(x, axes):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return jax.lax.pmean(x, axes)
-    return jax.lax.pmax(x, axes)
-
-
-def _call_loss(loss_fn, stateful, params, model_state, batch, rng):
-    if stateful:
-        out = loss_fn(params, model_state, batch, rng)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple)):
-            raise ValueError(
-                "a stateful loss_fn(params, model_state, batch, rng) must return "
-                "(loss, (new_model_state, aux)); got "
-                f"{type(out).__name__}. Return aux=None when there is none."
-            )
-        loss, (new_state, aux) = out
-        check_same_structure(model_state, new_state, "model_state")
-        return loss, aux, new_state
-    loss, aux = _split_out(loss_fn(params, batch))
-    return loss, aux, None
-
-
-def local_gradients(zero: ZeRO, loss_fn, accum_steps: int, *, stateful: bool = False):
-    """The per-device gradient computation, to run inside ``jax.shard_map``.
-
-    Returns ``fn(params_local, model_state, batch_local, rng, scale, specs)`` ->
-    ``(loss, aux, grads, new_model_state)`` where ``grads`` are already reduced by
-    :meth:`ZeRO.reduce_gradients` (all-reduced for stages 0/1, reduce-scattered for stages
-    2/3). With ``accum_steps > 1`` the local batch is split into micro-batches scanned with
-    ``lax.scan``: stages 0/1 accumulate the full local gradient and all-reduce once; stages 2/3
-    reduce-scatter every micro-batch into a sharded accumulator, so no full gradient buffer
-    outlives a micro-batch. The model state is threaded through the micro-batches and averaged
-    over devices at the end (identical on every device when BatchNorm is synchronised).
-    ``rng`` is this device's key (already folded with the step and the device index); each
-    micro-batch folds in its index.
-    """
-    axes = zero.batch_axes
-    reduce_each = zero.stage >= 2
-
-    def scaled(params, model_state, batch, rng, scale):
-        loss, aux, new_state = _call_loss(loss_fn, stateful, params, model_state, batch, rng)
-        if jnp.ndim(loss) != 0:
-            raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
-        return loss.astype(jnp.float32) * scale, (loss, aux, new_state)
-
-    grad_fn = jax.value_and_grad(scaled, has_aux=True)
-
-    def micro(params, specs, model_state, batch, rng, scale):
-        full = zero.params_for_loss(params, specs)
-        with layer_plan(zero.layer_plan(params, specs)) as plan:
-            try:
-                (_, (loss, aux, new_state)), g = grad_fn(full, model_state, batch, rng, scale)
-            except Exception as e:
-                if plan is None or plan.calls:
-                    raise
-                raise ValueError(_NO_LAYER_GATHER.format(zero.layers)) from e
-        if plan is not None and not plan.calls:
-            raise ValueError(_NO_LAYER_GATHER.format(zero.layers))
-        if reduce_each:
-            # reduce_gradients casts to reduce_dtype for the collective and to output_dtype
-            # after it: no full-size upcast of the local gradient before a 16-bit scatter.
-            g = zero.reduce_gradients(g)
-        else:
-            # stages 0/1 accumulate the local gradient in output_dtype, reduce once at the end
-            g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)
-        return loss, aux, g, new_state
-
-    def fold(rng, i):
-        return None if rng is None else jax.random.fold_in(rng, i)
-
-    def fn(params, model_state, batch, rng, scale, specs):
-        if model_state is not None:
-            model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
-        if accum_steps == 1:
-            losses, auxes, g, model_state = micro(params, specs, model_state, batch, rng, scale)
-        else:
-            mbs = jax.tree.map(
-                lambda x: x.reshape((accum_steps, x.shape[0] // accum_steps) + x.shape[1:]), batch
-            )
-            first = jax.tree.map(lambda x: x[0], mbs)
-            rest = jax.tree.map(lambda x: x[1:], mbs)
-            loss0, aux0, g, model_state = micro(
-                params, specs, model_state, first, fold(rng, 0), scale
-            )
-
-            def body(carry, xs):
-                acc, ms = carry
-                mb, i = xs
-                loss, aux, gi, ms = micro(params, specs, ms, mb, fold(rng, i), scale)
-                return (jax.tree.map(jnp.add, acc, gi), ms), (loss, aux)
-
-            idx = jnp.arange(1, accum_steps)
-            (g, model_state), (losses, auxes) = jax.lax.scan(body, (g, model_state), (rest, idx))
-            cat = lambda a, b: jnp.concatenate([a[None], b])
-            losses = cat(loss0, losses).mean()
-            auxes = jax.tree.map(cat, aux0, auxes)
-            auxes = jax.tree.map(
-                lambda x: x.mean(0) if jnp.issubdtype(x.dtype, jnp.floating) else x[-1], auxes
-            )
-            g = jax.tree.map(lambda x: x / accum_steps, g)
-        if not reduce_each:
-            g = zero.reduce_gradients(g)
-        loss = jax.lax.pmean(losses, axes)
-        aux = jax.tree.map(lambda x: _mean_over(x, axes), auxes)
-        if model_state is not None:
-            model_state = jax.tree.map(lambda x: _mean_over(x, axes), model_state)
-        return loss, aux, g, model_state
-
-    return fn
+from jaxzero.zero.config import ZeRO
 
 
 def device_key(rng, step, axes):
@@ -314,7 +185,21 @@ def make_train_step(
         raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
     if ema is not None and not isinstance(ema, ShardedEMA):
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
-    grads_fn = local_gradients(zero, loss_fn, accum_steps, stateful=stateful)
+    step_fn = _step_fn(zero, local_gradients(zero, loss_fn, accum_steps, stateful=stateful), ema)
+    jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else ())
+    return TrainStep(
+        loss_fn=loss_fn,
+        zero=zero,
+        ema=ema,
+        accum_steps=accum_steps,
+        jitted=jitted,
+        stateful=stateful,
+    )
+
+
+def _step_fn(zero: ZeRO, grads_fn, ema: ShardedEMA | None):
+    """The (unjitted) step: the per-device gradients in a ``shard_map`` over the mesh, then
+    :meth:`ZeRO.apply_gradients` under jit."""
     axes = zero.batch_axes
 
     def sharded(params, model_state, batch, rng, step, scale, specs):
@@ -323,7 +208,6 @@ def make_train_step(
 
     def step_fn(state: TrainState, batch):
         specs = zero.param_specs(state.params)
-        grad_specs = zero.grad_specs(state.params)
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale.scale
         batch_spec = zero.batch_spec()
         replicated = lambda t: jax.tree.map(lambda _: P(), t)
@@ -338,7 +222,7 @@ def make_train_step(
                 P(),
                 P(),
             ),
-            out_specs=(P(), P(), grad_specs, replicated(state.model_state)),
+            out_specs=(P(), P(), zero.grad_specs(state.params), replicated(state.model_state)),
         )
         loss, aux, grads, model_state = sm(
             state.params, state.model_state, batch, state.rng, state.step, scale
@@ -349,12 +233,4 @@ def make_train_step(
             metrics["aux"] = aux
         return new_state, metrics
 
-    jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else ())
-    return TrainStep(
-        loss_fn=loss_fn,
-        zero=zero,
-        ema=ema,
-        accum_steps=accum_steps,
-        jitted=jitted,
-        stateful=stateful,
-    )
+    return step_fn

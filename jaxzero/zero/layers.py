@@ -23,11 +23,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jaxzero.zero.specs import path_keys
+from jaxzero._tree import path_keys
+from jaxzero.zero.collectives import Comm, reduce_leaf, to_varying
+from jaxzero.zero.specs import is_stacked, spec_dim
 
 _PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(
     "jaxzero_layer_plan", default=None
@@ -37,9 +40,10 @@ _PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(
 @dataclasses.dataclass
 class LayerPlan:
     """Which dimension each layer leaf was sharded on, keyed by its path inside one layer and
-    its local (per-layer, per-device) shape; built by :meth:`ZeRO.layer_plan`."""
+    its local (per-layer, per-device) shape; built by :func:`build_plan`."""
 
-    zero: Any
+    comm: Comm
+    layers: tuple[str, ...]
     dims: dict[tuple, int | None]
     calls: int = 0
 
@@ -52,10 +56,46 @@ class LayerPlan:
         known = sorted("/".join(map(str, p)) + str(s) for p, s in self.dims)
         raise ValueError(
             f"gather_layer got a leaf at {jax.tree_util.keystr(tuple(path))} with local shape "
-            f"{tuple(x.shape)} that is not a layer of the stacks {self.zero.layers}; per layer "
+            f"{tuple(x.shape)} that is not a layer of the stacks {self.layers}; per layer "
             f"it knows {known[:8]}. Apply gather_layer to one scanned layer's variables "
             f"(nn.map_variables(Block, 'params', trans_in_fn=jaxzero.gather_layer))."
         )
+
+
+def build_plan(comm: Comm, layers: tuple[str, ...], local_params, specs) -> LayerPlan:
+    """The :class:`LayerPlan` of a per-layer stage-3 step: for each leaf of one layer (a leaf
+    of a ``layers`` stack without its layer axis), the dimension it is sharded on."""
+    flat_specs = dict(
+        jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P))[0]
+    )
+    dims = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(local_params)[0]:
+        if not is_stacked(path, layers):
+            continue
+        keys = path_keys(path)
+        start = next(i for i, k in enumerate(keys) if k in layers) + 1
+        d = spec_dim(flat_specs[path])
+        dims[(keys[start:], tuple(x.shape[1:]))] = None if d is None else d - 1
+    return LayerPlan(comm, layers, dims)
+
+
+def check_layers(params, layers: tuple[str, ...]) -> None:
+    """Every name in ``layers`` must be a params subtree of arrays with a layer axis."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for name in layers:
+        leaves = [(p, x) for p, x in flat if is_stacked(p, (name,))]
+        if not leaves:
+            top = list(params) if isinstance(params, dict) else type(params).__name__
+            raise ValueError(
+                f"ZeRO(layers={layers!r}): params has no subtree named {name!r} "
+                f"(top-level keys: {top}); name the nn.scan'd module's params key."
+            )
+        scalars = [jax.tree_util.keystr(p) for p, x in leaves if not jnp.ndim(x)]
+        if scalars:
+            raise ValueError(
+                f"ZeRO(layers=...): {scalars[:5]} under {name!r} are scalars, not stacked "
+                f"per layer; a layer stack's leaves carry the layer index on axis 0."
+            )
 
 
 @contextlib.contextmanager
@@ -68,19 +108,17 @@ def layer_plan(plan: LayerPlan | None):
         _PLAN.reset(token)
 
 
-def _gather_leaf(zero, x, d):
+def _gather_leaf(comm: Comm, x, d):
     """All-gather one shard in the compute dtype; its backward reduces the gradient with
-    :meth:`ZeRO.reduce_leaf` (reduce-scatter over the data axis, or all-reduce when the leaf is
-    replicated) and returns it in ``x``'s dtype."""
-    from jaxzero.zero.config import to_varying  # (optimizer imports this module's users)
-
+    :func:`~jaxzero.zero.collectives.reduce_leaf` (reduce-scatter over the data axis, or
+    all-reduce when the leaf is replicated) and returns it in ``x``'s dtype."""
     dtype = x.dtype
 
     def forward(x):
-        y = x.astype(zero.precision.param_dtype)
+        y = x.astype(comm.param_dtype)
         if d is not None:
-            y = jax.lax.all_gather(y, zero.axis, axis=d, tiled=True)
-        return to_varying(y, zero.batch_axes)
+            y = jax.lax.all_gather(y, comm.axis, axis=d, tiled=True)
+        return to_varying(y, comm.batch_axes)
 
     @jax.custom_vjp
     def gather(x):
@@ -90,7 +128,7 @@ def _gather_leaf(zero, x, d):
         return forward(x), None
 
     def bwd(_, ct):
-        return (zero.reduce_leaf(ct, d).astype(dtype),)
+        return (reduce_leaf(comm, ct, d).astype(dtype),)
 
     gather.defvjp(fwd, bwd)
     return gather(x)
@@ -107,5 +145,5 @@ def gather_layer(variables):
         return variables
     plan.calls += 1
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: _gather_leaf(plan.zero, x, plan.lookup(path, x)), variables
+        lambda path, x: _gather_leaf(plan.comm, x, plan.lookup(path, x)), variables
     )

@@ -18,12 +18,13 @@ axis 0, so each scanned layer is a slice of whole shards and can be gathered on 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxzero._tree import path_keys
 
 
 def shard_dim(shape: Sequence[int], n: int) -> int | None:
@@ -49,11 +50,6 @@ def leaf_spec(shape: Sequence[int], n: int, axis: str, *, stacked: bool = False)
     if d is None:
         return P()
     return P(*([None] * (d + skip) + [axis]))
-
-
-def path_keys(path) -> tuple:
-    """A key path as plain keys: ``(DictKey('attn'), DictKey('kernel'))`` -> ``('attn', 'kernel')``."""
-    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
 def is_stacked(path, stacked: Sequence[str]) -> bool:
@@ -85,31 +81,3 @@ def spec_dim(spec: P) -> int | None:
         if entry is not None:
             return d
     return None
-
-
-def batch_rows(batch, *, what: str = "batch", skip: Callable | None = None) -> dict[str, int]:
-    """The leading (batch) dimension of every leaf of ``batch``, keyed by path.
-
-    Leaves for which ``skip(leaf)`` is true are left out. Raises ValueError (naming the
-    leaves) for an empty tree, a scalar leaf, or leaves that disagree on the leading dim.
-    """
-    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    if not leaves:
-        raise ValueError(f"{what} is an empty tree; pass the batch arrays.")
-    rows = {}
-    for path, x in leaves:
-        if skip is not None and skip(x):
-            continue
-        if np.ndim(x) == 0:
-            raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path)} is a scalar; every batch leaf needs "
-                f"a leading batch dimension."
-            )
-        rows[jax.tree_util.keystr(path)] = np.shape(x)[0]
-    if len(set(rows.values())) > 1:
-        raise ValueError(
-            f"{what} leaves disagree on the leading (batch) dimension: "
-            + ", ".join(f"{k}: {v}" for k, v in rows.items())
-            + "; every leaf must hold the same number of examples."
-        )
-    return rows

@@ -1,0 +1,65 @@
+"""Where the EMA lives and how it is updated there: in the master weights' shards, by a
+``shard_map`` in which each device updates only its own piece (no collective)."""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxzero.ema import storage
+from jaxzero.ema.ema import EmaState, ShardedEMA, check_same_tree
+from jaxzero.zero.specs import spec_dim
+
+
+def state_specs(ema_state: EmaState, per_leaf_specs, axis: str) -> EmaState:
+    """The specs of an :class:`EmaState` in its storage (``per_leaf_specs(tree)`` gives the
+    per-leaf rule's specs of a tree)."""
+    return EmaState(P(), storage.specs(ema_state.ema, per_leaf_specs, axis))
+
+
+def update(
+    ema: ShardedEMA,
+    ema_state: EmaState,
+    master,
+    *,
+    mesh: Mesh,
+    axis: str,
+    master_specs,
+    leaf_specs,
+    per_leaf_specs,
+    step,
+    apply,
+):
+    """The EMA update as a ``shard_map`` over the EMA's shards: provably local.
+
+    Each device updates only its own EMA shard from its own master piece; where the master
+    leaf is replicated (stage 0) it slices its part out of the local replica. A bucketed EMA
+    concatenates the device's pieces of the small leaves into one row and updates its bucket
+    row in one elementwise loop; the big leaves are updated per leaf as usual.
+
+    Args:
+      master_specs: the specs of ``master`` as it is placed (replicated leaves at stage 0).
+      leaf_specs: the per-leaf rule's specs of ``master`` (where each EMA leaf is sharded).
+      per_leaf_specs: the per-leaf rule as a function of a tree (for the EMA state's specs).
+    """
+    check_same_tree(storage.to_per_leaf(ema_state.ema, abstract=True), master)
+    specs = state_specs(ema_state, per_leaf_specs, axis)
+    n = mesh.shape[axis]
+
+    def local(e_state, m_local, step, apply):
+        def take(x, m_spec, e_spec):
+            d = spec_dim(e_spec)
+            if d is None or spec_dim(m_spec) is not None:
+                return x
+            size = x.shape[d] // n
+            return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * size, size, d)
+
+        mine = jax.tree.map(take, m_local, master_specs, leaf_specs)
+        mine = storage.pack_like(mine, e_state.ema)
+        return ema.update(e_state, mine, step=step, apply=apply)
+
+    with jax.named_scope("ema_update"):
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(specs, master_specs, P(), P()), out_specs=specs
+        )(ema_state, master, step, apply)

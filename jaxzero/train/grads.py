@@ -1,0 +1,158 @@
+"""The per-device gradient of one step, run inside ``jax.shard_map``: parameters gathered
+for the loss, ``value_and_grad`` over each micro-batch, gradients reduced (all-reduce for
+stages 0/1, reduce-scatter for 2/3), model state threaded through the micro-batches."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
+from jaxzero._tree import check_same_structure
+from jaxzero.zero.collectives import to_varying
+from jaxzero.zero.layers import layer_plan
+
+_NO_LAYER_GATHER = (
+    "ZeRO(stage=3, layers={}) hands the loss each layer stack as shards, but the model never "
+    "called jaxzero.gather_layer: wrap the scanned block, e.g. nn.remat(nn.map_variables("
+    "Block, 'params', trans_in_fn=jaxzero.gather_layer)), or drop layers= to gather the whole "
+    "model up front."
+)
+
+
+def _split_out(out):
+    if isinstance(out, tuple):
+        if len(out) != 2:
+            raise ValueError(
+                f"loss_fn returned a tuple of {len(out)} items; return a scalar loss or "
+                f"(loss, aux)."
+            )
+        return out[0], out[1]
+    return out, None
+
+
+def _mean_over(x, axes):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.pmean(x, axes)
+    return jax.lax.pmax(x, axes)
+
+
+def _call_loss(loss_fn, stateful, params, model_state, batch, rng):
+    if stateful:
+        out = loss_fn(params, model_state, batch, rng)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple)):
+            raise ValueError(
+                "a stateful loss_fn(params, model_state, batch, rng) must return "
+                "(loss, (new_model_state, aux)); got "
+                f"{type(out).__name__}. Return aux=None when there is none."
+            )
+        loss, (new_state, aux) = out
+        check_same_structure(model_state, new_state, "model_state")
+        return loss, aux, new_state
+    loss, aux = _split_out(loss_fn(params, batch))
+    return loss, aux, None
+
+
+def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: bool = False):
+    """The per-device gradient computation, to run inside ``jax.shard_map``.
+
+    Returns ``fn(params_local, model_state, batch_local, rng, scale, specs)`` ->
+    ``(loss, aux, grads, new_model_state)`` where ``grads`` are already reduced by
+    :meth:`ZeRO.reduce_gradients` (all-reduced for stages 0/1, reduce-scattered for stages
+    2/3). With ``accum_steps > 1`` the local batch is split into micro-batches scanned with
+    ``lax.scan``: stages 0/1 accumulate the full local gradient and all-reduce once; stages 2/3
+    reduce-scatter every micro-batch into a sharded accumulator, so no full gradient buffer
+    outlives a micro-batch. The model state is threaded through the micro-batches and averaged
+    over devices at the end (identical on every device when BatchNorm is synchronised).
+    ``rng`` is this device's key (already folded with the step and the device index); each
+    micro-batch folds in its index.
+    """
+    axes = zero.batch_axes
+    reduce_each = zero.stage >= 2
+
+    def scaled(params, model_state, batch, rng, scale):
+        loss, aux, new_state = _call_loss(loss_fn, stateful, params, model_state, batch, rng)
+        if jnp.ndim(loss) != 0:
+            raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
+        return loss.astype(jnp.float32) * scale, (loss, aux, new_state)
+
+    grad_fn = jax.value_and_grad(scaled, has_aux=True)
+
+    def micro(params, specs, model_state, batch, rng, scale):
+        full = zero.params_for_loss(params, specs)
+        with (
+            layer_plan(zero.layer_plan(params, specs)) as plan,
+            jax.named_scope("forward_backward"),
+        ):
+            try:
+                (_, (loss, aux, new_state)), g = grad_fn(full, model_state, batch, rng, scale)
+            except Exception as e:
+                if plan is None or plan.calls:
+                    raise
+                raise ValueError(_NO_LAYER_GATHER.format(zero.layers)) from e
+        if plan is not None and not plan.calls:
+            raise ValueError(_NO_LAYER_GATHER.format(zero.layers))
+        if reduce_each:
+            # reduce_gradients casts to reduce_dtype for the collective and to output_dtype
+            # after it: no full-size upcast of the local gradient before a 16-bit scatter.
+            g = zero.reduce_gradients(g)
+        else:
+            # stages 0/1 accumulate the local gradient in output_dtype, reduce once at the end
+            g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)
+        return loss, aux, g, new_state
+
+    def fn(params, model_state, batch, rng, scale, specs):
+        if model_state is not None:
+            model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
+        run = lambda ms, b, key: micro(params, specs, ms, b, key, scale)
+        if accum_steps == 1:
+            losses, auxes, g, model_state = run(model_state, batch, rng)
+        else:
+            losses, auxes, g, model_state = _accumulate(run, accum_steps, model_state, batch, rng)
+        if not reduce_each:
+            g = zero.reduce_gradients(g)
+        loss = jax.lax.pmean(losses, axes)
+        aux = jax.tree.map(lambda x: _mean_over(x, axes), auxes)
+        if model_state is not None:
+            model_state = jax.tree.map(lambda x: _mean_over(x, axes), model_state)
+        return loss, aux, g, model_state
+
+    return fn
+
+
+def _fold(rng, i):
+    return None if rng is None else jax.random.fold_in(rng, i)
+
+
+def _accumulate(run, accum_steps: int, model_state, batch, rng):
+    """Scan ``run(model_state, micro_batch, key) -> (loss, aux, grads, model_state)`` over
+    ``accum_steps`` micro-batches of the local batch, summing gradients.
+
+    The first micro-batch runs outside the scan and its gradient becomes the carry, so the
+    carry has the right device-varying type (and, at stages 2/3, the sharded shape) without
+    zeros. Returns the mean loss, the aux (float leaves averaged, others from the last
+    micro-batch), the mean gradient and the final model state.
+    """
+    mbs = jax.tree.map(
+        lambda x: x.reshape((accum_steps, x.shape[0] // accum_steps) + x.shape[1:]), batch
+    )
+    first = jax.tree.map(lambda x: x[0], mbs)
+    rest = jax.tree.map(lambda x: x[1:], mbs)
+    loss0, aux0, g, model_state = run(model_state, first, _fold(rng, 0))
+
+    def body(carry, xs):
+        acc, ms = carry
+        mb, i = xs
+        loss, aux, gi, ms = run(ms, mb, _fold(rng, i))
+        return (jax.tree.map(jnp.add, acc, gi), ms), (loss, aux)
+
+    idx = jnp.arange(1, accum_steps)
+    (g, model_state), (losses, auxes) = jax.lax.scan(body, (g, model_state), (rest, idx))
+    cat = lambda a, b: jnp.concatenate([a[None], b])
+    losses = cat(loss0, losses).mean()
+    auxes = jax.tree.map(cat, aux0, auxes)
+    auxes = jax.tree.map(
+        lambda x: x.mean(0) if jnp.issubdtype(x.dtype, jnp.floating) else x[-1], auxes
+    )
+    g = jax.tree.map(lambda x: x / accum_steps, g)
+    return losses, auxes, g, model_state

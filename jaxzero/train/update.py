@@ -1,0 +1,114 @@
+"""The optax update on shards: unscale, global finite check, optax, EMA, new compute params.
+
+Runs under ``jax.jit`` (GSPMD), outside ``shard_map``, so transforms with global reductions
+(``clip_by_global_norm``, LAMB) see the global values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
+from jaxzero._tree import check_same_structure
+from jaxzero.ema.ema import ShardedEMA
+from jaxzero.train.state import TrainState, cast, ema_target
+from jaxzero.zero import specs as sh
+
+
+def master_view(zero: jaxzero.ZeRO, state: TrainState):
+    """The master weights in their shards (a local slice of ``params`` when no separate
+    master copy is kept)."""
+    if state.master is not None:
+        return state.master
+    specs = zero.shard_specs(state.params)
+    return jax.lax.with_sharding_constraint(state.params, sh.named(zero.mesh, specs))
+
+
+def _unscaled(zero: jaxzero.ZeRO, state: TrainState, grads):
+    """The gradients in ``output_dtype``, in the master's shards, divided by the loss scale."""
+    grads = jax.lax.with_sharding_constraint(
+        cast(grads, zero.precision.output_dtype), sh.named(zero.mesh, zero.shard_specs(grads))
+    )
+    if state.loss_scale is not None:
+        inv = 1.0 / state.loss_scale.scale
+        grads = jax.tree.map(lambda g: g * inv.astype(g.dtype), grads)
+    return grads
+
+
+def _optax_update(zero: jaxzero.ZeRO, state: TrainState, master, grads):
+    """``(new_master, new_opt_state)``, each pinned to its own shardings: otherwise GSPMD may
+    propagate the EMA's (sharded) layout backward into a stage-0 update and all-gather it."""
+    updates, opt_state = zero.tx.update(grads, state.opt_state, master)
+    new_master = optax.apply_updates(master, updates)
+    pin = lambda t: jax.lax.with_sharding_constraint(t, sh.named(zero.mesh, zero.shard_specs(t)))
+    return pin(new_master), pin(opt_state)
+
+
+def _metrics(zero: jaxzero.ZeRO, state: TrainState, new_state: TrainState, grads, finite):
+    metrics = {
+        "grad_norm": optax.tree.norm(grads),
+        "finite": finite,
+        "skipped": new_state.skipped,
+        "step": new_state.step,
+    }
+    if new_state.loss_scale is not None:
+        metrics["loss_scale"] = new_state.loss_scale.scale
+        metrics["loss_scale_at_min"] = jnp.logical_and(
+            ~finite, zero.loss_scale.at_minimum(state.loss_scale)
+        )
+    return metrics
+
+
+def _new_ema(
+    zero: jaxzero.ZeRO, state: TrainState, ema, new_master, model_state, step, apply, keep
+):
+    if state.ema is None:
+        return None
+    if ema is None:
+        raise ValueError(
+            "state has an EMA but no ShardedEMA was given to apply it; pass ema= to "
+            "make_train_step / apply_gradients."
+        )
+    target = new_master
+    if state.model_state is not None:
+        target = ema_target(new_master, keep(model_state, state.model_state))
+    return zero.update_ema(ema, state.ema, target, step=step, apply=apply)
+
+
+def apply_gradients(
+    zero: jaxzero.ZeRO, state: TrainState, grads, *, ema: ShardedEMA | None = None, model_state=None
+):
+    """:meth:`jaxzero.ZeRO.apply_gradients` (see there)."""
+    master = master_view(zero, state)
+    with jax.named_scope("optimizer_update"):
+        grads = _unscaled(zero, state, grads)
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        new_master, opt_state = _optax_update(zero, state, master, grads)
+    apply = finite if zero.skip_nonfinite else jnp.asarray(True)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
+    new_master = keep(new_master, master)
+    step = jnp.where(apply, state.step + 1, state.step)
+    compute = cast(new_master, zero.precision.param_dtype)
+    if zero.stage in (1, 2):
+        with jax.named_scope("gather_updated_params"):
+            compute = zero.all_gather(compute)
+    new_ema = _new_ema(zero, state, ema, new_master, model_state, step, apply, keep)
+    loss_scale = state.loss_scale
+    if loss_scale is not None:
+        loss_scale = zero.loss_scale.update(loss_scale, finite)
+    new_state = state.replace(
+        step=step,
+        params=keep(compute, state.params),
+        master=new_master if state.master is not None else None,
+        opt_state=keep(opt_state, state.opt_state),
+        skipped=state.skipped + jnp.where(apply, 0, 1).astype(jnp.int32),
+        ema=new_ema,
+        loss_scale=loss_scale,
+    )
+    if state.model_state is not None and model_state is not None:
+        check_same_structure(state.model_state, model_state, "model_state")
+        new_state = new_state.replace(model_state=keep(model_state, state.model_state))
+    metrics = _metrics(zero, state, new_state, grads, finite)
+    return zero.constrain(new_state), metrics

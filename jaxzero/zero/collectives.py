@@ -1,0 +1,131 @@
+"""The collectives ZeRO places itself, inside ``jax.shard_map``: gather parameter shards for
+the loss, reduce local gradients (all-reduce or reduce-scatter), replicate updated shards.
+
+Each function takes a :class:`Comm`: the few facts a collective needs (axes, sizes, dtypes),
+not the whole :class:`~jaxzero.ZeRO`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxzero.zero.specs import spec_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """What the collectives of one ZeRO configuration need to know.
+
+    Attributes:
+      axis: the mesh axis state is sharded over (reduce-scatter / all-gather axis).
+      batch_axes: every mesh axis the batch is split over (the data axis last).
+      replica_axes: the batch axes other than ``axis`` (state replicated over them).
+      num_batch_shards: the number of batch shards the gradient is averaged over.
+      param_dtype, reduce_dtype, output_dtype: the precision policy's dtypes.
+    """
+
+    axis: str
+    batch_axes: tuple[str, ...]
+    replica_axes: tuple[str, ...]
+    num_batch_shards: int
+    param_dtype: Any
+    reduce_dtype: Any
+    output_dtype: Any
+
+
+def to_varying(x, axes):
+    """``pcast`` ``x`` to device-varying over those of ``axes`` it is not yet varying over."""
+    varying = jax.typeof(x).manual_axis_type.varying
+    missing = tuple(a for a in axes if a not in varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def reduce_leaf(comm: Comm, g, d: int | None):
+    """Average one local gradient leaf over every batch axis.
+
+    Reduce-scatter along dimension ``d`` over the data axis (then ``psum`` over replica axes),
+    or all-reduce when ``d`` is None; communicated in ``reduce_dtype``, returned in
+    ``output_dtype`` and divided by the number of batch shards.
+    """
+    g = g.astype(comm.reduce_dtype)
+    if d is None:
+        g = jax.lax.psum(g, comm.batch_axes)
+    else:
+        g = jax.lax.psum_scatter(g, comm.axis, scatter_dimension=d, tiled=True)
+        if comm.replica_axes:
+            g = jax.lax.psum(g, comm.replica_axes)
+    return g.astype(comm.output_dtype) / comm.num_batch_shards
+
+
+def _keep(stacked_mask, tree):
+    """``stacked_mask`` or an all-False mask of ``tree``'s structure."""
+    return jax.tree.map(lambda _: False, tree) if stacked_mask is None else stacked_mask
+
+
+def gather_params(comm: Comm, local_params, specs, stacked_mask=None):
+    """All-gather stage-3 parameter shards into full tensors; leaves where ``stacked_mask`` is
+    True (per-layer stage 3) stay shards. ``specs`` are the global params' specs."""
+
+    def gather(stacked, p_local, spec):
+        d = spec_dim(spec)
+        if d is None or stacked:
+            return p_local
+        return jax.lax.all_gather(p_local, comm.axis, axis=d, tiled=True)
+
+    return jax.tree.map(gather, _keep(stacked_mask, local_params), local_params, specs)
+
+
+def params_for_loss(comm: Comm, local_params, specs, stacked_mask=None):
+    """The full compute params, ready to differentiate.
+
+    Sharded leaves are all-gathered (:func:`gather_params`); then every leaf is marked
+    device-varying over the batch axes (``jax.lax.pcast``), so autodiff returns each device's
+    local, unreduced gradient and the reduction is :func:`reduce_gradients`'s, not an implicit
+    ``psum``. Leaves where ``stacked_mask`` is True (layer stacks of a per-layer stage 3) stay
+    shards, cast to ``output_dtype`` (the dtype their gradients come back in):
+    :func:`jaxzero.gather_layer` gathers them per layer and its backward reduces their
+    gradients.
+    """
+    with jax.named_scope("gather_params"):
+        full = gather_params(comm, local_params, specs, stacked_mask)
+
+    def prepare(stacked, x):
+        return x.astype(comm.output_dtype) if stacked else to_varying(x, comm.batch_axes)
+
+    return jax.tree.map(prepare, _keep(stacked_mask, full), full)
+
+
+def reduce_gradients(comm: Comm, grads, grad_specs, stacked_mask=None):
+    """Average local gradients over every batch axis, one :func:`reduce_leaf` per leaf along
+    its ``grad_specs`` dimension. Leaves where ``stacked_mask`` is True were already reduced
+    layer by layer (by :func:`jaxzero.gather_layer`'s backward) and pass through."""
+
+    def one(stacked, g, spec):
+        return g if stacked else reduce_leaf(comm, g, spec_dim(spec))
+
+    with jax.named_scope("reduce_gradients"):
+        return jax.tree.map(one, _keep(stacked_mask, grads), grads, grad_specs)
+
+
+def all_gather(mesh: Mesh, axis: str, tree, specs):
+    """Replicate a tree of shards with one explicit ``all_gather`` per sharded leaf (outside
+    ``shard_map``; it builds its own), so the collective moves exactly the bytes of the
+    dtype the shards already have."""
+
+    def gather(x, spec):
+        d = spec_dim(spec)
+        if d is None:
+            return x
+        return jax.lax.all_gather(x, axis, axis=d, tiled=True, to="invarying")
+
+    return jax.shard_map(
+        lambda t: jax.tree.map(gather, t, specs),
+        mesh=mesh,
+        in_specs=(specs,),
+        out_specs=jax.tree.map(lambda _: P(), specs),
+    )(tree)
