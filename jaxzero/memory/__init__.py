@@ -13,13 +13,16 @@ Two halves:
 
 Units: every byte count is an ``int`` number of bytes. "GB" means 1e9 bytes
 (as in the paper), "GiB" means 2**30.
+
+Modules: ``estimate`` (the analytic accounting), ``hlo`` (reading collectives from compiled
+HLO text), ``measured`` (bytes on devices, :func:`measure`).
 """
 
+from jaxzero._tree import format_bytes as format_bytes
 from jaxzero.memory.estimate import OPTIMIZERS as OPTIMIZERS
 from jaxzero.memory.estimate import PRECISIONS as PRECISIONS
 from jaxzero.memory.estimate import MemoryEstimate as MemoryEstimate
 from jaxzero.memory.estimate import estimate_memory as estimate_memory
-from jaxzero.memory.estimate import format_bytes as format_bytes
 from jaxzero.memory.estimate import format_table as format_table
 from jaxzero.memory.estimate import gpt_param_count as gpt_param_count
 from jaxzero.memory.estimate import parse_bytes as parse_bytes

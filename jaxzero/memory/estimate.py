@@ -1,12 +1,34 @@
 """Analytic ZeRO memory estimates (no devices needed): :func:`estimate_memory` applies the ZeRO
-paper's accounting to give bytes per device for each stage; :func:`format_table` renders it."""
+paper's accounting to give bytes per device for each stage; :func:`format_table` renders it.
+
+Beyond the per-stage state (see :func:`estimate_memory`), two terms:
+
+**Activations** (ZeRO-Infinity, Rajbhandari et al. 2021, sec. 3), added only when batch, seq,
+hidden, layers and heads are given; they do not depend on the stage. With ci = ckpt_every
+(default 1)::
+
+    checkpoints = 2 * batch * seq * hidden * ceil(layers / ci)
+    working     = batch * seq * ci * (16 * hidden + 2 * heads * seq)
+    logits      = 3 * 4 * batch * seq * vocab     (only with vocab=)
+
+in 16-bit precisions; fp32 doubles checkpoints and working. ``logits`` are the float32
+logits, their softmax and their gradient (the cross-entropy over a vocabulary).
+
+**Stage 3 one layer at a time** (``ZeRO(layers=...)``; ``layer_params=`` the parameters of one
+scanned layer, DeepSpeed's "largest layer"; needs ``layers``) adds the gathered working set
+``(p + g) * layer_params + g * (Φ - layers * layer_params)``: one layer whole with its full
+gradient before its reduce-scatter, and the full gradients of the leaves outside the stacks
+(embeddings, head), which are gathered for the micro-batch and reduced after the backward.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
-from typing import Any
+
+from jaxzero._tree import check_int, format_bytes
 
 OPTIMIZERS = ("adam", "sgd", "adafactor")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -19,17 +41,7 @@ _MASTER_BYTES = 4  # fp32 master copy, kept only under mixed precision
 _EMA_BYTES = 4  # the EMA is always fp32 and always sharded over the N devices
 
 
-def _check_int(name: str, value: Any, *, minimum: int = 1) -> int:
-    """Return ``value`` as an int >= minimum; accepts integral floats like 7.5e9."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(
-            f"{name} must be an integer, got {value!r} ({type(value).__name__}); pass e.g. {name}=8"
-        )
-    if isinstance(value, float) and not value.is_integer():
-        raise ValueError(f"{name} must be a whole number, got {value!r}; round it first")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return int(value)
+_whole = functools.partial(check_int, whole_floats=True)  # also takes 7.5e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +93,8 @@ def gpt_param_count(layers: int, hidden: int, vocab: int = 50257, seq: int = 102
     Returns:
         The parameter count as an int.
     """
-    layers, hidden = _check_int("layers", layers), _check_int("hidden", hidden)
-    vocab, seq = _check_int("vocab", vocab), _check_int("seq", seq, minimum=0)
+    layers, hidden = _whole(layers, "layers"), _whole(hidden, "hidden")
+    vocab, seq = _whole(vocab, "vocab"), _whole(seq, "seq", minimum=0)
     return 12 * layers * hidden**2 + (vocab + seq) * hidden
 
 
@@ -101,15 +113,15 @@ def _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every, vocab, act_
             f"activation estimate needs batch, seq, hidden, layers and heads; "
             f"missing {', '.join(missing)}: pass them or omit all of them"
         )
-    b, s = _check_int("batch", batch), _check_int("seq", seq)
-    h, nl = _check_int("hidden", hidden), _check_int("layers", layers)
-    a = _check_int("heads", heads)
-    ci = _check_int("ckpt_every", 1 if ckpt_every is None else ckpt_every)
+    b, s = _whole(batch, "batch"), _whole(seq, "seq")
+    h, nl = _whole(hidden, "hidden"), _whole(layers, "layers")
+    a = _whole(heads, "heads")
+    ci = _whole(1 if ckpt_every is None else ckpt_every, "ckpt_every")
     if ci > nl:
         raise ValueError(f"ckpt_every={ci} exceeds layers={nl}; use 1 <= ckpt_every <= layers")
     checkpoints = act_bytes * b * s * h * math.ceil(nl / ci)
     working = b * s * ci * (16 * h + 2 * a * s) * act_bytes // 2
-    logits = 0 if vocab is None else 3 * 4 * b * s * _check_int("vocab", vocab)
+    logits = 0 if vocab is None else 3 * 4 * b * s * _whole(vocab, "vocab")
     return checkpoints + working + logits
 
 
@@ -148,22 +160,8 @@ def estimate_memory(
     padded flat shard). The EMA (``ema=True``) is fp32 and jaxzero shards it at
     every stage, stage 0 included: 4*Φ/N.
 
-    Activations (ZeRO-Infinity, Rajbhandari et al. 2021, sec. 3), added only when
-    batch, seq, hidden, layers and heads are given; they do not depend on the
-    stage. With ci = ckpt_every (default 1)::
-
-        checkpoints = 2 * batch * seq * hidden * ceil(layers / ci)
-        working     = batch * seq * ci * (16 * hidden + 2 * heads * seq)
-        logits      = 3 * 4 * batch * seq * vocab     (only with vocab=)
-
-    in 16-bit precisions; fp32 doubles checkpoints and working. ``logits`` are the float32
-    logits, their softmax and their gradient (the cross-entropy over a vocabulary).
-
-    Stage 3 one layer at a time (``ZeRO(layers=...)``; ``layer_params=`` the parameters of one
-    scanned layer, DeepSpeed's "largest layer"; needs ``layers``) adds the gathered working set
-    ``(p + g) * layer_params + g * (Φ - layers * layer_params)``: one layer whole with its full
-    gradient before its reduce-scatter, and the full gradients of the leaves outside the stacks
-    (embeddings, head), which are gathered for the micro-batch and reduced after the backward.
+    Activations (with batch, seq, hidden, layers and heads) and stage 3's gathered layer (with
+    ``layer_params``) are added as the ``jaxzero.memory.estimate`` module docstring describes.
 
     Example: Φ = 7.5e9, N = 64, adam, bf16 gives 120 / 31.4 / 16.6 / 1.9 GB for
     stages 0 / 1 / 2 / 3 (the paper's Figure 1).
@@ -190,48 +188,63 @@ def estimate_memory(
     Raises:
         ValueError / TypeError: naming the bad argument and the accepted values.
     """
-    phi = _check_int("num_params", num_params)
-    n = _check_int("world_size", world_size)
+    phi, n = _whole(num_params, "num_params"), _whole(world_size, "world_size")
+    _check_choices(optimizer, precision, stage)
+    width = 2 if precision != "fp32" else 4  # bytes of one param, one grad (p = g)
+    act = _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every, vocab, width)
+    gathered = _gathered_bytes(phi, layer_params, layers, width)
+    sizes = (phi, n, optimizer, precision, ema, act, gathered)
+    if stage is not None:
+        return _one_stage(stage, *sizes)
+    return [_one_stage(s, *sizes) for s in range(4)]
+
+
+def _check_choices(optimizer, precision, stage) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
         raise ValueError(f"stage must be 0, 1, 2, 3 or None (all stages), got {stage!r}")
+
+
+def _gathered_bytes(phi: int, layer_params, layers, width: int) -> int:
+    """Stage 3's gathered working set with ``ZeRO(layers=...)`` (0 without ``layer_params``):
+    ``(p + g) * layer_params + g * (phi - layers * layer_params)`` with p = g = ``width``."""
+    if layer_params is None:
+        return 0
+    one_layer = _whole(layer_params, "layer_params")
+    if layers is None:
+        raise ValueError("layer_params needs layers= (how many layers the stack holds)")
+    rest = phi - one_layer * _whole(layers, "layers")
+    if rest < 0:
+        raise ValueError(
+            f"layer_params={one_layer} x layers={layers} exceeds num_params={phi}; pass "
+            f"the parameters of ONE layer"
+        )
+    p = g = width
+    return (p + g) * one_layer + g * rest
+
+
+def _one_stage(stage, phi, n, optimizer, precision, ema, act, gathered) -> MemoryEstimate:
+    """The estimate of one stage from the checked sizes (see :func:`estimate_memory`)."""
     mixed = precision != "fp32"
-    act = _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every, vocab, 2 if mixed else 4)
     p = g = 2 if mixed else 4
-    gathered = 0
-    if layer_params is not None:
-        one_layer = _check_int("layer_params", layer_params)
-        if layers is None:
-            raise ValueError("layer_params needs layers= (how many layers the stack holds)")
-        rest = phi - one_layer * _check_int("layers", layers)
-        if rest < 0:
-            raise ValueError(
-                f"layer_params={one_layer} x layers={layers} exceeds num_params={phi}; pass "
-                f"the parameters of ONE layer"
-            )
-        gathered = (p + g) * one_layer + g * rest
     k = _OPT_STATE_BYTES[optimizer] + (_MASTER_BYTES if mixed else 0)
     shard = -(-phi // n)  # ceil(Φ/N): elements of the padded flat shard per device
-
-    def one(s: int) -> MemoryEstimate:
-        return MemoryEstimate(
-            stage=s,
-            num_params=phi,
-            world_size=n,
-            optimizer_name=optimizer,
-            precision=precision,
-            params=p * (shard if s >= 3 else phi),
-            grads=g * (shard if s >= 2 else phi),
-            optimizer=k * (shard if s >= 1 else phi),
-            ema=_EMA_BYTES * shard if ema else 0,
-            activations=act,
-            gathered=gathered if s == 3 else 0,
-        )
-
-    return one(stage) if stage is not None else [one(s) for s in range(4)]
+    return MemoryEstimate(
+        stage=stage,
+        num_params=phi,
+        world_size=n,
+        optimizer_name=optimizer,
+        precision=precision,
+        params=p * (shard if stage >= 3 else phi),
+        grads=g * (shard if stage >= 2 else phi),
+        optimizer=k * (shard if stage >= 1 else phi),
+        ema=_EMA_BYTES * shard if ema else 0,
+        activations=act,
+        gathered=gathered if stage == 3 else 0,
+    )
 
 
 _UNITS = {
@@ -273,14 +286,6 @@ def parse_bytes(text: str | int) -> int:
     if value <= 0:
         raise ValueError(f"memory size must be positive, got {text!r}")
     return value
-
-
-def format_bytes(n: int) -> str:
-    """Render a byte count in decimal units (GB = 1e9), e.g. ``31.41 GB``."""
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def format_table(estimates, gpu_memory=None) -> str:

@@ -53,7 +53,7 @@ def _type_bytes(type_text: str) -> tuple[int, tuple[str, ...]]:
         if bits is None:
             raise ValueError(
                 f"unknown HLO element type {dtype!r} in {type_text!r}; "
-                "add its bit width to jaxzero.memory._element_bits"
+                "add its bit width to jaxzero.memory.hlo._element_bits"
             )
         numel = math.prod(int(d.replace("<=", "")) for d in dims.split(",") if d.strip())
         total += -(-numel * bits // 8)
