@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -114,6 +114,87 @@ def _stop(procs: list[subprocess.Popen], wait: float = 5.0) -> None:
             return
 
 
+def _check_launch_args(argv: Sequence[str], processes, devices_per_process) -> None:
+    if not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes={processes!r} must be a positive int.")
+    if devices_per_process is not None and (
+        not isinstance(devices_per_process, int) or devices_per_process < 1
+    ):
+        raise ValueError(f"devices_per_process={devices_per_process!r} must be a positive int.")
+    if not argv:
+        raise ValueError("nothing to run: pass a script (and its arguments) or -m module.")
+
+
+def _forward_output(
+    p: subprocess.Popen, prefix: str, stdout: TextIO, stderr: TextIO, lock: threading.Lock
+) -> list[threading.Thread]:
+    """Daemon threads that copy ``p``'s stdout and stderr, each line prefixed, to ours."""
+    threads = []
+    for stream, out in ((p.stdout, stdout), (p.stderr, stderr)):
+        t = threading.Thread(target=_forward, args=(stream, out, prefix, lock))
+        t.daemon = True
+        t.start()
+        threads.append(t)
+    return threads
+
+
+def _wait(
+    procs: list[subprocess.Popen],
+    note: Callable[[str], None],
+    *,
+    grace: float,
+    timeout: float | None,
+    started: float,
+) -> int:
+    """Poll ``procs`` until all have exited; after the first failure wait ``grace`` seconds,
+    then stop the rest; stop all at ``timeout`` seconds after ``started``. Returns the
+    launch's exit code (see :func:`launch`)."""
+    processes = len(procs)
+    code = 0
+    failed_at = None
+    reported: set[int] = set()
+    while True:
+        for i, p in enumerate(procs):
+            rc = p.poll()
+            if rc is None or i in reported:
+                continue
+            reported.add(i)
+            if rc != 0:
+                if failed_at is None:
+                    failed_at = time.monotonic()
+                    code = _exit_code(rc)
+                    others = processes - len(reported)
+                    note(
+                        f"process {i} {_describe(rc)}"
+                        + (
+                            f"; stopping the other {others} process(es)"
+                            + (f" in {grace:g} s unless they exit" if grace > 0 else "")
+                            if others
+                            else ""
+                        )
+                    )
+                else:
+                    note(f"process {i} {_describe(rc)} on its own")
+        if len(reported) == processes:
+            break
+        now = time.monotonic()
+        if failed_at is not None and now - failed_at >= grace:
+            live = [i for i, p in enumerate(procs) if p.poll() is None]
+            note(f"terminating process(es) {live}")
+            _stop(procs)
+            for i in live:
+                reported.add(i)
+            break
+        if timeout is not None and now - started > timeout:
+            live = [i for i, p in enumerate(procs) if p.poll() is None]
+            note(f"timeout after {timeout:g} s; terminating process(es) {live}")
+            _stop(procs)
+            code = 124
+            break
+        time.sleep(0.05)
+    return code
+
+
 def launch(
     argv: Sequence[str],
     *,
@@ -136,14 +217,7 @@ def launch(
     failure handling. Returns 0 when every process exited 0; otherwise the first failed
     process's code (128+signal when it was killed by one), or 124 on ``timeout``.
     """
-    if not isinstance(processes, int) or processes < 1:
-        raise ValueError(f"processes={processes!r} must be a positive int.")
-    if devices_per_process is not None and (
-        not isinstance(devices_per_process, int) or devices_per_process < 1
-    ):
-        raise ValueError(f"devices_per_process={devices_per_process!r} must be a positive int.")
-    if not argv:
-        raise ValueError("nothing to run: pass a script (and its arguments) or -m module.")
+    _check_launch_args(argv, processes, devices_per_process)
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     lock = threading.Lock()
@@ -158,7 +232,6 @@ def launch(
     cmd = [python or sys.executable, "-u", *argv]
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
-    code = 0
     try:
         for i in range(processes):
             p = subprocess.Popen(
@@ -177,58 +250,14 @@ def launch(
                 start_new_session=True,  # its own process group: stopped with its children
             )
             procs.append(p)
-            for stream, out in ((p.stdout, stdout), (p.stderr, stderr)):
-                t = threading.Thread(target=_forward, args=(stream, out, f"[p{i}] ", lock))
-                t.daemon = True
-                t.start()
-                threads.append(t)
+            threads += _forward_output(p, f"[p{i}] ", stdout, stderr, lock)
         note(
             f"started {processes} processes (coordinator {coordinator}"
             + (f", {devices_per_process} devices each" if devices_per_process else "")
             + "): "
             + " ".join(cmd[2:])
         )
-        failed_at = None
-        reported: set[int] = set()
-        while True:
-            for i, p in enumerate(procs):
-                rc = p.poll()
-                if rc is None or i in reported:
-                    continue
-                reported.add(i)
-                if rc != 0:
-                    if failed_at is None:
-                        failed_at = time.monotonic()
-                        code = _exit_code(rc)
-                        others = processes - len(reported)
-                        note(
-                            f"process {i} {_describe(rc)}"
-                            + (
-                                f"; stopping the other {others} process(es)"
-                                + (f" in {grace:g} s unless they exit" if grace > 0 else "")
-                                if others
-                                else ""
-                            )
-                        )
-                    else:
-                        note(f"process {i} {_describe(rc)} on its own")
-            if len(reported) == processes:
-                break
-            now = time.monotonic()
-            if failed_at is not None and now - failed_at >= grace:
-                live = [i for i, p in enumerate(procs) if p.poll() is None]
-                note(f"terminating process(es) {live}")
-                _stop(procs)
-                for i in live:
-                    reported.add(i)
-                break
-            if timeout is not None and now - started > timeout:
-                live = [i for i, p in enumerate(procs) if p.poll() is None]
-                note(f"timeout after {timeout:g} s; terminating process(es) {live}")
-                _stop(procs)
-                code = 124
-                break
-            time.sleep(0.05)
+        code = _wait(procs, note, grace=grace, timeout=timeout, started=started)
     except BaseException:  # KeyboardInterrupt, SIGTERM turned into SystemExit: no orphans
         _stop(procs)
         raise
