@@ -1,8 +1,30 @@
-"""``python -m jaxzero.launch``: start a multi-process jax program on this machine.
+"""Start a multi-process jax program on this machine.
 
-The command line of :func:`jaxzero.distributed.launch.launch` (see its module docstring for
-the environment, output and failure handling); ``free_port``, ``process_env`` and ``launch``
-are re-exported here so ``from jaxzero import launch; launch.launch(...)`` keeps working.
+    python -m jaxzero.launch --processes 2 --devices-per-process 4 train.py [args...]
+    python -m jaxzero.launch --processes 2 -m mypackage.train [args...]
+
+Starts ``--processes`` copies of ``python -u train.py args...``, each with the environment
+:func:`jaxzero.distributed.initialize` reads:
+
+* ``JAXZERO_COORDINATOR=127.0.0.1:<port>`` (a free port unless ``--port``),
+  ``JAXZERO_NUM_PROCESSES``, ``JAXZERO_PROCESS_ID``;
+* with ``--devices-per-process K``: ``XLA_FLAGS=... --xla_force_host_platform_device_count=K``
+  (K simulated CPU devices per process) and ``JAXZERO_LOCAL_DEVICE_IDS`` (process ``i`` gets
+  accelerators ``i*K .. i*K+K-1``: the node's GPUs split between the processes);
+* ``JAXZERO_HEARTBEAT_TIMEOUT`` with ``--heartbeat-timeout``.
+
+Every line a process prints is forwarded with a ``[p<i>]`` prefix (stdout to stdout, stderr
+to stderr). When a process fails (non-zero exit or killed by a signal) the launcher waits up
+to ``--grace`` seconds (default 0) for the others to stop by themselves, then terminates them
+(SIGTERM, then SIGKILL) and exits with the failed process's code (128+signal when killed).
+``--timeout`` bounds the whole run (exit code 124). Exit code 0 means every process exited 0.
+
+This is a single-node launcher (for testing and one multi-GPU machine); on a cluster use the
+scheduler (``srun``) and let :func:`jaxzero.distributed.initialize` auto-detect it.
+
+The library side (``launch``, ``process_env``, ``free_port``) is
+:mod:`jaxzero.distributed.launch`; they are re-exported here. This module keeps the command
+line (``parse_args``, ``main``) until the CLI entry points move to ``jaxzero/cli/``.
 """
 
 from __future__ import annotations

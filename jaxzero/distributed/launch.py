@@ -1,23 +1,20 @@
-"""Start a multi-process jax program on this machine.
+"""The library side of the one-machine launcher (its command line: ``python -m jaxzero.launch``).
 
-    python -m jaxzero.launch --processes 2 --devices-per-process 4 train.py [args...]
-    python -m jaxzero.launch --processes 2 -m mypackage.train [args...]
+:func:`launch` starts ``processes`` copies of ``python -u *argv``, each with the environment
+:func:`jaxzero.distributed.initialize` reads (built by :func:`process_env`):
 
-Starts ``--processes`` copies of ``python -u train.py args...``, each with the environment
-:func:`jaxzero.distributed.initialize` reads:
-
-* ``JAXZERO_COORDINATOR=127.0.0.1:<port>`` (a free port unless ``--port``),
+* ``JAXZERO_COORDINATOR=<host>:<port>`` (a free port unless ``port``),
   ``JAXZERO_NUM_PROCESSES``, ``JAXZERO_PROCESS_ID``;
-* with ``--devices-per-process K``: ``XLA_FLAGS=... --xla_force_host_platform_device_count=K``
+* with ``devices_per_process=K``: ``XLA_FLAGS=... --xla_force_host_platform_device_count=K``
   (K simulated CPU devices per process) and ``JAXZERO_LOCAL_DEVICE_IDS`` (process ``i`` gets
   accelerators ``i*K .. i*K+K-1``: the node's GPUs split between the processes);
-* ``JAXZERO_HEARTBEAT_TIMEOUT`` with ``--heartbeat-timeout``.
+* ``JAXZERO_HEARTBEAT_TIMEOUT`` with ``heartbeat_timeout``.
 
 Every line a process prints is forwarded with a ``[p<i>]`` prefix (stdout to stdout, stderr
 to stderr). When a process fails (non-zero exit or killed by a signal) the launcher waits up
-to ``--grace`` seconds (default 0) for the others to stop by themselves, then terminates them
-(SIGTERM, then SIGKILL) and exits with the failed process's code (128+signal when killed).
-``--timeout`` bounds the whole run (exit code 124). Exit code 0 means every process exited 0.
+to ``grace`` seconds (default 0) for the others to stop by themselves, then terminates them
+(SIGTERM, then SIGKILL) and returns the failed process's code (128+signal when killed).
+``timeout`` bounds the whole run (code 124). 0 means every process exited 0.
 
 This is a single-node launcher (for testing and one multi-GPU machine); on a cluster use the
 scheduler (``srun``) and let :func:`jaxzero.distributed.initialize` auto-detect it.
