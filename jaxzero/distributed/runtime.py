@@ -1,33 +1,7 @@
-"""Multi-process (multi-host / multi-controller) training helpers.
-
-In a multi-process run every process executes the same program on its own local devices;
-``jax.distributed.initialize`` connects the processes, and a ``jax.Array`` on the global mesh
-holds, in each process, only the shards of that process's devices. jaxzero's step, gather and
-checkpoint code run unchanged; three things differ, and this module covers them:
-
-* **Start-up**: :func:`initialize` before any other jax call (it reads the environment set by
-  ``python -m jaxzero.launch``, or lets jax auto-detect SLURM / Open MPI / TPU clusters, and
-  selects gloo collectives for CPU processes). It returns False (and does nothing) when no
-  multi-process environment is found, so the same script runs on one process too.
-* **Data**: each process loads only its rows of the global batch
-  (:func:`process_batch_slice`) and :func:`global_batch` assembles the global arrays from
-  every process's slice without moving data between processes.
-* **Reading results**: :func:`gather_to_host` returns full numpy arrays on every process.
-
-Example::
-
-    import jaxzero as jz
-    from jaxzero import distributed as dist
-
-    dist.initialize()                        # first jax call of the program
-    zero = jz.ZeRO(tx, jz.data_parallel_mesh(), stage=2)   # all devices of all processes
-    step = jz.make_train_step(loss_fn, zero, ema=jz.ShardedEMA(0.999))
-    state = step.init(params)                # same params (same seed) on every process
-    rows = dist.process_batch_slice(zero, global_batch_size)
-    for batch in loader(rows):               # this process's rows only
-        state, metrics = step(state, dist.global_batch(batch, zero))
-    ema = dist.gather_to_host(state.ema)     # numpy, on every process
-"""
+"""The runtime side of a multi-process run: :func:`initialize` (connect the processes, cluster
+detection), the batch of each process (:func:`process_batch_slice`, :func:`global_batch`),
+and cross-process checks and results (:func:`check_same_on_all_processes`,
+:func:`gather_to_host`)."""
 
 from __future__ import annotations
 
@@ -46,18 +20,6 @@ ENV_PROCESS_ID = "JAXZERO_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "JAXZERO_LOCAL_DEVICE_IDS"
 ENV_HEARTBEAT_TIMEOUT = "JAXZERO_HEARTBEAT_TIMEOUT"
 ENV_INIT_TIMEOUT = "JAXZERO_INIT_TIMEOUT"
-
-__all__ = [
-    "ENV_COORDINATOR",
-    "ENV_NUM_PROCESSES",
-    "ENV_PROCESS_ID",
-    "check_same_on_all_processes",
-    "cluster_detected",
-    "gather_to_host",
-    "global_batch",
-    "initialize",
-    "process_batch_slice",
-]
 
 
 def _env_int(name: str) -> int | None:
@@ -142,34 +104,72 @@ def initialize(
     """
     if jax.distributed.is_initialized():
         return True
+    args, from_env = _from_launch_env(
+        dict(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            local_device_ids=local_device_ids,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+            initialization_timeout=initialization_timeout,
+        )
+    )
+    explicit = (args["coordinator_address"], args["num_processes"], args["process_id"])
+    if all(v is None for v in explicit) and cluster_detection_method is None:
+        if not cluster_detected():
+            return False  # a single-process run: nothing to connect
+    if from_env:
+        _check_complete(explicit)
+        if cluster_detection_method is None:
+            # The launcher's variables are complete; a surrounding SLURM allocation must not
+            # override them (jax would e.g. pin each process to GPU $SLURM_LOCALID).
+            cluster_detection_method = "deactivate"
+
+    if cpu_collectives is not None and _cpu_platform_possible():
+        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+
+    kwargs = dict(
+        args,
+        cluster_detection_method=cluster_detection_method,
+        shutdown_timeout_seconds=shutdown_timeout_seconds,
+    )
+    jax.distributed.initialize(**{k: v for k, v in kwargs.items() if v is not None})
+    return True
+
+
+def _from_launch_env(args: dict) -> tuple[dict, bool]:
+    """:func:`initialize`'s ``args`` with the unset ones read from the environment
+    ``python -m jaxzero.launch`` sets, and whether any of the three connection arguments
+    (coordinator, number of processes, process id) came from it."""
+    args = dict(args)
     from_env = False
-    if coordinator_address is None and os.environ.get(ENV_COORDINATOR):
-        coordinator_address = os.environ[ENV_COORDINATOR]
+    if args["coordinator_address"] is None and os.environ.get(ENV_COORDINATOR):
+        args["coordinator_address"] = os.environ[ENV_COORDINATOR]
         from_env = True
-    if num_processes is None:
-        num_processes = _env_int(ENV_NUM_PROCESSES)
-        from_env = from_env or num_processes is not None
-    if process_id is None:
-        process_id = _env_int(ENV_PROCESS_ID)
-        from_env = from_env or process_id is not None
-    if local_device_ids is None and os.environ.get(ENV_LOCAL_DEVICE_IDS):
+    for key, env in (("num_processes", ENV_NUM_PROCESSES), ("process_id", ENV_PROCESS_ID)):
+        if args[key] is None:
+            args[key] = _env_int(env)
+            from_env = from_env or args[key] is not None
+    if args["local_device_ids"] is None and os.environ.get(ENV_LOCAL_DEVICE_IDS):
         raw = os.environ[ENV_LOCAL_DEVICE_IDS]
         try:
-            local_device_ids = [int(v) for v in raw.split(",") if v.strip()]
+            args["local_device_ids"] = [int(v) for v in raw.split(",") if v.strip()]
         except ValueError:
             raise ValueError(
                 f"{ENV_LOCAL_DEVICE_IDS}={raw!r} must be comma-separated integers."
             ) from None
-    if heartbeat_timeout_seconds is None:
-        heartbeat_timeout_seconds = _env_int(ENV_HEARTBEAT_TIMEOUT)
-    if initialization_timeout is None:
-        initialization_timeout = _env_int(ENV_INIT_TIMEOUT)
+    for key, env in (
+        ("heartbeat_timeout_seconds", ENV_HEARTBEAT_TIMEOUT),
+        ("initialization_timeout", ENV_INIT_TIMEOUT),
+    ):
+        if args[key] is None:
+            args[key] = _env_int(env)
+    return args, from_env
 
-    explicit = (coordinator_address, num_processes, process_id)
-    if all(v is None for v in explicit) and cluster_detection_method is None:
-        if not cluster_detected():
-            return False  # a single-process run: nothing to connect
-    if from_env and None in explicit:
+
+def _check_complete(explicit: tuple) -> None:
+    """Raise when the launch environment gave only some of the three connection arguments."""
+    if None in explicit:
         missing = [
             name
             for name, v in zip(
@@ -181,26 +181,6 @@ def initialize(
             f"incomplete jaxzero launch environment: {', '.join(missing)} not set (set all "
             f"three, or start the processes with `python -m jaxzero.launch`)."
         )
-    if from_env and cluster_detection_method is None:
-        # The launcher's variables are complete; a surrounding SLURM allocation must not
-        # override them (jax would e.g. pin each process to GPU $SLURM_LOCALID).
-        cluster_detection_method = "deactivate"
-
-    if cpu_collectives is not None and _cpu_platform_possible():
-        jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-
-    kwargs = dict(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        local_device_ids=local_device_ids,
-        cluster_detection_method=cluster_detection_method,
-        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-        initialization_timeout=initialization_timeout,
-        shutdown_timeout_seconds=shutdown_timeout_seconds,
-    )
-    jax.distributed.initialize(**{k: v for k, v in kwargs.items() if v is not None})
-    return True
 
 
 # --------------------------------------------------------------------------------- data

@@ -1,0 +1,341 @@
+"""Analytic ZeRO memory estimates (no devices needed): :func:`estimate_memory` applies the ZeRO
+paper's accounting to give bytes per device for each stage; :func:`format_table` renders it.
+
+Beyond the per-stage state (see :func:`estimate_memory`), two terms:
+
+**Activations** (ZeRO-Infinity, Rajbhandari et al. 2021, sec. 3), added only when batch, seq,
+hidden, layers and heads are given; they do not depend on the stage. With ci = ckpt_every
+(default 1)::
+
+    checkpoints = 2 * batch * seq * hidden * ceil(layers / ci)
+    working     = batch * seq * ci * (16 * hidden + 2 * heads * seq)
+    logits      = 3 * 4 * batch * seq * vocab     (only with vocab=)
+
+in 16-bit precisions; fp32 doubles checkpoints and working. ``logits`` are the float32
+logits, their softmax and their gradient (the cross-entropy over a vocabulary).
+
+**Stage 3 one layer at a time** (``ZeRO(layers=...)``; ``layer_params=`` the parameters of one
+scanned layer, DeepSpeed's "largest layer"; needs ``layers``) adds the gathered working set
+``(p + g) * layer_params + g * (Φ - layers * layer_params)``: one layer whole with its full
+gradient before its reduce-scatter, and the full gradients of the leaves outside the stacks
+(embeddings, head), which are gathered for the micro-batch and reduced after the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+from jaxzero._tree import check_int, format_bytes
+
+OPTIMIZERS = ("adam", "sgd", "adafactor")
+PRECISIONS = ("bf16", "fp16", "fp32")
+# Bytes per parameter of optimizer state proper (without the fp32 master copy).
+# adafactor keeps factored second moments: one fp32 value per row plus one per
+# column of each matrix, i.e. 4*(rows+cols) bytes, negligible next to rows*cols;
+# we approximate it as 0 bytes per parameter (no momentum, optax's default).
+_OPT_STATE_BYTES = {"adam": 8, "sgd": 4, "adafactor": 0}
+_MASTER_BYTES = 4  # fp32 master copy, kept only under mixed precision
+_EMA_BYTES = 4  # the EMA is always fp32 and always sharded over the N devices
+
+
+_whole = functools.partial(check_int, whole_floats=True)  # also takes 7.5e9
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes for one ZeRO stage (all fields are bytes unless noted).
+
+    ``optimizer`` includes the fp32 master weights under mixed precision;
+    ``activations`` is 0 when no activation shape was given; ``total`` is the sum.
+    """
+
+    stage: int
+    num_params: int
+    world_size: int
+    optimizer_name: str
+    precision: str
+    params: int
+    grads: int
+    optimizer: int
+    ema: int
+    activations: int
+    gathered: int = 0
+    total: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        total = (
+            self.params + self.grads + self.optimizer + self.ema + self.activations + self.gathered
+        )
+        object.__setattr__(self, "total", total)
+
+    def fits(self, gpu_memory: int) -> bool:
+        """Return True when ``total`` <= ``gpu_memory`` bytes."""
+        return self.total <= gpu_memory
+
+
+def gpt_param_count(layers: int, hidden: int, vocab: int = 50257, seq: int = 1024) -> int:
+    """Approximate parameter count of a GPT-2/3 style decoder.
+
+    Formula: ``12 * L * h**2 + (vocab + seq) * h``. Each layer has 4h^2 attention
+    weights (Q, K, V, output) and 8h^2 MLP weights (h -> 4h -> h); the embedding
+    table is vocab*h (tied with the output head) and learned positions seq*h.
+    Biases and layer norms (~13h per layer) are ignored.
+
+    Args:
+        layers: number of transformer blocks L.
+        hidden: model width h.
+        vocab: vocabulary size (GPT-2: 50257).
+        seq: maximum sequence length (number of learned position embeddings).
+
+    Returns:
+        The parameter count as an int.
+    """
+    layers, hidden = _whole(layers, "layers"), _whole(hidden, "hidden")
+    vocab, seq = _whole(vocab, "vocab"), _whole(seq, "seq", minimum=0)
+    return 12 * layers * hidden**2 + (vocab + seq) * hidden
+
+
+def _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every, vocab, act_bytes) -> int:
+    given = {"batch": batch, "seq": seq, "hidden": hidden, "layers": layers}
+    if all(v is None for v in given.values()):
+        if heads is not None or ckpt_every is not None or vocab is not None:
+            raise ValueError(
+                "heads/ckpt_every/vocab only matter for activations; also pass "
+                "batch, seq, hidden and layers"
+            )
+        return 0
+    missing = [k for k, v in given.items() if v is None] + ([] if heads is not None else ["heads"])
+    if missing:
+        raise ValueError(
+            f"activation estimate needs batch, seq, hidden, layers and heads; "
+            f"missing {', '.join(missing)}: pass them or omit all of them"
+        )
+    b, s = _whole(batch, "batch"), _whole(seq, "seq")
+    h, nl = _whole(hidden, "hidden"), _whole(layers, "layers")
+    a = _whole(heads, "heads")
+    ci = _whole(1 if ckpt_every is None else ckpt_every, "ckpt_every")
+    if ci > nl:
+        raise ValueError(f"ckpt_every={ci} exceeds layers={nl}; use 1 <= ckpt_every <= layers")
+    checkpoints = act_bytes * b * s * h * math.ceil(nl / ci)
+    working = b * s * ci * (16 * h + 2 * a * s) * act_bytes // 2
+    logits = 0 if vocab is None else 3 * 4 * b * s * _whole(vocab, "vocab")
+    return checkpoints + working + logits
+
+
+def estimate_memory(
+    num_params,
+    world_size,
+    *,
+    stage=None,
+    optimizer="adam",
+    precision="bf16",
+    ema=False,
+    batch=None,
+    seq=None,
+    hidden=None,
+    layers=None,
+    heads=None,
+    ckpt_every=None,
+    vocab=None,
+    layer_params=None,
+):
+    """Estimate per-device training memory under ZeRO stage 0-3.
+
+    With Φ parameters, N devices, p bytes/param for params, g for grads and K
+    for optimizer state (incl. fp32 master), the ZeRO paper gives per device::
+
+        stage 0 (plain DP):        (p + g + K) * Φ
+        stage 1 (shard opt state): p*Φ + g*Φ + K*Φ/N
+        stage 2 (+ shard grads):   p*Φ + (g + K)*Φ/N
+        stage 3 (+ shard params):  (p + g + K)*Φ/N
+
+    Mixed precision (bf16/fp16): p = g = 2 and K = optimizer state + 4 (fp32
+    master); adam K = 8+4 = 12, sgd-with-momentum K = 4+4 = 8, adafactor K ≈ 0+4
+    (its factored moments, 4 bytes per row + column, are approximated as 0 per
+    parameter). fp32: p = g = 4, no separate master, so adam K = 8, sgd 4,
+    adafactor ≈ 0. Sharded quantities use ceil(Φ/N) elements per device (the
+    padded flat shard). The EMA (``ema=True``) is fp32 and jaxzero shards it at
+    every stage, stage 0 included: 4*Φ/N.
+
+    Activations (with batch, seq, hidden, layers and heads) and stage 3's gathered layer (with
+    ``layer_params``) are added as the ``jaxzero.memory.estimate`` module docstring describes.
+
+    Example: Φ = 7.5e9, N = 64, adam, bf16 gives 120 / 31.4 / 16.6 / 1.9 GB for
+    stages 0 / 1 / 2 / 3 (the paper's Figure 1).
+
+    Args:
+        num_params: total parameter count Φ (int, or an integral float like 7.5e9).
+        world_size: number of data-parallel devices N the state is sharded over.
+        stage: 0, 1, 2 or 3; None returns one estimate per stage.
+        optimizer: "adam", "sgd" (with momentum) or "adafactor".
+        precision: "bf16" or "fp16" (mixed, fp32 master) or "fp32".
+        ema: include a sharded fp32 EMA of the parameters.
+        batch: per-device micro-batch size (activations are not sharded by ZeRO).
+        seq: sequence length.
+        hidden: model width.
+        layers: number of transformer layers.
+        heads: number of attention heads.
+        ckpt_every: layers between activation checkpoints ci (1 <= ci <= layers).
+        vocab: vocabulary size, for the logits term (needs the activation arguments).
+        layer_params: parameters of one scanned layer, for stage 3 with ``ZeRO(layers=...)``.
+
+    Returns:
+        A :class:`MemoryEstimate`, or a list of four (stages 0..3) when stage is None.
+
+    Raises:
+        ValueError / TypeError: naming the bad argument and the accepted values.
+    """
+    phi, n = _whole(num_params, "num_params"), _whole(world_size, "world_size")
+    _check_choices(optimizer, precision, stage)
+    width = 2 if precision != "fp32" else 4  # bytes of one param, one grad (p = g)
+    act = _activation_bytes(batch, seq, hidden, layers, heads, ckpt_every, vocab, width)
+    gathered = _gathered_bytes(phi, layer_params, layers, width)
+    sizes = (phi, n, optimizer, precision, ema, act, gathered)
+    if stage is not None:
+        return _one_stage(stage, *sizes)
+    return [_one_stage(s, *sizes) for s in range(4)]
+
+
+def _check_choices(optimizer, precision, stage) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+        raise ValueError(f"stage must be 0, 1, 2, 3 or None (all stages), got {stage!r}")
+
+
+def _gathered_bytes(phi: int, layer_params, layers, width: int) -> int:
+    """Stage 3's gathered working set with ``ZeRO(layers=...)`` (0 without ``layer_params``):
+    ``(p + g) * layer_params + g * (phi - layers * layer_params)`` with p = g = ``width``."""
+    if layer_params is None:
+        return 0
+    one_layer = _whole(layer_params, "layer_params")
+    if layers is None:
+        raise ValueError("layer_params needs layers= (how many layers the stack holds)")
+    rest = phi - one_layer * _whole(layers, "layers")
+    if rest < 0:
+        raise ValueError(
+            f"layer_params={one_layer} x layers={layers} exceeds num_params={phi}; pass "
+            f"the parameters of ONE layer"
+        )
+    p = g = width
+    return (p + g) * one_layer + g * rest
+
+
+def _one_stage(stage, phi, n, optimizer, precision, ema, act, gathered) -> MemoryEstimate:
+    """The estimate of one stage from the checked sizes (see :func:`estimate_memory`)."""
+    mixed = precision != "fp32"
+    p = g = 2 if mixed else 4
+    k = _OPT_STATE_BYTES[optimizer] + (_MASTER_BYTES if mixed else 0)
+    shard = -(-phi // n)  # ceil(Φ/N): elements of the padded flat shard per device
+    return MemoryEstimate(
+        stage=stage,
+        num_params=phi,
+        world_size=n,
+        optimizer_name=optimizer,
+        precision=precision,
+        params=p * (shard if stage >= 3 else phi),
+        grads=g * (shard if stage >= 2 else phi),
+        optimizer=k * (shard if stage >= 1 else phi),
+        ema=_EMA_BYTES * shard if ema else 0,
+        activations=act,
+        gathered=gathered if stage == 3 else 0,
+    )
+
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a memory size such as "80GB", "79.6 GiB" or "512MB" into bytes.
+
+    Args:
+        text: number followed by a unit: B, KB, MB, GB, TB (powers of 1000) or
+            KiB, MiB, GiB, TiB (powers of 1024), case-insensitive. An int is
+            taken as bytes already.
+
+    Returns:
+        The size in bytes, rounded down to an int.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError(f"memory size must be positive, got {text!r}")
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(
+            f"cannot parse memory size {text!r}; write a number and a unit, "
+            f"e.g. 80GB, 79.6GiB or 512MB"
+        )
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return value
+
+
+def format_table(estimates, gpu_memory=None) -> str:
+    """Render estimates as a text table, one row per stage.
+
+    Args:
+        estimates: a :class:`MemoryEstimate` or a sequence of them.
+        gpu_memory: per-device budget in bytes (int) or a string like "80GB";
+            when given, a ``fits`` column and a summary line are added.
+
+    Returns:
+        The table as a string (no trailing newline).
+    """
+    rows = [estimates] if isinstance(estimates, MemoryEstimate) else list(estimates)
+    if not rows or not all(isinstance(e, MemoryEstimate) for e in rows):
+        raise TypeError(
+            f"format_table needs MemoryEstimate objects from estimate_memory(), got {estimates!r}"
+        )
+    budget = None if gpu_memory is None else parse_bytes(gpu_memory)
+    cols = ["params", "grads", "optimizer"]
+    cols += [c for c in ("ema", "activations", "gathered") if any(getattr(e, c) for e in rows)]
+    header = ["stage", *cols, "total"] + (["fits"] if budget is not None else [])
+    body = []
+    for e in rows:
+        cells = [str(e.stage)] + [format_bytes(getattr(e, c)) for c in cols]
+        cells.append(format_bytes(e.total))
+        if budget is not None:
+            cells.append("yes" if e.fits(budget) else "NO")
+        body.append(cells)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+    e0 = rows[0]
+    count = next(
+        (
+            f"{e0.num_params / v:.2f}{u}"
+            for u, v in (("T", 1e12), ("B", 1e9), ("M", 1e6))
+            if e0.num_params >= v
+        ),
+        str(e0.num_params),
+    )
+    lines = [
+        f"{count} params, {e0.world_size} devices, {e0.optimizer_name}, "
+        f"{e0.precision} (bytes per device, GB = 1e9)",
+        fmt(header),
+        "  ".join("-" * w for w in widths),
+    ]
+    lines += [fmt(r) for r in body]
+    if budget is not None:
+        ok = [str(e.stage) for e in rows if e.fits(budget)]
+        lines.append(
+            f"fits in {format_bytes(budget)}: " + (f"stage {', '.join(ok)}" if ok else "no stage")
+        )
+    return "\n".join(lines)
