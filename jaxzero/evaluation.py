@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -79,3 +81,26 @@ def ema_model_state(state: TrainState):
         return state.model_state
     tree = state.ema.ema
     return _replicator(mesh_of(tree), None, "model_state")(tree)
+
+
+def gather_to_host(tree):
+    """Full numpy copies of every leaf of ``tree``, on every process.
+
+    Sharded leaves are replicated first (:func:`jaxzero.gather`: one all-gather per sharded
+    leaf, so every process must call this together), then each process reads its local copy.
+    Accepts an :class:`~jaxzero.EmaState` (its per-leaf EMA tree, also when small leaves are
+    bucketed), a :class:`~jaxzero.TrainState`
+    (its params) or any pytree; non-jax leaves are returned as numpy arrays.
+    """
+    tree = gather(tree)
+
+    def leaf(x):
+        if not isinstance(x, jax.Array):
+            return np.asarray(x)
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.array(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(leaf, tree)

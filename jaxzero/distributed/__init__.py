@@ -37,10 +37,10 @@ from jaxzero.distributed.runtime import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
 from jaxzero.distributed.runtime import ENV_PROCESS_ID as ENV_PROCESS_ID
 from jaxzero.distributed.runtime import check_same_on_all_processes as check_same_on_all_processes
 from jaxzero.distributed.runtime import cluster_detected as cluster_detected
-from jaxzero.distributed.runtime import gather_to_host as gather_to_host
 from jaxzero.distributed.runtime import global_batch as global_batch
 from jaxzero.distributed.runtime import initialize as initialize
 from jaxzero.distributed.runtime import process_batch_slice as process_batch_slice
+from jaxzero.evaluation import gather_to_host as gather_to_host
 
 __all__ = [
     "ENV_COORDINATOR",

@@ -322,31 +322,3 @@ def check_same_on_all_processes(tree, what: str = "tree") -> None:
             + ": every process must pass the same values (e.g. initialise with the same seed "
             "on every process, or restore them from a checkpoint)."
         )
-
-
-# --------------------------------------------------------------------------------- results
-def gather_to_host(tree):
-    """Full numpy copies of every leaf of ``tree``, on every process.
-
-    Sharded leaves are replicated first (:func:`jaxzero.gather`: one all-gather per sharded
-    leaf, so every process must call this together), then each process reads its local copy.
-    Accepts an :class:`~jaxzero.EmaState` (its per-leaf EMA tree, also when small leaves are
-    bucketed), a :class:`~jaxzero.TrainState`
-    (its params) or any pytree; non-jax leaves are returned as numpy arrays.
-    """
-    from jax.experimental import multihost_utils
-
-    from jaxzero.evaluation import gather
-
-    tree = gather(tree)
-
-    def leaf(x):
-        if not isinstance(x, jax.Array):
-            return np.asarray(x)
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        if x.is_fully_replicated:
-            return np.array(x.addressable_data(0))
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-    return jax.tree.map(leaf, tree)

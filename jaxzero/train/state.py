@@ -172,7 +172,7 @@ def init(zero: jaxzero.ZeRO, params, *, ema=None, model_state=None, rng=None) ->
     zero.check_layers(params)
     rng = raw_key(rng)
     if jax.process_count() > 1:
-        from jaxzero.distributed import check_same_on_all_processes
+        from jaxzero.distributed.runtime import check_same_on_all_processes
 
         check_same_on_all_processes(params, "params")
         check_same_on_all_processes(model_state, "model_state")

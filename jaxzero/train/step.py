@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero._tree import batch_rows
-from jaxzero.distributed import global_batch
+from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.train.grads import local_gradients
 from jaxzero.train.state import TrainState
