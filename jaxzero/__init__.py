@@ -1,32 +1,41 @@
 """jaxzero: ZeRO-style sharding of optimizer state, gradients and parameters, and a sharded
-model EMA, for JAX + optax."""
+model EMA, for JAX + optax.
 
-from jaxzero import checkpoint, layouts, memory, nnx, torch_interop
-from jaxzero.ema.ema import EmaState, ShardedEMA
-from jaxzero.ema.storage import BucketedTree
+Public names only; the implementation lives in subpackages (see BUILD_NOTES.md,
+"Architecture"): ``zero/`` (the ZeRO config, sharding rule and collectives), ``train/`` (state
+and step), ``ema/`` (the sharded EMA), ``checkpoint/``, ``interop/``, ``memory/``,
+``distributed/`` and ``cli/``.
+"""
+
+from jaxzero import checkpoint as checkpoint
+from jaxzero import layouts as layouts
+from jaxzero import memory as memory
+from jaxzero import nnx as nnx
+from jaxzero import torch_interop as torch_interop
+from jaxzero.ema.ema import EmaState as EmaState
+from jaxzero.ema.ema import ShardedEMA as ShardedEMA
+from jaxzero.ema.storage import BucketedTree as BucketedTree
 from jaxzero.ema.storage import unbucket as unbucket_ema
-from jaxzero.evaluation import ema_model_state, ema_params, gather
-from jaxzero.layouts import greedy_partition
-from jaxzero.memory import estimate_memory, measure
-from jaxzero.mesh import data_parallel_mesh
-from jaxzero.precision import DynamicLossScale, LossScaleState, Precision, StaticLossScale
-from jaxzero.train.state import TrainState
-from jaxzero.train.step import TrainStep, make_train_step
-from jaxzero.zero.config import ZeRO
-from jaxzero.zero.layers import gather_layer
+from jaxzero.evaluation import ema_model_state as ema_model_state
+from jaxzero.evaluation import ema_params as ema_params
+from jaxzero.evaluation import gather as gather
+from jaxzero.layouts import greedy_partition as greedy_partition
+from jaxzero.memory import estimate_memory as estimate_memory
+from jaxzero.memory import measure as measure
+from jaxzero.mesh import data_parallel_mesh as data_parallel_mesh
+from jaxzero.precision import DynamicLossScale as DynamicLossScale
+from jaxzero.precision import LossScaleState as LossScaleState
+from jaxzero.precision import Precision as Precision
+from jaxzero.precision import StaticLossScale as StaticLossScale
+from jaxzero.train.state import TrainState as TrainState
+from jaxzero.train.step import TrainStep as TrainStep
+from jaxzero.train.step import make_train_step as make_train_step
+from jaxzero.zero.config import ZeRO as ZeRO
+from jaxzero.zero.layers import gather_layer as gather_layer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "checkpoint",
-    "layouts",
-    "memory",
-    "torch_interop",
-    "nnx",
-    "ema_model_state",
-    "estimate_memory",
-    "greedy_partition",
-    "measure",
     "BucketedTree",
     "DynamicLossScale",
     "EmaState",
@@ -37,10 +46,19 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "ZeRO",
+    "checkpoint",
     "data_parallel_mesh",
+    "ema_model_state",
     "ema_params",
-    "unbucket_ema",
+    "estimate_memory",
     "gather",
     "gather_layer",
+    "greedy_partition",
+    "layouts",
     "make_train_step",
+    "measure",
+    "memory",
+    "nnx",
+    "torch_interop",
+    "unbucket_ema",
 ]
