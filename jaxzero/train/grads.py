@@ -20,6 +20,24 @@ _NO_LAYER_GATHER = (
 )
 
 
+def _bad_axis_name(e: Exception) -> bool:
+    """A bare AssertionError, or an unbound-axis NameError: what jax.lax collectives (and
+    Flax's BatchNorm through them) raise for an axis name that is not a mesh axis."""
+    return (isinstance(e, AssertionError) and not str(e)) or "axis name" in str(e)
+
+
+def _axis_hint(zero, e: Exception) -> str:
+    detail = f": {e}" if str(e) else ""
+    return (
+        f"the loss failed inside jaxzero's shard_map, whose mesh axes are "
+        f"{tuple(zero.mesh.axis_names)}, with {type(e).__name__}{detail}. That is what a "
+        f"collective over an axis name the mesh does not have raises, e.g. "
+        f"BatchNorm(axis_name='batch') (Flax's ResNet) on the default 'data' axis. Name the "
+        f"mesh axis as the model does: jz.data_parallel_mesh(axis='batch') with "
+        f"jz.ZeRO(..., axis='batch'); or build the model with axis_name=zero.batch_axes."
+    )
+
+
 def _split_out(out):
     if isinstance(out, tuple):
         if len(out) != 2:
@@ -86,6 +104,10 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
         ):
             try:
                 (_, (loss, aux, new_state)), g = grad_fn(full, model_state, batch, rng, scale)
+            except (AssertionError, NameError) as e:
+                if not _bad_axis_name(e):
+                    raise
+                raise ValueError(_axis_hint(zero, e)) from e
             except Exception as e:
                 if plan is None or plan.calls:
                     raise

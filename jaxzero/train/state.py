@@ -182,4 +182,23 @@ def init(zero: jaxzero.ZeRO, params, *, ema=None, model_state=None, rng=None) ->
     abstract = abstract_state(zero, params, ema=ema, model_state=model_state, rng=rng)
     out = jax.tree.map(lambda x: x.sharding, abstract)
     fn = jax.jit(lambda p, m, r: _init_raw(zero, p, ema, m, r), out_shardings=out)
+    # Inputs may live anywhere (numpy, one device, another mesh): move what is committed
+    # elsewhere onto this mesh, in the placement the state will have.
+    params = _onto(params, out.params)
+    model_state = _onto(model_state, out.model_state)
+    rng = _onto(rng, out.rng)
     return fn(params, model_state, rng)
+
+
+def _onto(tree, shardings):
+    """Leaves of ``tree`` that are jax Arrays on devices other than their target sharding's,
+    ``device_put`` there (host and already-placed leaves pass through)."""
+    if tree is None:
+        return None
+
+    def one(x, s):
+        if isinstance(x, jax.Array) and x.sharding.device_set != s.device_set:
+            return jax.device_put(x, s)
+        return x
+
+    return jax.tree.map(one, tree, shardings)

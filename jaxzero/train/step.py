@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import batch_rows
+from jaxzero._tree import batch_rows, leaves_by_keystr
 from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.train.grads import local_gradients
@@ -23,6 +23,10 @@ from jaxzero.zero.config import ZeRO
 def device_key(rng, step, axes):
     """The step's key on this device: ``fold_in(fold_in(rng, step), device index on axes)``."""
     return jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(axes))
+
+
+def _deleted(x) -> bool:
+    return isinstance(x, jax.Array) and x.is_deleted()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,14 @@ class TrainStep:
             raise TypeError(
                 f"state must be a jaxzero.TrainState (from zero.init / step.init), got "
                 f"{type(state).__name__}."
+            )
+        deleted = [k for k, x in leaves_by_keystr(state) if _deleted(x)]
+        if deleted:
+            raise ValueError(
+                f"this state was donated to the previous step call (its buffers, e.g. "
+                f"{', '.join(deleted[:3])}, are deleted); use the state it returned: "
+                f"state, metrics = step(state, batch). Build the step with donate=False to "
+                f"keep every state alive (at the cost of a second copy in memory)."
             )
         if self.ema is not None and state.ema is None:
             raise ValueError(

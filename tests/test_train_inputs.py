@@ -1,0 +1,103 @@
+"""Inputs from wherever users have them: params committed to one device or sharded on another
+mesh, and a state that a previous step call already donated (issue 17, items 2 and 3)."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from models import make_problem
+
+import jaxzero as jz
+
+
+def _host(state):
+    return jax.tree.map(np.asarray, jz.gather(state.params))
+
+
+def _placements(params):
+    other = jz.data_parallel_mesh(4)
+    return {
+        "numpy": jax.tree.map(np.asarray, params),
+        "one_device": jax.device_put(params, jax.devices()[0]),
+        "last_device": jax.device_put(params, jax.devices()[7]),
+        "other_mesh_sharded": jax.tree.map(
+            lambda x: jax.device_put(
+                x, NamedSharding(other, P("data") if x.shape[0] % 4 == 0 else P())
+            ),
+            params,
+        ),
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("where", ["numpy", "one_device", "last_device", "other_mesh_sharded"])
+def test_init_accepts_params_wherever_they_live(stage, where):
+    params, loss_fn, batches = make_problem("wide_mlp", steps=2)
+    zero = jz.ZeRO(optax.adam(1e-2), jz.data_parallel_mesh(8), stage=stage)
+    step = jz.make_train_step(loss_fn, zero, ema=jz.ShardedEMA(0.9))
+    placed = _placements(params)[where]
+    state = step.init(placed)
+    want = step.init(jax.tree.map(np.asarray, params))
+    mesh_devices = set(zero.mesh.devices.flat)
+    for x in jax.tree.leaves(state):
+        assert x.sharding.device_set == mesh_devices
+    for b in batches:
+        state, _ = step(state, b)
+        want, _ = step(want, b)
+    for a, b in zip(jax.tree.leaves(_host(state)), jax.tree.leaves(_host(want)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_calling_the_step_with_a_donated_state_is_a_clear_error():
+    params, loss_fn, batches = make_problem("wide_mlp", steps=2)
+    zero = jz.ZeRO(optax.adam(1e-2), jz.data_parallel_mesh(8), stage=2)
+    step = jz.make_train_step(loss_fn, zero)
+    state = step.init(params)
+    new_state, _ = step(state, batches[0])
+    with pytest.raises(ValueError, match="donated to the previous step call"):
+        step(state, batches[1])
+    # The returned state still works, and nothing was half-run.
+    new_state, metrics = step(new_state, batches[1])
+    assert int(metrics["step"]) == 2
+
+
+class _BatchNormNet(nn.Module):
+    axis_name: str = "batch"
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        return nn.BatchNorm(use_running_average=False, axis_name=self.axis_name)(x).sum(-1)
+
+
+def _bn_problem():
+    model = _BatchNormNet()
+    v = model.init(jax.random.key(0), np.ones((2, 4), np.float32))
+
+    def loss(p, s, b, r):
+        y, new = model.apply({"params": p, **s}, b["x"], mutable=["batch_stats"])
+        return ((y - b["y"]) ** 2).mean(), (new, None)
+
+    batch = {"x": np.ones((16, 4), np.float32), "y": np.ones((16,), np.float32)}
+    return v["params"], {"batch_stats": v["batch_stats"]}, loss, batch
+
+
+def test_batchnorm_axis_name_that_is_not_the_mesh_axis_is_a_clear_error():
+    params, model_state, loss, batch = _bn_problem()
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=2)
+    step = jz.make_train_step(loss, zero, stateful=True)
+    state = step.init(params, model_state=model_state, rng=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"mesh axes are \('data',\).*axis='batch'"):
+        step(state, batch)
+
+
+def test_batchnorm_axis_name_works_when_the_mesh_axis_is_renamed():
+    params, model_state, loss, batch = _bn_problem()
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8, axis="batch"), stage=2, axis="batch")
+    step = jz.make_train_step(loss, zero, stateful=True)
+    state = step.init(params, model_state=model_state, rng=jax.random.key(0))
+    state, metrics = step(state, batch)
+    assert int(metrics["step"]) == 1
