@@ -1,0 +1,230 @@
+"""What a jaxzero checkpoint holds: its items, the JSON metadata (:func:`describe`), the
+stored tree and its checks against a restore target (:func:`check_compatible`)."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+
+from jaxzero.ema import storage as eb
+from jaxzero.ema.ema import EmaState
+from jaxzero.evaluation import mesh_of
+from jaxzero.train.state import TrainState
+from jaxzero.zero.config import ZeRO
+
+STATE = "state"
+METADATA = "metadata"
+EXTRA = "extra"
+ITEMS = (STATE, METADATA, EXTRA)
+FORMAT = "jaxzero.checkpoint/1"
+
+
+# --------------------------------------------------------------------------------- metadata
+def _name(path: tuple[str, ...]) -> str:
+    return ".".join(path) or "<root>"
+
+
+def _flat(tree) -> dict[tuple[str, ...], Any]:
+    """Leaves keyed by Orbax's own path tuples (what it stores and matches on)."""
+    return ocp.tree.to_flat_dict(tree)
+
+
+def _node_types(tree) -> list[str]:
+    """Names of the NamedTuple / dataclass nodes of an optimizer state, depth first."""
+    out = []
+
+    def walk(x):
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            out.append(type(x).__name__)
+            for v in x:
+                walk(v)
+        elif isinstance(x, (tuple, list)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+
+    walk(tree)
+    return out
+
+
+def _describe_tx(tx) -> str:
+    text = repr(tx)
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+
+
+def leaf_table(tree) -> list[dict]:
+    """One dict per array leaf: ``path``, ``shape``, ``dtype``, ``bytes``, ``spec``."""
+    rows = []
+    for path, x in _flat(tree).items():
+        shape = tuple(int(d) for d in np.shape(x))
+        dtype = jnp.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+        sharding = getattr(x, "sharding", None)
+        rows.append(
+            {
+                "path": _name(path),
+                "shape": list(shape),
+                "dtype": dtype.name,
+                "bytes": int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+                "spec": str(tuple(sharding.spec)) if isinstance(sharding, NamedSharding) else None,
+            }
+        )
+    return rows
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.generic, np.ndarray, jax.Array)):
+        return np.asarray(x).tolist()
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return repr(x)
+
+
+def describe(
+    state: TrainState,
+    *,
+    zero: ZeRO | None = None,
+    optimizer: str | None = None,
+    metadata: dict | None = None,
+) -> dict:
+    """The JSON metadata :func:`save` stores next to ``state``."""
+    from jaxzero import __version__
+
+    mesh = zero.mesh if zero is not None else mesh_of(state)
+    params_dtype = jnp.dtype(jax.tree.leaves(state.params)[0].dtype).name
+    if zero is not None:
+        pol = zero.precision
+        precision = {
+            "param_dtype": jnp.dtype(pol.param_dtype).name,
+            "master_dtype": jnp.dtype(pol.master_dtype).name,
+            "reduce_dtype": jnp.dtype(pol.reduce_dtype).name,
+            "output_dtype": jnp.dtype(pol.output_dtype).name,
+        }
+    else:
+        master = state.master if state.master is not None else state.params
+        precision = {
+            "param_dtype": params_dtype,
+            "master_dtype": jnp.dtype(jax.tree.leaves(master)[0].dtype).name,
+        }
+    leaves = leaf_table(state)
+    return {
+        "format": FORMAT,
+        "jaxzero_version": __version__,
+        "step": int(np.asarray(jax.device_get(state.step))) if state.step is not None else None,
+        "stage": None if zero is None else zero.stage,
+        "axis": None if zero is None else zero.axis,
+        "mesh": None if mesh is None else {str(k): int(v) for k, v in mesh.shape.items()},
+        "num_devices": None if mesh is None else int(mesh.size),
+        "process_count": jax.process_count(),
+        "precision": precision,
+        "loss_scale": None if zero is None or zero.loss_scale is None else repr(zero.loss_scale),
+        "optimizer": optimizer
+        if optimizer is not None
+        else (None if zero is None else _describe_tx(zero.tx)),
+        "opt_state_types": _node_types(state.opt_state),
+        "has_ema": state.ema is not None,
+        "has_master": state.master is not None,
+        "leaves": leaves,
+        "total_bytes": sum(r["bytes"] for r in leaves),
+        "user": _jsonable(metadata) if metadata is not None else None,
+    }
+
+
+# --------------------------------------------------------------------------------- restore
+def _stored_tree(mngr: ocp.CheckpointManager, step: int) -> dict:
+    md = mngr.item_metadata(step)
+    if STATE not in md or md[STATE] is None:
+        raise ValueError(
+            f"step {step} in {os.fspath(mngr.directory)} has no {STATE!r} item; it was not "
+            f"written by jaxzero.checkpoint.save."
+        )
+    tree = md[STATE]
+    return _flat(getattr(tree, "tree", tree))
+
+
+def check_compatible(stored: dict, target, *, check_dtypes: bool = True, context: str = "") -> None:
+    """Raise ValueError naming the first path where ``target`` and the stored tree differ.
+
+    ``stored`` is the flat (path tuple -> ArrayMetadata) dict of the checkpoint; ``target``
+    the abstract state. Missing (in target, not stored) paths are reported first in target
+    order, then shape / dtype mismatches, then extra (stored, not in target) paths.
+    """
+    want = _flat(target)
+    for path, leaf in want.items():
+        if path not in stored:
+            raise ValueError(
+                f"checkpoint does not match the target state: leaf {_name(path)} "
+                f"(shape {tuple(leaf.shape)}) is missing from the checkpoint.{context}"
+            )
+        got = stored[path]
+        got_shape = tuple(getattr(got, "shape", np.shape(got)) or ())
+        if tuple(leaf.shape) != got_shape:
+            raise ValueError(
+                f"checkpoint does not match the target state: leaf {_name(path)} has shape "
+                f"{got_shape} in the checkpoint but {tuple(leaf.shape)} in the target "
+                f"(a different model?).{context}"
+            )
+        got_dtype = getattr(got, "dtype", None)
+        if check_dtypes and got_dtype is not None and jnp.dtype(got_dtype) != jnp.dtype(leaf.dtype):
+            raise ValueError(
+                f"checkpoint does not match the target state: leaf {_name(path)} is "
+                f"{jnp.dtype(got_dtype).name} in the checkpoint but {jnp.dtype(leaf.dtype).name} "
+                f"in the target (a different precision policy?); pass check_dtypes=False to "
+                f"cast on restore.{context}"
+            )
+    for path, got in stored.items():
+        if path not in want:
+            raise ValueError(
+                f"checkpoint does not match the target state: the checkpoint has leaf "
+                f"{_name(path)} (shape {tuple(getattr(got, 'shape', ()) or ())}) that the target "
+                f"state lacks.{context}"
+            )
+
+
+def _per_leaf_target(target: TrainState) -> tuple[TrainState, eb.BucketLayout | None]:
+    """The target with a bucketed EMA replaced by its per-leaf form (what checkpoints hold),
+    and the bucket layout to restore into (None: per-leaf)."""
+    if target.ema is None or not isinstance(target.ema.ema, eb.BucketedTree):
+        return target, None
+    layout = target.ema.ema.layout
+    return target.replace(ema=EmaState(target.ema.updates, layout.abstract())), layout
+
+
+def _target(
+    zero: ZeRO, params_or_abstract_state, ema, model_state, rng
+) -> tuple[TrainState, eb.BucketLayout | None]:
+    if isinstance(params_or_abstract_state, TrainState):
+        template = params_or_abstract_state
+        max_elements = 0
+        if template.ema is not None and isinstance(template.ema.ema, eb.BucketedTree):
+            # Keep the template's storage, re-planned for zero's mesh.
+            max_elements = template.ema.ema.layout.max_elements
+            template = template.replace(
+                ema=EmaState(template.ema.updates, template.ema.ema.layout.abstract())
+            )
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), template)
+        shardings = zero.state_shardings(shapes)
+        target = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+        )
+        layout = None
+        if target.ema is not None:
+            layout = eb.plan(target.ema.ema, zero.mesh, zero.axis, max_elements)
+        return target, layout
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params_or_abstract_state
+    )
+    target = zero.abstract_state(shapes, ema=ema, model_state=model_state, rng=rng)
+    return _per_leaf_target(target)
