@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxzero.checkpoint.io import (
     _has_item,
-    _open,
+    _opened,
     _partial_saves,
     _read_metadata,
     _resolve_step,
@@ -47,8 +47,7 @@ def inspect(directory, *, step: int | None = None) -> str:
     user metadata) and every leaf's path, shape, dtype, bytes and partition spec. Reads
     metadata only (no arrays).
     """
-    mngr, _ = _open(directory, read_only=True)
-    try:
+    with _opened(directory) as mngr:
         lines = [f"checkpoint directory: {os.fspath(mngr.directory)}"]
         steps = sorted(mngr.all_steps())
         lines.append(f"complete steps: {', '.join(map(str, steps)) if steps else 'none'}")
@@ -113,5 +112,3 @@ def inspect(directory, *, step: int | None = None) -> str:
                 lines.append(f"  extra: {len(erows)} leaves")
                 lines += ["    " + line for line in _table(erows)]
         return "\n".join(lines)
-    finally:
-        mngr.close()

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -115,6 +117,21 @@ def _settle(mngr: ocp.CheckpointManager) -> None:
         mngr.wait_until_finished()
 
 
+@contextlib.contextmanager
+def _opened(manager_or_dir, *, read_only: bool = True) -> Iterator[ocp.CheckpointManager]:
+    """The manager to use inside a ``with``: a directory opens one that is closed on leaving
+    (closing waits for its saves); a caller's manager is used as is and left open, after its
+    in-flight save has finished when reading (:func:`_settle`)."""
+    mngr, owned = _open(manager_or_dir, read_only=read_only)
+    try:
+        if read_only and not owned:
+            _settle(mngr)
+        yield mngr
+    finally:
+        if owned:
+            mngr.close()
+
+
 def _partial_saves(directory) -> list[str]:
     path = epath.Path(os.fspath(directory))
     if not path.is_dir():
@@ -143,14 +160,8 @@ def _resolve_step(mngr: ocp.CheckpointManager, step) -> int:
 
 def latest_step(manager_or_dir) -> int | None:
     """The newest complete step (None when there is none)."""
-    mngr, owned = _open(manager_or_dir, read_only=True)
-    try:
-        if not owned:
-            _settle(mngr)
+    with _opened(manager_or_dir) as mngr:
         return mngr.latest_step()
-    finally:
-        if owned:
-            mngr.close()
 
 
 # --------------------------------------------------------------------------------- save
@@ -212,8 +223,7 @@ def save(
     # A bucketed EMA is stored per leaf (a local slice, no communication): the on-disk format
     # does not depend on ShardedEMA(bucket_leaves_up_to=...), N or the stage.
     state = eb.unbucket(state)
-    mngr, owned = _open(manager_or_dir, read_only=False)
-    try:
+    with _opened(manager_or_dir, read_only=False) as mngr:
         meta = describe(state, zero=zero, optimizer=optimizer, metadata=metadata)
         meta["checkpoint_step"] = step
         meta["has_extra"] = extra is not None
@@ -221,12 +231,9 @@ def save(
         if extra is not None:
             items[EXTRA] = ocp.args.StandardSave(_host_tree(extra))
         started = mngr.save(step, args=ocp.args.Composite(**items), force=force)
-        if wait or owned:
+        if wait:  # an opened directory's manager waits when it is closed
             mngr.wait_until_finished()
         return bool(started)
-    finally:
-        if owned:
-            mngr.close()
 
 
 # --------------------------------------------------------------------------------- restore
@@ -275,10 +282,7 @@ def restore(
         raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}.")
     if ema is not None and not isinstance(ema, ShardedEMA):
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
-    mngr, owned = _open(manager_or_dir, read_only=True)
-    try:
-        if not owned:
-            _settle(mngr)
+    with _opened(manager_or_dir) as mngr:
         step = _resolve_step(mngr, step)
         # Checkpoints hold the per-leaf EMA; a bucketed target is filled after the read.
         target, layout = _target(zero, params_or_abstract_state, ema, model_state, rng)
@@ -317,9 +321,6 @@ def restore(
         if with_extra:
             return state, (out[EXTRA] if has_extra else None)
         return state
-    finally:
-        if owned:
-            mngr.close()
 
 
 def _has_item(mngr: ocp.CheckpointManager, step: int, item: str) -> bool:
@@ -339,15 +340,9 @@ def _read_metadata(mngr: ocp.CheckpointManager, step: int) -> dict | None:
 
 def load_metadata(manager_or_dir, step: int | None = None) -> dict:
     """The JSON metadata saved with ``step`` (default: newest complete step)."""
-    mngr, owned = _open(manager_or_dir, read_only=True)
-    try:
-        if not owned:
-            _settle(mngr)
+    with _opened(manager_or_dir) as mngr:
         step = _resolve_step(mngr, step)
         meta = _read_metadata(mngr, step)
         if meta is None:
             raise ValueError(f"step {step} has no {METADATA!r} item (not a jaxzero checkpoint).")
         return meta
-    finally:
-        if owned:
-            mngr.close()
