@@ -7,6 +7,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
+from jaxzero import _tree
 from jaxzero.checkpoint.io import (
     _has_item,
     _opened,
@@ -18,14 +19,6 @@ from jaxzero.checkpoint.structure import EXTRA, _flat, _name, _stored_tree
 
 
 # --------------------------------------------------------------------------------- inspect
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n}"
-
-
 def _table(rows: list[dict]) -> list[str]:
     head = ("path", "shape", "dtype", "bytes", "spec")
     cells = [
@@ -37,6 +30,54 @@ def _table(rows: list[dict]) -> list[str]:
     ]
     fmt = lambda c: "  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)).rstrip()
     return [fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(c) for c in cells]
+
+
+def _rows(flat: dict) -> list[dict]:
+    """:func:`~jaxzero.checkpoint.leaf_table` rows (without specs) from Orbax's flat array
+    metadata."""
+    rows = []
+    for path, m in flat.items():
+        shape = tuple(getattr(m, "shape", ()) or ())
+        dtype = jnp.dtype(getattr(m, "dtype", np.float32))
+        rows.append(
+            {
+                "path": _name(path),
+                "shape": list(shape),
+                "dtype": dtype.name,
+                "bytes": int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+            }
+        )
+    return rows
+
+
+def _metadata_lines(meta: dict) -> list[str]:
+    lines = [
+        f"  jaxzero version: {meta.get('jaxzero_version')}",
+        f"  ZeRO stage: {meta.get('stage')}",
+        f"  mesh: {meta.get('mesh')} ({meta.get('num_devices')} devices, sharded over "
+        f"{meta.get('axis')!r})",
+        f"  precision: {meta.get('precision')}",
+        f"  optimizer: {meta.get('optimizer')}",
+        f"  optimizer state: {', '.join(meta.get('opt_state_types') or []) or 'none'}",
+        f"  ema: {meta.get('has_ema')}",
+        f"  train step: {meta.get('step')}",
+    ]
+    if meta.get("loss_scale"):
+        lines.append(f"  loss scale: {meta['loss_scale']}")
+    if meta.get("user") is not None:
+        lines.append(f"  user metadata: {meta['user']}")
+    return lines
+
+
+def _extra_lines(mngr, step: int) -> list[str]:
+    if not _has_item(mngr, step, EXTRA):
+        return []
+    md = mngr.item_metadata(step)
+    extra = md[EXTRA] if EXTRA in md else None
+    if extra is None:
+        return []
+    rows = _rows(_flat(getattr(extra, "tree", extra)))
+    return [f"  extra: {len(rows)} leaves"] + ["    " + line for line in _table(rows)]
 
 
 def inspect(directory, *, step: int | None = None) -> str:
@@ -55,60 +96,17 @@ def inspect(directory, *, step: int | None = None) -> str:
         if partial:
             lines.append(f"incomplete saves (ignored): {', '.join(partial)}")
         step = _resolve_step(mngr, step)
-        lines.append("")
-        lines.append(f"step {step}:")
+        lines += ["", f"step {step}:"]
         meta = _read_metadata(mngr, step)
         if meta is not None:
-            mesh = meta.get("mesh")
-            lines += [
-                f"  jaxzero version: {meta.get('jaxzero_version')}",
-                f"  ZeRO stage: {meta.get('stage')}",
-                f"  mesh: {mesh} ({meta.get('num_devices')} devices, sharded over "
-                f"{meta.get('axis')!r})",
-                f"  precision: {meta.get('precision')}",
-                f"  optimizer: {meta.get('optimizer')}",
-                f"  optimizer state: {', '.join(meta.get('opt_state_types') or []) or 'none'}",
-                f"  ema: {meta.get('has_ema')}",
-                f"  train step: {meta.get('step')}",
-            ]
-            if meta.get("loss_scale"):
-                lines.append(f"  loss scale: {meta['loss_scale']}")
-            if meta.get("user") is not None:
-                lines.append(f"  user metadata: {meta['user']}")
+            lines += _metadata_lines(meta)
             rows = meta.get("leaves") or []
         else:
             lines.append("  (no jaxzero metadata: leaves from the Orbax tree metadata)")
-            rows = []
-            for path, m in _stored_tree(mngr, step).items():
-                shape = tuple(getattr(m, "shape", ()) or ())
-                dtype = jnp.dtype(getattr(m, "dtype", np.float32))
-                rows.append(
-                    {
-                        "path": _name(path),
-                        "shape": list(shape),
-                        "dtype": dtype.name,
-                        "bytes": int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
-                    }
-                )
+            rows = _rows(_stored_tree(mngr, step))
         total = sum(r["bytes"] for r in rows)
-        lines.append(f"  state: {len(rows)} leaves, {total} bytes ({_fmt_bytes(total)})")
+        size = _tree.format_bytes(total, binary=True)
+        lines.append(f"  state: {len(rows)} leaves, {total} bytes ({size})")
         lines += ["    " + line for line in _table(rows)]
-        if _has_item(mngr, step, EXTRA):
-            md = mngr.item_metadata(step)
-            extra = md[EXTRA] if EXTRA in md else None
-            if extra is not None:
-                erows = []
-                for path, m in _flat(getattr(extra, "tree", extra)).items():
-                    shape = tuple(getattr(m, "shape", ()) or ())
-                    dtype = jnp.dtype(getattr(m, "dtype", np.float32))
-                    erows.append(
-                        {
-                            "path": _name(path),
-                            "shape": list(shape),
-                            "dtype": dtype.name,
-                            "bytes": int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
-                        }
-                    )
-                lines.append(f"  extra: {len(erows)} leaves")
-                lines += ["    " + line for line in _table(erows)]
+        lines += _extra_lines(mngr, step)
         return "\n".join(lines)
