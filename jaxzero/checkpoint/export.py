@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxzero.ema import storage as eb
+from jaxzero.ema import storage
 from jaxzero.train.state import TrainState
 
 
@@ -23,7 +23,7 @@ def _export_tree(state_or_tree, which: str):
                     "export(which='ema') needs a state with an EMA; use which='params' or "
                     "create the state with an EMA (zero.init(params, ema=ShardedEMA(...)))."
                 )
-            tree = eb.unbucket(state_or_tree.ema.ema)
+            tree = storage.to_per_leaf(state_or_tree.ema.ema)
         elif which == "params":
             tree = state_or_tree.params
         elif which == "master":

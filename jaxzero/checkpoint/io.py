@@ -23,7 +23,7 @@ from jaxzero.checkpoint.structure import (
     check_compatible,
     describe,
 )
-from jaxzero.ema import storage as eb
+from jaxzero.ema import storage
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.train.state import TrainState
 from jaxzero.zero.config import ZeRO
@@ -222,7 +222,7 @@ def save(
     step = int(np.asarray(step))
     # A bucketed EMA is stored per leaf (a local slice, no communication): the on-disk format
     # does not depend on ShardedEMA(bucket_leaves_up_to=...), N or the stage.
-    state = eb.unbucket(state)
+    state = storage.to_per_leaf(state)
     with _opened(manager_or_dir, read_only=False) as mngr:
         meta = describe(state, zero=zero, optimizer=optimizer, metadata=metadata)
         meta["checkpoint_step"] = step
@@ -285,7 +285,7 @@ def restore(
     with _opened(manager_or_dir) as mngr:
         step = _resolve_step(mngr, step)
         # Checkpoints hold the per-leaf EMA; a bucketed target is filled after the read.
-        target, layout = _target(zero, params_or_abstract_state, ema, model_state, rng)
+        target, threshold = _target(zero, params_or_abstract_state, ema, model_state, rng)
         stored = _stored_tree(mngr, step)
         context = ""
         try:
@@ -316,8 +316,8 @@ def restore(
             items[EXTRA] = ocp.args.StandardRestore()
         out = mngr.restore(step, args=ocp.args.Composite(**items))
         state = out[STATE]
-        if layout is not None:
-            state = state.replace(ema=eb.bucket(state.ema, layout))
+        if threshold:
+            state = state.replace(ema=storage.store(state.ema, zero.mesh, zero.axis, threshold))
         if with_extra:
             return state, (out[EXTRA] if has_extra else None)
         return state

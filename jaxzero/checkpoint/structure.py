@@ -13,8 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
-from jaxzero.ema import storage as eb
-from jaxzero.ema.ema import EmaState
+from jaxzero.ema import storage
 from jaxzero.evaluation import mesh_of
 from jaxzero.train.state import TrainState
 from jaxzero.zero.config import ZeRO
@@ -193,38 +192,24 @@ def check_compatible(stored: dict, target, *, check_dtypes: bool = True, context
             )
 
 
-def _per_leaf_target(target: TrainState) -> tuple[TrainState, eb.BucketLayout | None]:
-    """The target with a bucketed EMA replaced by its per-leaf form (what checkpoints hold),
-    and the bucket layout to restore into (None: per-leaf)."""
-    if target.ema is None or not isinstance(target.ema.ema, eb.BucketedTree):
-        return target, None
-    layout = target.ema.ema.layout
-    return target.replace(ema=EmaState(target.ema.updates, layout.abstract())), layout
+def _shape_dtype(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
 
-def _target(
-    zero: ZeRO, params_or_abstract_state, ema, model_state, rng
-) -> tuple[TrainState, eb.BucketLayout | None]:
+def _target(zero: ZeRO, params_or_abstract_state, ema, model_state, rng) -> tuple[TrainState, int]:
+    """``(target, threshold)``: the abstract state to restore into, with the EMA per-leaf (what
+    checkpoints hold), and the ``bucket_leaves_up_to`` to store the restored EMA with (0:
+    per-leaf; see :func:`jaxzero.ema.storage.store`)."""
     if isinstance(params_or_abstract_state, TrainState):
-        template = params_or_abstract_state
-        max_elements = 0
-        if template.ema is not None and isinstance(template.ema.ema, eb.BucketedTree):
-            # Keep the template's storage, re-planned for zero's mesh.
-            max_elements = template.ema.ema.layout.max_elements
-            template = template.replace(
-                ema=EmaState(template.ema.updates, template.ema.ema.layout.abstract())
-            )
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), template)
+        template = jax.tree.map(_shape_dtype, params_or_abstract_state)
+        # Keep the template's storage, re-planned for zero's mesh.
+        threshold = storage.threshold(template)
+        shapes = jax.tree.map(_shape_dtype, storage.to_per_leaf(template))
         shardings = zero.state_shardings(shapes)
         target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
         )
-        layout = None
-        if target.ema is not None:
-            layout = eb.plan(target.ema.ema, zero.mesh, zero.axis, max_elements)
-        return target, layout
-    shapes = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params_or_abstract_state
-    )
+        return target, threshold
+    shapes = jax.tree.map(_shape_dtype, params_or_abstract_state)
     target = zero.abstract_state(shapes, ema=ema, model_state=model_state, rng=rng)
-    return _per_leaf_target(target)
+    return storage.to_per_leaf(target), 0 if ema is None else ema.bucket_leaves_up_to
