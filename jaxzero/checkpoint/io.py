@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,7 +18,7 @@ from jaxzero.checkpoint.structure import (
     EXTRA,
     METADATA,
     STATE,
-    _node_types,
+    _mismatch_hints,
     _stored_tree,
     _target,
     check_compatible,
@@ -286,41 +287,38 @@ def restore(
         step = _resolve_step(mngr, step)
         # Checkpoints hold the per-leaf EMA; a bucketed target is filled after the read.
         target, threshold = _target(zero, params_or_abstract_state, ema, model_state, rng)
-        stored = _stored_tree(mngr, step)
-        context = ""
-        try:
-            meta = _read_metadata(mngr, step)
-        except Exception:  # noqa: BLE001 - metadata is optional for the check
-            meta = None
-        if meta is not None:
-            ckpt_opt = ", ".join(meta.get("opt_state_types") or []) or "none"
-            here_opt = ", ".join(_node_types(target.opt_state)) or "none"
-            if ckpt_opt != here_opt:
-                context += (
-                    f" The checkpoint's optimizer state is [{ckpt_opt}], the target's is "
-                    f"[{here_opt}]."
-                )
-            if meta.get("has_ema") and target.ema is None:
-                context += " The checkpoint has an EMA: pass ema=ShardedEMA(...)."
-            if meta.get("has_master") is not None and meta["has_master"] != (
-                target.master is not None
-            ):
-                context += (
-                    f" The checkpoint was written with precision {meta.get('precision')} "
-                    f"(separate master: {meta['has_master']})."
-                )
-        check_compatible(stored, target, check_dtypes=check_dtypes, context=context)
-        items = {STATE: ocp.args.StandardRestore(target)}
-        has_extra = with_extra and _has_item(mngr, step, EXTRA)
-        if has_extra:
-            items[EXTRA] = ocp.args.StandardRestore()
-        out = mngr.restore(step, args=ocp.args.Composite(**items))
-        state = out[STATE]
+        _check_stored(mngr, step, target, check_dtypes=check_dtypes)
+        state, extra = _read_state(mngr, step, target, with_extra=with_extra)
         if threshold:
             state = state.replace(ema=storage.store(state.ema, zero.mesh, zero.axis, threshold))
-        if with_extra:
-            return state, (out[EXTRA] if has_extra else None)
-        return state
+        return (state, extra) if with_extra else state
+
+
+def _check_stored(
+    mngr: ocp.CheckpointManager, step: int, target: TrainState, *, check_dtypes: bool
+) -> None:
+    """:func:`check_compatible` of ``step``'s stored tree and ``target``; the step's metadata,
+    when it can be read, adds hints to the error (:func:`_mismatch_hints`)."""
+    stored = _stored_tree(mngr, step)
+    try:
+        meta = _read_metadata(mngr, step)
+    except Exception:  # noqa: BLE001 - metadata is optional for the check
+        meta = None
+    context = "" if meta is None else _mismatch_hints(meta, target)
+    check_compatible(stored, target, check_dtypes=check_dtypes, context=context)
+
+
+def _read_state(
+    mngr: ocp.CheckpointManager, step: int, target: TrainState, *, with_extra: bool
+) -> tuple[TrainState, Any]:
+    """``(state, extra)``: ``step``'s state read straight into ``target``'s shardings, and its
+    ``extra`` tree (None unless asked for and saved)."""
+    items = {STATE: ocp.args.StandardRestore(target)}
+    has_extra = with_extra and _has_item(mngr, step, EXTRA)
+    if has_extra:
+        items[EXTRA] = ocp.args.StandardRestore()
+    out = mngr.restore(step, args=ocp.args.Composite(**items))
+    return out[STATE], (out[EXTRA] if has_extra else None)
 
 
 def _has_item(mngr: ocp.CheckpointManager, step: int, item: str) -> bool:

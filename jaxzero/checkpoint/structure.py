@@ -192,6 +192,24 @@ def check_compatible(stored: dict, target, *, check_dtypes: bool = True, context
             )
 
 
+def _mismatch_hints(meta: dict, target: TrainState) -> str:
+    """Sentences for a :func:`check_compatible` error: where the checkpoint's metadata shows
+    that ``target`` was built differently (optimizer, EMA, precision)."""
+    hints = ""
+    ckpt_opt = ", ".join(meta.get("opt_state_types") or []) or "none"
+    here_opt = ", ".join(_node_types(target.opt_state)) or "none"
+    if ckpt_opt != here_opt:
+        hints += f" The checkpoint's optimizer state is [{ckpt_opt}], the target's is [{here_opt}]."
+    if meta.get("has_ema") and target.ema is None:
+        hints += " The checkpoint has an EMA: pass ema=ShardedEMA(...)."
+    if meta.get("has_master") is not None and meta["has_master"] != (target.master is not None):
+        hints += (
+            f" The checkpoint was written with precision {meta.get('precision')} "
+            f"(separate master: {meta['has_master']})."
+        )
+    return hints
+
+
 def _shape_dtype(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
