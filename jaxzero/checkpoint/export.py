@@ -7,15 +7,15 @@ import os
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import serialization
 
 from jaxzero.ema import storage
+from jaxzero.evaluation import gather
 from jaxzero.train.state import TrainState
 
 
 # --------------------------------------------------------------------------------- export
 def _export_tree(state_or_tree, which: str):
-    from jaxzero.evaluation import gather
-
     if isinstance(state_or_tree, TrainState):
         if which == "ema":
             if state_or_tree.ema is None:
@@ -54,8 +54,6 @@ def export(state_or_tree, path, *, which: str = "ema", overwrite: bool = False) 
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it.")
     if path.endswith(".msgpack"):
-        from flax import serialization
-
         if jax.process_index() == 0:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             tmp = path + ".tmp"
@@ -72,8 +70,6 @@ def load_export(path):
     """Read an :func:`export` back as a tree of numpy arrays (plain nested dicts)."""
     path = os.path.abspath(os.fspath(path))
     if path.endswith(".msgpack"):
-        from flax import serialization
-
         with open(path, "rb") as f:
             return serialization.msgpack_restore(f.read())
     with ocp.PyTreeCheckpointer() as ckptr:
