@@ -15,7 +15,7 @@ from jaxzero.checkpoint.io import (
     _read_metadata,
     _resolve_step,
 )
-from jaxzero.checkpoint.structure import EXTRA, _flat, _name, _stored_tree
+from jaxzero.checkpoint.structure import EXTRA, _flat, _row, _stored_tree
 
 
 # --------------------------------------------------------------------------------- inspect
@@ -35,19 +35,10 @@ def _table(rows: list[dict]) -> list[str]:
 def _rows(flat: dict) -> list[dict]:
     """:func:`~jaxzero.checkpoint.leaf_table` rows (without specs) from Orbax's flat array
     metadata."""
-    rows = []
-    for path, m in flat.items():
-        shape = tuple(getattr(m, "shape", ()) or ())
-        dtype = jnp.dtype(getattr(m, "dtype", np.float32))
-        rows.append(
-            {
-                "path": _name(path),
-                "shape": list(shape),
-                "dtype": dtype.name,
-                "bytes": int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
-            }
-        )
-    return rows
+    return [
+        _row(path, tuple(getattr(m, "shape", ()) or ()), jnp.dtype(getattr(m, "dtype", np.float32)))
+        for path, m in flat.items()
+    ]
 
 
 def _metadata_lines(meta: dict) -> list[str]:

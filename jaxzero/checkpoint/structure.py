@@ -60,6 +60,16 @@ def _describe_tx(tx) -> str:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
 
 
+def _row(path: tuple[str, ...], shape: tuple[int, ...], dtype) -> dict:
+    """A leaf's ``path``, ``shape``, ``dtype`` and ``bytes`` (a :func:`leaf_table` row)."""
+    return {
+        "path": _name(path),
+        "shape": list(shape),
+        "dtype": dtype.name,
+        "bytes": int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+    }
+
+
 def leaf_table(tree) -> list[dict]:
     """One dict per array leaf: ``path``, ``shape``, ``dtype``, ``bytes``, ``spec``."""
     rows = []
@@ -67,15 +77,8 @@ def leaf_table(tree) -> list[dict]:
         shape = tuple(int(d) for d in np.shape(x))
         dtype = jnp.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
         sharding = getattr(x, "sharding", None)
-        rows.append(
-            {
-                "path": _name(path),
-                "shape": list(shape),
-                "dtype": dtype.name,
-                "bytes": int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
-                "spec": str(tuple(sharding.spec)) if isinstance(sharding, NamedSharding) else None,
-            }
-        )
+        spec = str(tuple(sharding.spec)) if isinstance(sharding, NamedSharding) else None
+        rows.append({**_row(path, shape, dtype), "spec": spec})
     return rows
 
 
