@@ -1,0 +1,57 @@
+"""Sharded checkpoints of the ZeRO training state: a thin adapter over Orbax.
+
+Everything is delegated to :class:`orbax.checkpoint.CheckpointManager`; this module only
+configures it for jaxzero and adds the jaxzero-specific parts:
+
+* :func:`manager` builds a manager with three items per step: ``"state"`` (the
+  :class:`~jaxzero.TrainState`, ``StandardSave``/``StandardRestore``: every process writes
+  only its own shards, nothing is gathered), ``"metadata"`` (``JsonSave``: jaxzero version,
+  stage, mesh, precision, optimizer, and every leaf's path/shape/dtype/bytes) and the optional
+  ``"extra"`` (a small user pytree such as a data-loader position).
+* :func:`save` writes one step (asynchronously by default).
+* :func:`restore` checks the stored tree against the target (paths, shapes, dtypes) and then
+  lets Orbax read every array straight into the target's shardings, so a checkpoint written
+  on N devices at one stage restores on any N / stage / mesh (``ZeRO.abstract_state``
+  supplies the shardings).
+* :func:`export` writes a gathered, unsharded tree (EMA or params) for inference.
+* :func:`inspect` renders a checkpoint directory as text (for ``jaxzero inspect``).
+
+A save is atomic: Orbax writes into a temporary directory and renames it when every item is
+committed, so a process killed mid-save leaves only a ``<step>.orbax-checkpoint-tmp-*``
+directory that :func:`restore` never considers (and that :func:`manager` removes).
+
+Example::
+
+    mngr = jz.checkpoint.manager("/ckpt", max_to_keep=3)
+    for i, batch in enumerate(batches, 1):
+        state, _ = step(state, batch)
+        jz.checkpoint.save(mngr, i, state, zero=zero, extra={"loader": np.int64(i)})
+    mngr.wait_until_finished()
+    ...
+    state = jz.checkpoint.restore("/ckpt", zero, params, ema=ema)   # latest complete step
+"""
+
+from jaxzero.checkpoint.export import export, load_export
+from jaxzero.checkpoint.inspect import inspect
+from jaxzero.checkpoint.io import latest_step, load_metadata, manager, restore, save
+from jaxzero.checkpoint.structure import EXTRA as EXTRA
+from jaxzero.checkpoint.structure import FORMAT as FORMAT
+from jaxzero.checkpoint.structure import ITEMS as ITEMS
+from jaxzero.checkpoint.structure import METADATA as METADATA
+from jaxzero.checkpoint.structure import STATE as STATE
+from jaxzero.checkpoint.structure import _node_types as _node_types  # used by jaxzero.convert
+from jaxzero.checkpoint.structure import check_compatible, describe
+from jaxzero.checkpoint.structure import leaf_table as leaf_table
+
+__all__ = [
+    "check_compatible",
+    "describe",
+    "export",
+    "inspect",
+    "latest_step",
+    "load_export",
+    "load_metadata",
+    "manager",
+    "restore",
+    "save",
+]

@@ -1,0 +1,103 @@
+"""A text report of a checkpoint directory (for ``jaxzero inspect``)."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxzero import _tree
+from jaxzero.checkpoint.io import (
+    _has_item,
+    _opened,
+    _partial_saves,
+    _read_metadata,
+    _resolve_step,
+)
+from jaxzero.checkpoint.structure import EXTRA, _flat, _row, _stored_tree
+
+
+# --------------------------------------------------------------------------------- inspect
+def _table(rows: list[dict]) -> list[str]:
+    head = ("path", "shape", "dtype", "bytes", "spec")
+    cells = [
+        (r["path"], str(tuple(r["shape"])), r["dtype"], str(r["bytes"]), r.get("spec") or "")
+        for r in rows
+    ]
+    widths = [
+        max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(head)
+    ]
+    fmt = lambda c: "  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)).rstrip()
+    return [fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(c) for c in cells]
+
+
+def _rows(flat: dict) -> list[dict]:
+    """:func:`~jaxzero.checkpoint.leaf_table` rows (without specs) from Orbax's flat array
+    metadata."""
+    return [
+        _row(path, tuple(getattr(m, "shape", ()) or ()), jnp.dtype(getattr(m, "dtype", np.float32)))
+        for path, m in flat.items()
+    ]
+
+
+def _metadata_lines(meta: dict) -> list[str]:
+    lines = [
+        f"  jaxzero version: {meta.get('jaxzero_version')}",
+        f"  ZeRO stage: {meta.get('stage')}",
+        f"  mesh: {meta.get('mesh')} ({meta.get('num_devices')} devices, sharded over "
+        f"{meta.get('axis')!r})",
+        f"  precision: {meta.get('precision')}",
+        f"  optimizer: {meta.get('optimizer')}",
+        f"  optimizer state: {', '.join(meta.get('opt_state_types') or []) or 'none'}",
+        f"  ema: {meta.get('has_ema')}",
+        f"  train step: {meta.get('step')}",
+    ]
+    if meta.get("loss_scale"):
+        lines.append(f"  loss scale: {meta['loss_scale']}")
+    if meta.get("user") is not None:
+        lines.append(f"  user metadata: {meta['user']}")
+    return lines
+
+
+def _extra_lines(mngr, step: int) -> list[str]:
+    if not _has_item(mngr, step, EXTRA):
+        return []
+    md = mngr.item_metadata(step)
+    extra = md[EXTRA] if EXTRA in md else None
+    if extra is None:
+        return []
+    rows = _rows(_flat(getattr(extra, "tree", extra)))
+    return [f"  extra: {len(rows)} leaves"] + ["    " + line for line in _table(rows)]
+
+
+def inspect(directory, *, step: int | None = None) -> str:
+    """A text report of a checkpoint directory.
+
+    Lists the complete steps and any interrupted saves, then for ``step`` (default: the
+    newest complete one) the jaxzero metadata (version, stage, mesh, precision, optimizer,
+    user metadata) and every leaf's path, shape, dtype, bytes and partition spec. Reads
+    metadata only (no arrays).
+    """
+    with _opened(directory) as mngr:
+        lines = [f"checkpoint directory: {os.fspath(mngr.directory)}"]
+        steps = sorted(mngr.all_steps())
+        lines.append(f"complete steps: {', '.join(map(str, steps)) if steps else 'none'}")
+        partial = _partial_saves(mngr.directory)
+        if partial:
+            lines.append(f"incomplete saves (ignored): {', '.join(partial)}")
+        step = _resolve_step(mngr, step)
+        lines += ["", f"step {step}:"]
+        meta = _read_metadata(mngr, step)
+        if meta is not None:
+            lines += _metadata_lines(meta)
+            rows = meta.get("leaves") or []
+        else:
+            lines.append("  (no jaxzero metadata: leaves from the Orbax tree metadata)")
+            rows = _rows(_stored_tree(mngr, step))
+        total = sum(r["bytes"] for r in rows)
+        size = _tree.format_bytes(total, binary=True)
+        lines.append(f"  state: {len(rows)} leaves, {total} bytes ({size})")
+        lines += ["    " + line for line in _table(rows)]
+        lines += _extra_lines(mngr, step)
+        return "\n".join(lines)

@@ -1,0 +1,346 @@
+"""Writing and reading jaxzero checkpoints: :func:`manager`, :func:`save`, :func:`restore`,
+:func:`latest_step` and :func:`load_metadata` (a thin adapter over Orbax's
+``CheckpointManager``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jaxzero.checkpoint.structure import (
+    EXTRA,
+    METADATA,
+    STATE,
+    _mismatch_hints,
+    _stored_tree,
+    _target,
+    check_compatible,
+    describe,
+)
+from jaxzero.ema import storage
+from jaxzero.ema.ema import ShardedEMA
+from jaxzero.train.state import TrainState
+from jaxzero.zero.config import ZeRO
+
+
+# --------------------------------------------------------------------------------- manager
+def _registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for item, save_args, restore_args in (
+        (STATE, ocp.args.StandardSave, ocp.args.StandardRestore),
+        (EXTRA, ocp.args.StandardSave, ocp.args.StandardRestore),
+        (METADATA, ocp.args.JsonSave, ocp.args.JsonRestore),
+    ):
+        reg.add(item, save_args)
+        reg.add(item, restore_args)
+    return reg
+
+
+def manager(
+    directory,
+    *,
+    max_to_keep: int | None = None,
+    save_interval_steps: int = 1,
+    async_save: bool = True,
+    read_only: bool = False,
+    **options,
+) -> ocp.CheckpointManager:
+    """An ``orbax.checkpoint.CheckpointManager`` configured for jaxzero checkpoints.
+
+    Args:
+      directory: the root directory (created unless ``read_only``); steps are its
+        sub-directories ``<step>/{state,metadata,extra}``.
+      max_to_keep: keep only the newest this many complete steps (None: keep all).
+      save_interval_steps: :func:`save` writes only steps that are multiples of this
+        (other calls return False), plus the first save into an empty directory (Orbax's
+        ``InitialSavePolicy``).
+      async_save: write in a background thread; ``save`` returns once the arrays are copied
+        to host memory (the state may then be donated / updated). Call
+        ``mngr.wait_until_finished()`` before reading the checkpoint, and ``mngr.close()``
+        at the end.
+      read_only: open for restoring only: nothing is created, written or deleted.
+      **options: any further ``ocp.CheckpointManagerOptions`` field.
+
+    Leftover temporary directories of interrupted saves are removed when a writable manager
+    is created (``cleanup_tmp_directories``), so create it from the (single) training job.
+    """
+    if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+        raise ValueError(f"max_to_keep={max_to_keep!r} must be a positive int or None (keep all).")
+    if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+        raise ValueError(f"save_interval_steps={save_interval_steps!r} must be an int >= 1.")
+    opts = dict(
+        max_to_keep=max_to_keep,
+        save_interval_steps=0 if read_only else save_interval_steps,
+        enable_async_checkpointing=async_save,
+        create=not read_only,
+        cleanup_tmp_directories=not read_only,
+        read_only=read_only,
+    )
+    opts.update(options)
+    path = epath.Path(os.fspath(directory)).absolute()
+    return ocp.CheckpointManager(
+        path, options=ocp.CheckpointManagerOptions(**opts), handler_registry=_registry()
+    )
+
+
+def _open(manager_or_dir, *, read_only: bool) -> tuple[ocp.CheckpointManager, bool]:
+    """(manager, owned): a directory opens a manager that the caller must close."""
+    if isinstance(manager_or_dir, ocp.CheckpointManager):
+        return manager_or_dir, False
+    if isinstance(manager_or_dir, (str, os.PathLike, epath.Path)):
+        path = epath.Path(os.fspath(manager_or_dir))
+        if read_only and not path.is_dir():
+            raise FileNotFoundError(f"checkpoint directory {os.fspath(path)} does not exist.")
+        if read_only:
+            # Not orbax's read_only (which logs warnings): no directory creation, no tmp
+            # cleanup, and this manager never saves, so nothing is written or deleted.
+            return manager(
+                path, async_save=False, create=False, cleanup_tmp_directories=False
+            ), True
+        return manager(path, async_save=False), True
+    raise TypeError(
+        f"expected a checkpoint directory or an orbax.checkpoint.CheckpointManager (from "
+        f"jaxzero.checkpoint.manager), got {type(manager_or_dir).__name__}."
+    )
+
+
+def _settle(mngr: ocp.CheckpointManager) -> None:
+    """Let a caller's manager finish its in-flight save, so that every step it lists is
+    complete on disk (an unfinished step is never read)."""
+    if mngr.is_saving_in_progress():
+        mngr.wait_until_finished()
+
+
+@contextlib.contextmanager
+def _opened(manager_or_dir, *, read_only: bool = True) -> Iterator[ocp.CheckpointManager]:
+    """The manager to use inside a ``with``: a directory opens one that is closed on leaving
+    (closing waits for its saves); a caller's manager is used as is and left open, after its
+    in-flight save has finished when reading (:func:`_settle`)."""
+    mngr, owned = _open(manager_or_dir, read_only=read_only)
+    try:
+        if read_only and not owned:
+            _settle(mngr)
+        yield mngr
+    finally:
+        if owned:
+            mngr.close()
+
+
+def _partial_saves(directory) -> list[str]:
+    path = epath.Path(os.fspath(directory))
+    if not path.is_dir():
+        return []
+    return sorted(p.name for p in path.iterdir() if ".orbax-checkpoint-tmp" in p.name)
+
+
+def _resolve_step(mngr: ocp.CheckpointManager, step) -> int:
+    steps = sorted(mngr.all_steps())
+    if not steps:
+        partial = _partial_saves(mngr.directory)
+        hint = f" (only interrupted/in-progress saves: {', '.join(partial)})" if partial else ""
+        raise FileNotFoundError(
+            f"no complete checkpoint step in {os.fspath(mngr.directory)}{hint}."
+        )
+    if step is None:
+        return steps[-1]
+    step = int(step)
+    if step not in steps:
+        raise FileNotFoundError(
+            f"step {step} is not a complete checkpoint in {os.fspath(mngr.directory)}; "
+            f"complete steps: {steps}."
+        )
+    return step
+
+
+def latest_step(manager_or_dir) -> int | None:
+    """The newest complete step (None when there is none)."""
+    with _opened(manager_or_dir) as mngr:
+        return mngr.latest_step()
+
+
+# --------------------------------------------------------------------------------- save
+def _host_tree(tree):
+    """``extra`` as host numpy arrays (small; replicated values read on every process)."""
+
+    def leaf(x):
+        if isinstance(x, np.ndarray):
+            return x
+        if isinstance(x, jax.Array):
+            return np.asarray(jax.device_get(x))
+        if isinstance(x, (bool, int, float, np.generic)):
+            return np.asarray(x)
+        raise TypeError(
+            f"extra leaves must be arrays or numbers, got {type(x).__name__}; put strings and "
+            f"other JSON data in metadata= instead."
+        )
+
+    return jax.tree.map(leaf, tree)
+
+
+def save(
+    manager_or_dir,
+    step,
+    state: TrainState,
+    *,
+    zero: ZeRO | None = None,
+    metadata: dict | None = None,
+    extra=None,
+    optimizer: str | None = None,
+    wait: bool = False,
+    force: bool = False,
+) -> bool:
+    """Save ``state`` (sharded: each process writes only its own shards) at ``step``.
+
+    Args:
+      manager_or_dir: a manager from :func:`manager` (asynchronous saves), or a directory
+        (a manager is opened, the save completes and the manager is closed).
+      step: the step number (the checkpoint's directory name).
+      state: the :class:`~jaxzero.TrainState`.
+      zero: the ``ZeRO`` that built ``state``: records stage, mesh axis, precision policy
+        and optimizer in the metadata (optional but recommended).
+      metadata: JSON-serialisable user metadata (stored under ``"user"``).
+      extra: a small pytree of arrays/numbers saved alongside (e.g. the data-loader
+        position); read back with ``restore(..., with_extra=True)``.
+      optimizer: a description of the optimizer (default: ``repr(zero.tx)``).
+      wait: block until this save is committed.
+      force: save even when ``save_interval_steps`` would skip this step.
+
+    Returns:
+      Whether a save was started (False when the manager's policy skips ``step`` or
+      ``step`` is not newer than the latest saved step).
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a jaxzero.TrainState, got {type(state).__name__}.")
+    if zero is not None and not isinstance(zero, ZeRO):
+        raise TypeError(f"zero must be a jaxzero.ZeRO or None, got {type(zero).__name__}.")
+    step = int(np.asarray(step))
+    # A bucketed EMA is stored per leaf (a local slice, no communication): the on-disk format
+    # does not depend on ShardedEMA(bucket_leaves_up_to=...), N or the stage.
+    state = storage.to_per_leaf(state)
+    with _opened(manager_or_dir, read_only=False) as mngr:
+        meta = describe(state, zero=zero, optimizer=optimizer, metadata=metadata)
+        meta["checkpoint_step"] = step
+        meta["has_extra"] = extra is not None
+        items = {STATE: ocp.args.StandardSave(state), METADATA: ocp.args.JsonSave(meta)}
+        if extra is not None:
+            items[EXTRA] = ocp.args.StandardSave(_host_tree(extra))
+        started = mngr.save(step, args=ocp.args.Composite(**items), force=force)
+        if wait:  # an opened directory's manager waits when it is closed
+            mngr.wait_until_finished()
+        return bool(started)
+
+
+# --------------------------------------------------------------------------------- restore
+def restore(
+    manager_or_dir,
+    zero: ZeRO,
+    params_or_abstract_state,
+    *,
+    step: int | None = None,
+    ema: ShardedEMA | None = None,
+    model_state=None,
+    rng=None,
+    with_extra: bool = False,
+    check_dtypes: bool = True,
+):
+    """Restore a :class:`~jaxzero.TrainState` directly into ``zero``'s shardings.
+
+    The target is ``zero.abstract_state(params, ema=ema, model_state=..., rng=...)`` (or the
+    given abstract ``TrainState``, re-sharded for ``zero``); Orbax reads each array straight
+    into its target sharding, so each device only loads its own shard. A checkpoint written at
+    one device count / stage / mesh restores at any other.
+
+    Args:
+      manager_or_dir: a manager or a checkpoint directory (opened read-only).
+      zero: the ``ZeRO`` to restore for (its mesh and stage decide the shardings).
+      params_or_abstract_state: the model params (arrays or ShapeDtypeStructs; only shapes
+        and dtypes are used), or an (abstract) ``TrainState``.
+      step: the step to restore; None: the newest complete step.
+      ema: the ``ShardedEMA`` when the state carries an EMA (must match the checkpoint). Its
+        ``bucket_leaves_up_to`` decides the restored EMA's storage (given an abstract
+        ``TrainState``, its EMA's storage does); the checkpoint, always per-leaf on disk,
+        restores into either.
+      model_state, rng: templates of those state fields, when the state has them.
+      with_extra: also return the ``extra`` tree saved with the step (None if none was).
+      check_dtypes: refuse leaves whose stored dtype differs from the target's.
+
+    Returns:
+      The restored ``TrainState``, or ``(state, extra)`` with ``with_extra=True``.
+
+    Raises:
+      FileNotFoundError: no such directory, no complete step, or ``step`` not complete.
+      ValueError: the stored tree differs from the target (the first missing / mis-shaped /
+        extra leaf path is named); nothing is restored.
+    """
+    if not isinstance(zero, ZeRO):
+        raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}.")
+    if ema is not None and not isinstance(ema, ShardedEMA):
+        raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
+    with _opened(manager_or_dir) as mngr:
+        step = _resolve_step(mngr, step)
+        # Checkpoints hold the per-leaf EMA; a bucketed target is filled after the read.
+        target, threshold = _target(zero, params_or_abstract_state, ema, model_state, rng)
+        _check_stored(mngr, step, target, check_dtypes=check_dtypes)
+        state, extra = _read_state(mngr, step, target, with_extra=with_extra)
+        if threshold:
+            state = state.replace(ema=storage.store(state.ema, zero.mesh, zero.axis, threshold))
+        return (state, extra) if with_extra else state
+
+
+def _check_stored(
+    mngr: ocp.CheckpointManager, step: int, target: TrainState, *, check_dtypes: bool
+) -> None:
+    """:func:`check_compatible` of ``step``'s stored tree and ``target``; the step's metadata,
+    when it can be read, adds hints to the error (:func:`_mismatch_hints`)."""
+    stored = _stored_tree(mngr, step)
+    try:
+        meta = _read_metadata(mngr, step)
+    except Exception:  # noqa: BLE001 - metadata is optional for the check
+        meta = None
+    context = "" if meta is None else _mismatch_hints(meta, target)
+    check_compatible(stored, target, check_dtypes=check_dtypes, context=context)
+
+
+def _read_state(
+    mngr: ocp.CheckpointManager, step: int, target: TrainState, *, with_extra: bool
+) -> tuple[TrainState, Any]:
+    """``(state, extra)``: ``step``'s state read straight into ``target``'s shardings, and its
+    ``extra`` tree (None unless asked for and saved)."""
+    items = {STATE: ocp.args.StandardRestore(target)}
+    has_extra = with_extra and _has_item(mngr, step, EXTRA)
+    if has_extra:
+        items[EXTRA] = ocp.args.StandardRestore()
+    out = mngr.restore(step, args=ocp.args.Composite(**items))
+    return out[STATE], (out[EXTRA] if has_extra else None)
+
+
+def _has_item(mngr: ocp.CheckpointManager, step: int, item: str) -> bool:
+    step_dir = epath.Path(os.fspath(mngr.directory)) / str(step)
+    if step_dir.is_dir():
+        return (step_dir / item).is_dir()
+    md = mngr.item_metadata(step)
+    return item in md and md[item] is not None
+
+
+def _read_metadata(mngr: ocp.CheckpointManager, step: int) -> dict | None:
+    if not _has_item(mngr, step, METADATA):
+        return None
+    out = mngr.restore(step, args=ocp.args.Composite(**{METADATA: ocp.args.JsonRestore()}))
+    return out[METADATA]
+
+
+def load_metadata(manager_or_dir, step: int | None = None) -> dict:
+    """The JSON metadata saved with ``step`` (default: newest complete step)."""
+    with _opened(manager_or_dir) as mngr:
+        step = _resolve_step(mngr, step)
+        meta = _read_metadata(mngr, step)
+        if meta is None:
+            raise ValueError(f"step {step} has no {METADATA!r} item (not a jaxzero checkpoint).")
+        return meta
