@@ -12,6 +12,7 @@ from jaxzero import layouts as layouts
 from jaxzero import memory as memory
 from jaxzero import nnx as nnx
 from jaxzero import torch_interop as torch_interop
+from jaxzero._version import __version__ as __version__
 from jaxzero.ema.ema import EmaState as EmaState
 from jaxzero.ema.ema import ShardedEMA as ShardedEMA
 from jaxzero.ema.storage import BucketedTree as BucketedTree
@@ -32,8 +33,6 @@ from jaxzero.train.step import TrainStep as TrainStep
 from jaxzero.train.step import make_train_step as make_train_step
 from jaxzero.zero.config import ZeRO as ZeRO
 from jaxzero.zero.layers import gather_layer as gather_layer
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BucketedTree",

@@ -102,7 +102,7 @@ def describe(
     metadata: dict | None = None,
 ) -> dict:
     """The JSON metadata :func:`save` stores next to ``state``."""
-    from jaxzero import __version__
+    from jaxzero._version import __version__
 
     mesh = zero.mesh if zero is not None else mesh_of(state)
     params_dtype = jnp.dtype(jax.tree.leaves(state.params)[0].dtype).name
