@@ -13,6 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
+from jaxzero._version import __version__
 from jaxzero.ema import storage
 from jaxzero.evaluation import mesh_of
 from jaxzero.train.state import TrainState
@@ -102,8 +103,6 @@ def describe(
     metadata: dict | None = None,
 ) -> dict:
     """The JSON metadata :func:`save` stores next to ``state``."""
-    from jaxzero._version import __version__
-
     mesh = zero.mesh if zero is not None else mesh_of(state)
     params_dtype = jnp.dtype(jax.tree.leaves(state.params)[0].dtype).name
     if zero is not None:
