@@ -34,5 +34,5 @@ for i in range(int(os.environ.get("QUICKSTART_STEPS", 50))):
     state, metrics = step(state, {"x": x[idx], "y": y[idx]})
     if i % 10 == 0:
         print(f"step {int(metrics['step']):3d}  loss {float(metrics['loss']):.4f}")
-eval_params = jz.gather(state.ema)  # the full EMA, gathered only for evaluation
+eval_params = jz.ema_params(state)  # the full EMA weights, gathered only for evaluation
 print("EMA accuracy:", float((model.apply({"params": eval_params}, x).argmax(1) == y).mean()))

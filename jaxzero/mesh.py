@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -84,4 +85,23 @@ def check_mesh(mesh: Mesh, axis: str) -> None:
             f"mesh axes {explicit} are AxisType.Explicit; jaxzero needs AxisType.Auto axes "
             f"(GSPMD mode). Build the mesh with jaxzero.data_parallel_mesh() or "
             f"jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto, ...))."
+        )
+
+
+def warn_unnamed_replica_axes(mesh: Mesh, axis: str) -> None:
+    """Warn about mesh axes other than ``axis`` that are not named as replica axes.
+
+    jaxzero shards state over ``axis`` only and treats every other axis as a replica axis
+    (state replicated over it, batch split over it, gradients averaged over it): a ``model``
+    or ``tensor`` axis would silently become data parallelism.
+    """
+    others = [a for a in mesh.axis_names if a != axis and not str(a).startswith("replica")]
+    if others:
+        warnings.warn(
+            f"mesh axes {others} are treated as replica axes (state replicated over them, "
+            f"the batch split and gradients averaged over them); jaxzero does no tensor or "
+            f"model parallelism. Name them 'replica...' (jaxzero.data_parallel_mesh("
+            f"replicas=...) does) to say that this is what you want.",
+            UserWarning,
+            stacklevel=3,
         )

@@ -201,3 +201,52 @@ def check_loss_scale(loss_scale, precision: Precision) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _sub_jaxprs(params):
+    for p in params.values():
+        for q in p if isinstance(p, tuple | list) else (p,):
+            if hasattr(q, "eqns"):
+                yield q
+            elif hasattr(q, "jaxpr") and hasattr(q.jaxpr, "eqns"):
+                yield q.jaxpr
+
+
+def wide_matmuls(jaxpr, dtype=jnp.float32) -> int:
+    """How many ``dot_general``/convolutions in ``jaxpr`` (sub-jaxprs included) take an
+    operand of ``dtype``."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+            n += any(getattr(v.aval, "dtype", None) == dtype for v in eqn.invars)
+        for sub in _sub_jaxprs(eqn.params):
+            n += wide_matmuls(sub, dtype)
+    return n
+
+
+def warn_wide_compute(fn, args, policy: Precision) -> None:
+    """Under a 16-bit policy, warn when the loss ``fn(*args)`` still runs matmuls in float32.
+
+    ``precision="bf16"`` stores and communicates bf16 weights, but a Flax module computes in
+    its own ``dtype`` (float32 by default): the weights are upcast again and the matmuls run
+    in float32, costing the speed the policy was chosen for. Traces ``fn`` once more (at
+    trace time of the step, not per step); does nothing for a float32 policy.
+    """
+    if jnp.finfo(policy.param_dtype).bits >= 32:
+        return
+    try:
+        jaxpr = jax.make_jaxpr(fn)(*args)
+    except Exception:  # noqa: BLE001 - the check is advice; the real trace reports errors
+        return
+    n = wide_matmuls(jaxpr.jaxpr)
+    if n:
+        name = jnp.dtype(policy.param_dtype).name
+        warnings.warn(
+            f"the precision policy computes in {name}, but {n} matmul(s) of the loss run in "
+            f"float32: a Flax module computes in its own dtype (float32 by default) and "
+            f"upcasts the {name} weights. Build the model with dtype=jnp.{name} (e.g. "
+            f"nn.Dense(features, dtype=jnp.{name}), or the module's dtype= field) to compute "
+            f"in {name}; keep param_dtype as it is.",
+            UserWarning,
+            stacklevel=2,
+        )

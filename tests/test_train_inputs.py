@@ -101,3 +101,16 @@ def test_batchnorm_axis_name_works_when_the_mesh_axis_is_renamed():
     state = step.init(params, model_state=model_state, rng=jax.random.key(0))
     state, metrics = step(state, batch)
     assert int(metrics["step"]) == 1
+
+
+def test_a_second_mesh_axis_not_named_as_a_replica_axis_warns():
+    devices = np.array(jax.devices()).reshape(2, 4)
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    model_mesh = jax.sharding.Mesh(devices, ("model", "data"), axis_types=auto)
+    with pytest.warns(UserWarning, match=r"\['model'\] are treated as replica axes"):
+        jz.ZeRO(optax.sgd(0.1), model_mesh, stage=2)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8, replicas=2), stage=2)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
 from jaxzero._tree import check_same_structure
+from jaxzero.precision import warn_wide_compute
 from jaxzero.zero.collectives import to_varying
 from jaxzero.zero.layers import layer_plan
 
@@ -96,8 +97,14 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
 
+    checked = []
+
     def micro(params, specs, model_state, batch, rng, scale):
         full = zero.params_for_loss(params, specs)
+        if not checked:  # once per trace: the loss's matmul dtypes under a 16-bit policy
+            checked.append(True)
+            args = (full, model_state, batch, rng, scale)
+            warn_wide_compute(scaled, args, zero.precision)
         with (
             layer_plan(zero.layer_plan(params, specs)) as plan,
             jax.named_scope("forward_backward"),

@@ -79,11 +79,6 @@ class TrainStep:
                 "this step updates an EMA but state has none; create the state with "
                 "step.init(params) or zero.init(params, ema=ema)."
             )
-        if self.stateful and state.rng is None:
-            raise ValueError(
-                "a stateful step needs state.rng; create the state with "
-                "step.init(params, model_state=..., rng=jax.random.key(seed))."
-            )
         if not self.stateful and state.model_state is not None:
             raise ValueError(
                 "state carries a model_state but the step is not stateful; build it with "
@@ -174,7 +169,8 @@ def make_train_step(
     a PRNG key: ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))``
     (e.g. Flax ``apply(..., mutable=["batch_stats"], rngs={"dropout": rng})``). The model state
     lives replicated in ``state.model_state``; ``rng`` is
-    ``fold_in(fold_in(state.rng, step), device index)`` (and the micro-batch index when
+    ``fold_in(fold_in(state.rng, step), device index)`` (None when the state was made without
+    ``rng=``: a model without dropout needs none) (and the micro-batch index when
     accumulating), so every device draws different masks and a run is reproducible for a fixed
     seed and N. For BatchNorm over the GLOBAL batch (SyncBatchNorm), build the model's
     ``BatchNorm(axis_name=zero.batch_axes)``: the loss runs inside ``shard_map`` over those axes.

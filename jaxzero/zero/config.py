@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxzero.ema import placement
 from jaxzero.ema import storage as ema_storage
 from jaxzero.ema.ema import EmaState, ShardedEMA
-from jaxzero.mesh import check_mesh
+from jaxzero.mesh import check_mesh, warn_unnamed_replica_axes
 from jaxzero.precision import DynamicLossScale, Precision, StaticLossScale, check_loss_scale
 from jaxzero.train import state as train_state
 from jaxzero.train import update as train_update
@@ -108,6 +108,7 @@ class ZeRO:
                 f"tx={self.tx!r} is not an optax.GradientTransformation (needs init and update)."
             )
         check_mesh(self.mesh, self.axis)
+        warn_unnamed_replica_axes(self.mesh, self.axis)
         object.__setattr__(self, "layers", _layer_names(self.layers))
         object.__setattr__(self, "precision", _precision(self.precision))
         check_loss_scale(self.loss_scale, self.precision)
@@ -193,8 +194,7 @@ class ZeRO:
         """``with_sharding_constraint`` every leaf to its ZeRO sharding (inside jit)."""
         return jax.lax.with_sharding_constraint(state, self.state_shardings(state))
 
-    def _stacked_mask(self, tree):
-        """True for the leaves of ``tree`` in a named layer stack, when gathered per layer."""
+    def _stacked_mask(self, tree):  # True for layer-stack leaves when gathered per layer
         if not self.per_layer:
             return None
         return jax.tree_util.tree_map_with_path(
@@ -252,8 +252,7 @@ class ZeRO:
         )
 
     def reduce_leaf(self, g, d):
-        """One leaf of :meth:`reduce_gradients`, reduce-scattered along ``d`` (or all-reduced
-        when ``d`` is None)."""
+        """One leaf of :meth:`reduce_gradients` (reduce-scatter along ``d``, or all-reduce)."""
         return collectives.reduce_leaf(self.comm, g, d)
 
     # -- under jit (jaxzero.train.update, jaxzero.ema.placement) ------------------------------
