@@ -348,7 +348,7 @@ register(
 )
 
 # `jaxzero convert torch2jax|jax2torch` lives with its implementation (imports nothing heavy).
-from jaxzero.convert import register_cli as _register_convert  # noqa: E402
+from jaxzero.cli.convert import register_cli as _register_convert  # noqa: E402
 
 _register_convert(sys.modules[__name__])
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ConvertError", "torch_to_jax", "jax_to_torch", "register_cli"]
+__all__ = ["ConvertError", "torch_to_jax", "jax_to_torch"]
 
 CONVERT_KEY = "convert"
 FORMAT = "jaxzero.convert/1"
@@ -48,7 +48,7 @@ class ConvertError(ValueError):
 
 # ------------------------------------------------------------------ torch side helpers
 def _torch():
-    from jaxzero.torch_interop import _torch as get
+    from jaxzero.interop.torch.names import _torch as get
 
     return get()
 
@@ -216,12 +216,12 @@ def _kind_for(path: tuple[str, ...], torch_shape) -> str:
 
 def build_params(state_dict: Mapping, names: list[str], name_map: dict | None):
     """(params tree of numpy arrays, NameMap) from a torch state dict."""
-    from jaxzero import torch_interop as ti
+    from jaxzero.interop.torch import names as tn
 
-    arrays = {n: ti._host(state_dict[n]) for n in names}
+    arrays = {n: tn._host(state_dict[n]) for n in names}
     if name_map is None:
         entries = tuple((n, (n,), "identity") for n in names)
-        return dict(arrays), ti.NameMap(entries=entries)
+        return dict(arrays), tn.NameMap(entries=entries)
     unknown = sorted(set(name_map) - set(state_dict))
     if unknown:
         raise ConvertError(f"name map names torch entries absent from the model: {unknown}")
@@ -236,9 +236,9 @@ def build_params(state_dict: Mapping, names: list[str], name_map: dict | None):
             continue
         path = tuple(name_map[n].split("/"))
         kind = _kind_for(path, arrays[n].shape)
-        flat[path] = ti._to_flax(kind, arrays[n])
+        flat[path] = tn._to_flax(kind, arrays[n])
         entries.append((n, path, kind))
-    return _nest(flat), ti.NameMap(entries=tuple(entries))
+    return _nest(flat), tn.NameMap(entries=tuple(entries))
 
 
 # ------------------------------------------------------------------ torch -> jax
@@ -277,7 +277,8 @@ def torch_to_jax(
     import optax
 
     from jaxzero import checkpoint
-    from jaxzero import torch_interop as ti
+    from jaxzero.interop.torch import names as tn
+    from jaxzero.interop.torch import optimizer_state as tos
     from jaxzero.mesh import data_parallel_mesh
     from jaxzero.zero.config import ZeRO
 
@@ -342,7 +343,7 @@ def torch_to_jax(
     numels = [math.prod(tuple(sd[n].shape)) for n in names]
     owners = None
     if world_size is not None:
-        plan = ti._zero_plan([names], numels, world_size)
+        plan = tos._zero_plan([names], numels, world_size)
         owners = list(plan.owner)
 
     n_dev = len(jax.devices())
@@ -363,9 +364,9 @@ def torch_to_jax(
     state = zero.init(params)
     try:
         if rank_sds is None:
-            opt_state = ti.import_optimizer_state(state.opt_state, opt_sd, names, name_map=nm)
+            opt_state = tos.import_optimizer_state(state.opt_state, opt_sd, names, name_map=nm)
         else:
-            opt_state = ti.import_zero_optimizer_state(
+            opt_state = tos.import_zero_optimizer_state(
                 state.opt_state, rank_sds, names, world_size=world_size, name_map=nm
             )
     except (TypeError, ValueError) as e:
@@ -376,7 +377,7 @@ def torch_to_jax(
 
     params_meta = [
         ["/".join(p), list(np.shape(v)), str(np.asarray(v).dtype)]
-        for p, v in ti._table(params_np).items()
+        for p, v in tn._table(params_np).items()
     ]
     record = {
         "format": FORMAT,
@@ -408,7 +409,7 @@ def torch_to_jax(
                 "name": n,
                 "torch_shape": list(sd[n].shape),
                 "path": "/".join(nm.lookup(n)[0]),
-                "shape": list(np.shape(ti._table(params_np)[nm.lookup(n)[0]])),
+                "shape": list(np.shape(tn._table(params_np)[nm.lookup(n)[0]])),
                 "owner_rank": None if owners is None else owners[i],
             }
             for i, n in enumerate(names)
@@ -478,7 +479,8 @@ def jax_to_torch(
     import optax
 
     from jaxzero import checkpoint
-    from jaxzero import torch_interop as ti
+    from jaxzero.interop.torch import names as tn
+    from jaxzero.interop.torch import optimizer_state as tos
     from jaxzero.mesh import data_parallel_mesh
     from jaxzero.zero.config import ZeRO
 
@@ -511,7 +513,7 @@ def jax_to_torch(
         if missing:
             raise ConvertError(f"name map has no torch name for the tree leaves {missing}")
         try:
-            nm = ti.build_name_map(
+            nm = tn.build_name_map(
                 [n for n, v in nm_json.items() if v is not None],
                 abstract,
                 overrides={n: v for n, v in nm_json.items() if v is not None},
@@ -520,11 +522,11 @@ def jax_to_torch(
             raise ConvertError(str(e)) from None
         names = list(nm.torch_names)
     elif rec.get("name_map"):
-        nm = ti.NameMap(entries=tuple((n, tuple(p.split("/")), k) for n, p, k in rec["name_map"]))
+        nm = tn.NameMap(entries=tuple((n, tuple(p.split("/")), k) for n, p, k in rec["name_map"]))
         names = list(rec.get("param_names") or nm.torch_names)
     else:
         try:
-            nm = ti.build_name_map(None, abstract)
+            nm = tn.build_name_map(None, abstract)
         except ValueError as e:
             raise ConvertError(str(e)) from None
         names = list(nm.torch_names)
@@ -540,7 +542,7 @@ def jax_to_torch(
                 "the checkpoint records no torch hyper-parameters (not written by convert "
                 "torch2jax): give --lr (and --betas/--eps/--weight-decay if not the defaults)"
             )
-        hp = ti.adamw_hyperparams(**{k: v for k, v in over.items() if v is not None})
+        hp = tos.adamw_hyperparams(**{k: v for k, v in over.items() if v is not None})
     hp.update({k: v for k, v in over.items() if v is not None})
     hp["betas"] = tuple(float(b) for b in hp["betas"])
     tx = optax.adamw(
@@ -564,11 +566,11 @@ def jax_to_torch(
         files += [RANK_FILE.format(rank=r) for r in range(world_size)]
     if consolidated:
         files.append(CONSOLIDATED_FILE)
-    shapes = {n: list(ti._table(abstract)[nm.lookup(n)[0]].shape) for n in names}
+    shapes = {n: list(tn._table(abstract)[nm.lookup(n)[0]].shape) for n in names}
     owners = None
     if world_size is not None:
         numels = [math.prod(shapes[n]) for n in names]
-        owners = list(ti._zero_plan([names], numels, world_size).owner)
+        owners = list(tos._zero_plan([names], numels, world_size).owner)
     summary = {
         "direction": "jax2torch",
         "ckpt": ckpt,
@@ -610,177 +612,15 @@ def jax_to_torch(
     torch = _torch()
     os.makedirs(out, exist_ok=True)
     weights = state.master if state.master is not None else state.params
-    torch.save(ti.flax_to_torch(weights, nm), os.path.join(out, MODEL_FILE))
+    torch.save(tn.flax_to_torch(weights, nm), os.path.join(out, MODEL_FILE))
     if world_size is not None:
-        local = ti.export_zero_optimizer_state(
+        local = tos.export_zero_optimizer_state(
             state.opt_state, names, world_size, hyperparams=hp, name_map=nm
         )
         for r, rsd in enumerate(local):
             torch.save(rsd, os.path.join(out, RANK_FILE.format(rank=r)))
     if consolidated:
-        cons = ti.export_optimizer_state(state.opt_state, names, hyperparams=hp, name_map=nm)
+        cons = tos.export_optimizer_state(state.opt_state, names, hyperparams=hp, name_map=nm)
         torch.save(cons, os.path.join(out, CONSOLIDATED_FILE))
     summary["written"] = summary["files"]
     return summary
-
-
-# ------------------------------------------------------------------ text
-def format_summary(s: dict) -> str:
-    lines = []
-    if s["direction"] == "torch2jax":
-        src = s["source"]
-        what = f"--optim {src['optim']}" if src["optim"] else f"--optim-dir {src['optim_dir']}"
-        lines.append(f"torch2jax: {src['model']} + {what} (world size {src['world_size']})")
-    else:
-        lines.append(f"jax2torch: {s['ckpt']}")
-    lines.append(f"step {s['step']}; optimizer {s['optimizer']}: " + ", ".join(
-        f"{k}={s['hyperparams'][k]}" for k in ("lr", "betas", "eps", "weight_decay")
-    ))  # fmt: skip
-    lines.append(f"{len(s['params'])} params (name, shape, tree path, owner rank):")
-    for p in s["params"]:
-        shape = p.get("torch_shape", p["shape"])
-        owner = "-" if p["owner_rank"] is None else p["owner_rank"]
-        lines.append(f"  {p['name']:<40} {str(tuple(shape)):<16} {p['path']:<40} rank {owner}")
-    if s["direction"] == "torch2jax":
-        target = f"{s['out']}/{s['step']}/{{state,metadata}}"
-        lines.append(f"ZeRO stage {s['stage']} on {s['devices']} devices")
-        lines.append(("would write: " if s["dry_run"] else "wrote: ") + target)
-    else:
-        lines.append(("would write: " if s["dry_run"] else "wrote: ") + ", ".join(s["files"]))
-    if s["dry_run"]:
-        lines.append("dry run: nothing written")
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------ CLI
-CONVERT_DESCRIPTION = """\
-Convert between PyTorch ZeroRedundancyOptimizer(AdamW) checkpoints and jaxzero (Orbax)
-checkpoints. Only AdamW (one param group) is supported.
-
-examples:
-  jaxzero convert torch2jax --model model.pt --optim-dir ranks/ --world-size 2 --out ckpt/
-  jaxzero convert torch2jax --model model.pt --optim consolidated.pt --out ckpt/ --dry-run
-  jaxzero convert jax2torch --ckpt ckpt/ --out torch_out/ --world-size 4 --consolidated
-"""
-
-
-def _positive(text: str) -> int:
-    import argparse
-
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return v
-
-
-def register_cli(cli_module) -> None:
-    """Register the ``convert`` subcommand in ``cli_module`` (jaxzero.cli)."""
-
-    def configure(p) -> None:
-        sub = p.add_subparsers(
-            dest="direction", metavar="DIRECTION", parser_class=cli_module._Parser
-        )
-        t = sub.add_parser(
-            "torch2jax",
-            help="torch state_dict + ZeRO(AdamW) state -> jaxzero Orbax checkpoint",
-            description="Convert a torch model state_dict and ZeroRedundancyOptimizer(AdamW) "
-            "state (consolidated, or per-rank local files) to a jaxzero Orbax checkpoint.",
-        )
-        t.add_argument("--model", required=True, metavar="MODEL.pt", help="torch state_dict file")
-        src = t.add_mutually_exclusive_group(required=True)
-        src.add_argument("--optim", metavar="OPT.pt", help="consolidated zero.state_dict() file")
-        src.add_argument(
-            "--optim-dir", metavar="DIR", help="directory of per-rank files (*rank<r>.pt)"
-        )
-        t.add_argument(
-            "--world-size",
-            type=_positive,
-            metavar="N",
-            help="torch ranks (required with --optim-dir)",
-        )
-        t.add_argument("--out", metavar="ORBAX_DIR", help="checkpoint directory to create")
-        t.add_argument("--devices", type=_positive, metavar="N", help="mesh size (default: all)")
-        t.add_argument(
-            "--stage", type=int, choices=[0, 1, 2, 3], default=1, help="ZeRO stage (default: 1)"
-        )
-        t.add_argument("--name-map", metavar="MAP.json", help='{"torch_name": "a/b/kernel"}')
-        t.add_argument("--dry-run", action="store_true", help="print a summary, write nothing")
-        t.set_defaults(_convert=_run_torch2jax, _convert_parser=t)
-
-        j = sub.add_parser(
-            "jax2torch",
-            help="jaxzero Orbax checkpoint (AdamW) -> torch model.pt + ZeRO state files",
-            description="Convert a jaxzero AdamW checkpoint to torch: model.pt, per-rank "
-            "ZeroRedundancyOptimizer local state dicts and/or a consolidated one.",
-        )
-        j.add_argument("--ckpt", required=True, metavar="ORBAX_DIR")
-        j.add_argument("--out", metavar="DIR", help="output directory")
-        j.add_argument("--world-size", type=_positive, metavar="N", help="torch ranks")
-        j.add_argument(
-            "--consolidated", action="store_true", help="also write " + CONSOLIDATED_FILE
-        )
-        j.add_argument("--name-map", metavar="MAP.json", help='{"torch_name": "a/b/kernel"}')
-        j.add_argument("--step", type=int, help="checkpoint step (default: newest)")
-        j.add_argument("--devices", type=_positive, metavar="N", help="mesh size (default: all)")
-        j.add_argument("--lr", type=float)
-        j.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"))
-        j.add_argument("--eps", type=float)
-        j.add_argument("--weight-decay", type=float)
-        j.add_argument("--dry-run", action="store_true", help="print a summary, write nothing")
-        j.set_defaults(_convert=_run_jax2torch, _convert_parser=j)
-
-    def _run_torch2jax(args):
-        return torch_to_jax(
-            args.model,
-            args.out,
-            optim=args.optim,
-            optim_dir=args.optim_dir,
-            world_size=args.world_size,
-            devices=args.devices,
-            stage=args.stage,
-            name_map=args.name_map,
-            dry_run=args.dry_run,
-        )
-
-    def _run_jax2torch(args):
-        return jax_to_torch(
-            args.ckpt,
-            args.out,
-            world_size=args.world_size,
-            consolidated=args.consolidated,
-            name_map=args.name_map,
-            step=args.step,
-            devices=args.devices,
-            lr=args.lr,
-            betas=tuple(args.betas) if args.betas else None,
-            eps=args.eps,
-            weight_decay=args.weight_decay,
-            dry_run=args.dry_run,
-        )
-
-    def run(args, parser) -> int:
-        fn = getattr(args, "_convert", None)
-        if fn is None:
-            parser.error("choose a direction: torch2jax or jax2torch")
-        sub_parser = args._convert_parser
-        try:
-            if not args.dry_run and args.out is None:
-                raise ConvertError("--out is required (or --dry-run)")
-            summary = fn(args)
-        except (ConvertError, FileNotFoundError, ImportError) as e:
-            sub_parser.error(str(e))
-        print(format_summary(summary))
-        return 0
-
-    cli_module.register(
-        cli_module.Command(
-            "convert",
-            "Convert torch ZeRO(AdamW) checkpoints to jaxzero and back.",
-            configure,
-            run,
-            CONVERT_DESCRIPTION,
-        )
-    )
