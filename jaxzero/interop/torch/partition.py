@@ -1,4 +1,4 @@
-"""Parameter-to-rank layouts, compatible with the PyTorch sharders they mimic.
+"""Parameter-to-rank partitions, compatible with the PyTorch sharders they mimic.
 
 Pure functions on tensor sizes; nothing here touches devices except :func:`stacked_sharding`.
 
@@ -6,7 +6,7 @@ Pure functions on tensor sizes; nothing here touches devices except :func:`stack
   (``sort=True``) and the distributed ``ModelEMA`` of thb1314/distributed_modelema
   (``sort=False, align_bytes=8``): each whole tensor is owned by one rank, plus the per-rank
   "bucket view" (one flat buffer per rank holding its tensors).
-* :func:`contiguous_partition` is the DeepSpeed/Megatron layout: all tensors ravelled into one
+* :func:`contiguous_partition` is the DeepSpeed/Megatron partition: all tensors ravelled into one
   padded flat buffer that is cut into ``world_size`` equal shards (tensors may straddle ranks).
 * :func:`pack` / :func:`unpack` move a list of arrays to and from the ``[world_size, L]`` stacked
   form of either plan, with numpy or jax arrays; :func:`stacked_sharding` shards that form's first
@@ -16,7 +16,6 @@ Pure functions on tensor sizes; nothing here touches devices except :func:`stack
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxzero._tree import check_int
 
 __all__ = [
     "GreedyPlan",
@@ -37,23 +38,15 @@ __all__ = [
 ]
 
 
-def _check_int(value, what: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_numels(numels) -> tuple[int, ...]:
     if isinstance(numels, (str, bytes)) or not isinstance(numels, Sequence | np.ndarray):
         raise TypeError(f"numels must be a sequence of ints, got {type(numels).__name__}")
-    return tuple(_check_int(n, f"numels[{i}]", minimum=0) for i, n in enumerate(numels))
+    return tuple(check_int(n, f"numels[{i}]", minimum=0) for i, n in enumerate(numels))
 
 
 @dataclass(frozen=True)
 class GreedyPlan:
-    """Whole-tensor ownership plus the per-rank bucket layout (see :func:`greedy_partition`).
+    """Whole-tensor ownership plus the per-rank bucket view (see :func:`greedy_partition`).
 
     ``owner[i]``, ``offsets[i]``, ``slot_ends[i]`` are indexed by tensor (input order);
     ``per_rank[r][g]`` lists rank r's tensors of group g in assignment order; ``rank_numel[r]`` is
@@ -136,33 +129,32 @@ def greedy_partition(
     Returns:
         A frozen :class:`GreedyPlan`.
     """
-    world_size = _check_int(world_size, "world_size", minimum=1)
+    world_size = check_int(world_size, "world_size", minimum=1)
     numels = _check_numels(numels)
-    if groups is None:
-        groups = (0,) * len(numels)
-    else:
-        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence | np.ndarray):
-            raise TypeError(f"groups must be a sequence of ints, got {type(groups).__name__}")
-        groups = tuple(_check_int(g, f"groups[{i}]", minimum=0) for i, g in enumerate(groups))
-        if len(groups) != len(numels):
-            raise ValueError(
-                f"groups has {len(groups)} entries but numels has {len(numels)}; "
-                "give one group id per tensor"
-            )
-    itemsize = _check_int(itemsize, "itemsize", minimum=1)
-    grid = 1
-    if align_bytes is not None:
-        align_bytes = _check_int(align_bytes, "align_bytes", minimum=1)
-        if align_bytes % itemsize:
-            raise ValueError(
-                f"align_bytes={align_bytes} is not a multiple of itemsize={itemsize}; "
-                "use an alignment that holds a whole number of elements"
-            )
-        grid = align_bytes // itemsize
+    groups = _check_groups(groups, len(numels))
+    grid = _slot_grid(itemsize, align_bytes)
     if empty_bucket_numel is None:
         empty_bucket_numel = 1 if align_bytes is None else 0
-    empty_bucket_numel = _check_int(empty_bucket_numel, "empty_bucket_numel", minimum=0)
+    empty_bucket_numel = check_int(empty_bucket_numel, "empty_bucket_numel", minimum=0)
 
+    owner, lists, sizes = _assign(numels, groups, world_size, sort)
+    offsets, slot_ends, bucket_numel = _bucket_view(numels, lists, grid, empty_bucket_numel)
+    return GreedyPlan(
+        world_size=world_size,
+        numels=numels,
+        groups=groups,
+        owner=tuple(owner),
+        per_rank=tuple(tuple(tuple(lst) for lst in rank_lists) for rank_lists in lists),
+        rank_numel=tuple(sizes),
+        offsets=tuple(offsets),
+        slot_ends=tuple(slot_ends),
+        bucket_numel=tuple(bucket_numel),
+    )
+
+
+def _assign(numels, groups, world_size: int, sort: bool):
+    """The greedy assignment: (owner rank per tensor, per-rank per-group index lists, the
+    ranks' element totals)."""
     num_groups = max(groups) + 1 if groups else 1
     sizes = [0] * world_size
     owner = [0] * len(numels)
@@ -176,29 +168,50 @@ def greedy_partition(
             owner[i] = r
             lists[r][g].append(i)
             sizes[r] += numels[i]
+    return owner, lists, sizes
 
+
+def _bucket_view(numels, lists, grid: int, empty_bucket_numel: int):
+    """(offset and padded slot end per tensor, bucket length per rank) of the assignment."""
     offsets = [0] * len(numels)
     slot_ends = [0] * len(numels)
     bucket_numel = []
-    for r in range(world_size):
+    for rank_lists in lists:
         end = 0
-        for i in (i for group in lists[r] for i in group):
+        for i in (i for group in rank_lists for i in group):
             offsets[i] = end
             end += -(-numels[i] // grid) * grid
             slot_ends[i] = end
-        bucket_numel.append(end if any(lists[r]) else empty_bucket_numel)
+        bucket_numel.append(end if any(rank_lists) else empty_bucket_numel)
+    return offsets, slot_ends, bucket_numel
 
-    return GreedyPlan(
-        world_size=world_size,
-        numels=numels,
-        groups=groups,
-        owner=tuple(owner),
-        per_rank=tuple(tuple(tuple(lst) for lst in rank_lists) for rank_lists in lists),
-        rank_numel=tuple(sizes),
-        offsets=tuple(offsets),
-        slot_ends=tuple(slot_ends),
-        bucket_numel=tuple(bucket_numel),
-    )
+
+def _check_groups(groups, n: int) -> tuple[int, ...]:
+    """One param-group id (int >= 0) per tensor; all 0 when ``groups`` is None."""
+    if groups is None:
+        return (0,) * n
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence | np.ndarray):
+        raise TypeError(f"groups must be a sequence of ints, got {type(groups).__name__}")
+    groups = tuple(check_int(g, f"groups[{i}]", minimum=0) for i, g in enumerate(groups))
+    if len(groups) != n:
+        raise ValueError(
+            f"groups has {len(groups)} entries but numels has {n}; give one group id per tensor"
+        )
+    return groups
+
+
+def _slot_grid(itemsize, align_bytes) -> int:
+    """The element multiple every bucket slot is rounded up to (1 without ``align_bytes``)."""
+    itemsize = check_int(itemsize, "itemsize", minimum=1)
+    if align_bytes is None:
+        return 1
+    align_bytes = check_int(align_bytes, "align_bytes", minimum=1)
+    if align_bytes % itemsize:
+        raise ValueError(
+            f"align_bytes={align_bytes} is not a multiple of itemsize={itemsize}; "
+            "use an alignment that holds a whole number of elements"
+        )
+    return align_bytes // itemsize
 
 
 @dataclass(frozen=True)
@@ -243,8 +256,8 @@ def contiguous_partition(
     Returns:
         A frozen :class:`ContiguousPlan`.
     """
-    world_size = _check_int(world_size, "world_size", minimum=1)
-    align = _check_int(align, "align", minimum=1)
+    world_size = check_int(world_size, "world_size", minimum=1)
+    align = check_int(align, "align", minimum=1)
     numels = _check_numels(numels)
     starts = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)]).tolist()
     total = int(starts[-1])
