@@ -8,24 +8,17 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxzero.ema import storage as eb
+from jaxzero.ema import storage
 from jaxzero.ema.ema import EmaState
-from jaxzero.interop.torch.names import (
-    _as_state_dict,
-    _host,
-    _is_float,
-    _list,
-    _place,
-    flax_to_torch,
-    torch_to_flax,
-)
-from jaxzero.interop.torch.optimizer_state import _load
+from jaxzero.interop.torch._common import is_float, join, place, to_host
+from jaxzero.interop.torch._load import as_state_dict, load
+from jaxzero.interop.torch.names import flax_to_torch, torch_to_flax
 
 __all__ = ["import_ema", "export_ema"]
 
 
 def _ema_payload(ckpt):
-    ckpt = _load(ckpt)
+    ckpt = load(ckpt)
     if not isinstance(ckpt, Mapping):
         raise TypeError(f"ckpt must be a dict or a path, got {type(ckpt).__name__}")
     if "param" in ckpt and "updates" in ckpt:
@@ -42,10 +35,10 @@ def _ema_payload(ckpt):
             "ckpt['ema'] is None: a stripped ultralytics checkpoint keeps the EMA weights in "
             "ckpt['model']; load them with torch_to_flax"
         )
-    sd = _as_state_dict(sd)
+    sd = as_state_dict(sd)
     updates = ckpt["updates"]
     try:
-        value = float(_host(updates))
+        value = float(to_host(updates))
     except (TypeError, ValueError):
         value = -1.0
     if isinstance(updates, bool) or not value.is_integer() or value < 0:
@@ -62,15 +55,14 @@ def import_ema(ema_state: EmaState, ckpt, *, name_map=None, strict: bool = True)
     a weights-only file. Non-float entries (``num_batches_tracked``) are ignored; fp16 weights
     are cast to the EMA's dtype. ``updates`` becomes ``EmaState.updates``, so the next
     :meth:`ShardedEMA.update` uses ``updates + 1`` as torch does. A bucketed ``ema_state``
-    (``ShardedEMA(bucket_leaves_up_to=...)``) gives a bucketed result with the same layout.
+    (``ShardedEMA(bucket_leaves_up_to=...)``) gives a result stored the same way.
     """
     if not isinstance(ema_state, EmaState):
         raise TypeError(f"ema_state must be a jaxzero.EmaState, got {type(ema_state).__name__}")
     sd, updates = _ema_payload(ckpt)
-    layout = ema_state.ema.layout if isinstance(ema_state.ema, eb.BucketedTree) else None
-    ema = torch_to_flax(sd, eb.unbucket(ema_state.ema), name_map, strict=strict)
-    out = EmaState(_place(np.asarray(updates), ema_state.updates), ema)
-    return out if layout is None else eb.bucket(out, layout)
+    ema = torch_to_flax(sd, storage.to_per_leaf(ema_state.ema), name_map, strict=strict)
+    out = EmaState(place(np.asarray(updates), ema_state.updates), ema)
+    return storage.like(out, ema_state)
 
 
 def export_ema(ema_state: EmaState, *, format: str = "modelema", name_map=None, model=None):
@@ -89,16 +81,16 @@ def export_ema(ema_state: EmaState, *, format: str = "modelema", name_map=None, 
         raise TypeError(f"ema_state must be a jaxzero.EmaState, got {type(ema_state).__name__}")
     if format not in ("modelema", "ultralytics"):
         raise ValueError(f"format={format!r} must be 'modelema' or 'ultralytics'")
-    ema_state = eb.unbucket(ema_state)
-    updates = int(_host(ema_state.updates))
-    template = None if model is None else _as_state_dict(model)
+    ema_state = storage.to_per_leaf(ema_state)
+    updates = int(to_host(ema_state.updates))
+    template = None if model is None else as_state_dict(model)
     sd = flax_to_torch(ema_state.ema, name_map if name_map is not None else template)
     if format == "modelema":
         return {"param": sd, "updates": updates}
     if template is not None:
-        missing = [k for k, v in template.items() if k not in sd and _is_float(v)]
+        missing = [k for k, v in template.items() if k not in sd and is_float(v)]
         if missing:
-            raise ValueError(f"the EMA has no value for the model's float entries {_list(missing)}")
+            raise ValueError(f"the EMA has no value for the model's float entries {join(missing)}")
         sd = OrderedDict(
             (k, sd[k].to(v.dtype) if k in sd else v.detach().clone()) for k, v in template.items()
         )
