@@ -122,3 +122,29 @@ def precision_name(dtype) -> str:
     if name not in PRECISION_NAMES:
         raise ValueError(f"dtype {name!r} has no precision name; use one of {PRECISION_NAMES}.")
     return PRECISION_NAMES[name]
+
+
+def node_types(tree) -> list[str]:
+    """Names of the NamedTuple nodes of a pytree (e.g. an optax state), depth first."""
+    out = []
+
+    def walk(x):
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            out.append(type(x).__name__)
+            for v in x:
+                walk(v)
+        elif isinstance(x, (tuple, list)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+
+    walk(tree)
+    return out
+
+
+def leaf_rows_under(rows, field: str) -> list[dict]:
+    """The rows of a checkpoint's leaf table (``{"path": "params.fc1.kernel", ...}``) that lie
+    under the state field ``field`` (e.g. ``"params"``)."""
+    return [r for r in rows if str(r["path"]).split(".", 1)[0] == field]

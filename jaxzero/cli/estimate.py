@@ -1,61 +1,14 @@
-"""The ``jaxzero`` command line.
-
-Subcommands live in the :data:`COMMANDS` registry. To add one (``inspect``,
-``convert``, ...), write a ``configure(parser)`` that adds its arguments and a
-``run(args, parser) -> int`` that does the work (report bad input with
-``parser.error(msg)``), then register it next to ``estimate`` at the bottom of
-the registry section::
-
-    register(Command("inspect", "Inspect a checkpoint.", _configure_inspect, _run_inspect))
-
-``main`` builds one subparser per registered command, in registration order.
-"""
+"""``jaxzero estimate``: per-device training memory for ZeRO stages 0-3
+(:mod:`jaxzero.memory`)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import re
-import sys
-from collections.abc import Callable, Sequence
 
-from jaxzero import memory
-
-PROG = "jaxzero"
-
-
-class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are a single stderr line (then exit status 2)."""
-
-    def error(self, message):
-        message = " ".join(str(message).split())
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-@dataclasses.dataclass(frozen=True)
-class Command:
-    """A subcommand: ``configure`` adds its arguments, ``run`` returns the exit code."""
-
-    name: str
-    help: str
-    configure: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace, argparse.ArgumentParser], int | None]
-    description: str | None = None
-
-
-COMMANDS: dict[str, Command] = {}
-
-
-def register(command: Command) -> Command:
-    """Add ``command`` to the registry (a name may be registered once)."""
-    if command.name in COMMANDS:
-        raise ValueError(f"subcommand {command.name!r} is already registered; pick another name")
-    COMMANDS[command.name] = command
-    return command
-
-
-# --------------------------------------------------------------------------- argument types
+from jaxzero import _tree, memory
+from jaxzero.cli.command import Command, positive_int
 
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
@@ -70,16 +23,6 @@ def _param_count(text: str) -> int:
     value = round(float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()])
     if value <= 0:
         raise argparse.ArgumentTypeError(f"parameter count must be positive, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
 
 
@@ -107,7 +50,21 @@ examples:
 """
 
 
-def _configure_estimate(p: argparse.ArgumentParser) -> None:
+def _configure(p: argparse.ArgumentParser) -> None:
+    _add_size(p)
+    train = _add_training(p)
+    _add_activations(p)
+    train.add_argument(
+        "--layer-params",
+        type=_param_count,
+        metavar="N",
+        help="stage 3 one layer at a time (ZeRO(layers=...)): parameters of one layer; adds "
+        "that layer gathered with its gradient and the full gradients outside the stack "
+        "(needs --layers)",
+    )
+
+
+def _add_size(p: argparse.ArgumentParser) -> None:
     size = p.add_argument_group("model size (give --params or --model)")
     which = size.add_mutually_exclusive_group(required=True)
     which.add_argument(
@@ -127,34 +84,36 @@ def _configure_estimate(p: argparse.ArgumentParser) -> None:
     )
     size.add_argument(
         "--layers",
-        type=_positive_int,
+        type=positive_int,
         metavar="L",
         help="transformer layers (for --model gpt and for activations)",
     )
     size.add_argument(
         "--hidden",
-        type=_positive_int,
+        type=positive_int,
         metavar="H",
         help="model width (for --model gpt and for activations)",
     )
     size.add_argument(
         "--vocab",
-        type=_positive_int,
+        type=positive_int,
         default=50257,
         help="vocabulary size for --model gpt (default: %(default)s)",
     )
     size.add_argument(
         "--seq-len",
-        type=_positive_int,
+        type=positive_int,
         default=1024,
         metavar="S",
         help="position embeddings for --model gpt (default: %(default)s)",
     )
 
+
+def _add_training(p: argparse.ArgumentParser):
     train = p.add_argument_group("training setup")
     train.add_argument(
         "--devices",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="data-parallel devices the state is sharded over (required unless "
         "--from-checkpoint gives them)",
@@ -187,16 +146,19 @@ def _configure_estimate(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="per-device memory budget, e.g. 80GB, 79.6GiB, 24000MB; marks which stages fit",
     )
+    return train
 
+
+def _add_activations(p: argparse.ArgumentParser) -> None:
     act = p.add_argument_group(
         "activations (optional; need --batch, --seq, --heads, --layers and --hidden)"
     )
-    act.add_argument("--batch", type=_positive_int, help="per-device micro-batch size")
-    act.add_argument("--seq", type=_positive_int, help="training sequence length")
-    act.add_argument("--heads", type=_positive_int, help="attention heads")
+    act.add_argument("--batch", type=positive_int, help="per-device micro-batch size")
+    act.add_argument("--seq", type=positive_int, help="training sequence length")
+    act.add_argument("--heads", type=positive_int, help="attention heads")
     act.add_argument(
         "--ckpt-every",
-        type=_positive_int,
+        type=positive_int,
         metavar="CI",
         help="layers between activation checkpoints (default: 1)",
     )
@@ -204,14 +166,6 @@ def _configure_estimate(p: argparse.ArgumentParser) -> None:
         "--logits",
         action="store_true",
         help="add the f32 logits over --vocab (logits, softmax, gradient: 12*batch*seq*vocab)",
-    )
-    train.add_argument(
-        "--layer-params",
-        type=_param_count,
-        metavar="N",
-        help="stage 3 one layer at a time (ZeRO(layers=...)): parameters of one layer; adds "
-        "that layer gathered with its gradient and the full gradients outside the stack "
-        "(needs --layers)",
     )
 
 
@@ -223,7 +177,7 @@ def _from_checkpoint(args, parser) -> int:
         meta = checkpoint.load_metadata(args.from_checkpoint)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
-    rows = [r for r in meta.get("leaves", []) if str(r["path"]).startswith("params")]
+    rows = _tree.leaf_rows_under(meta.get("leaves", []), "params")
     if not rows:
         parser.error(f"{args.from_checkpoint}: the metadata lists no params leaves")
     num_params = sum(int(math.prod(r["shape"])) for r in rows)
@@ -233,7 +187,7 @@ def _from_checkpoint(args, parser) -> int:
         args.stage = int(meta["stage"])
     if args.precision is None:
         dtype = (meta.get("precision") or {}).get("param_dtype", "float32")
-        args.precision = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, "fp32")
+        args.precision = _tree.PRECISION_NAMES.get(dtype, "fp32")
     print(
         f"{args.from_checkpoint}: step {meta.get('step')}, stage {meta.get('stage')}, "
         f"mesh {meta.get('mesh')}, {num_params:,} params"
@@ -241,7 +195,7 @@ def _from_checkpoint(args, parser) -> int:
     return num_params
 
 
-def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.from_checkpoint:
         num_params = _from_checkpoint(args, parser)
     elif args.model == "gpt":
@@ -293,98 +247,10 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return 0
 
 
-register(
-    Command(
-        "estimate",
-        "Estimate per-device memory for ZeRO stages 0-3.",
-        _configure_estimate,
-        _run_estimate,
-        ESTIMATE_DESCRIPTION,
-    )
+COMMAND = Command(
+    "estimate",
+    "Estimate per-device memory for ZeRO stages 0-3.",
+    _configure,
+    _run,
+    ESTIMATE_DESCRIPTION,
 )
-
-# Register further subcommands (inspect, convert, ...) here.
-# --------------------------------------------------------------------------- inspect
-
-INSPECT_DESCRIPTION = """\
-Show a jaxzero checkpoint directory: its complete steps (and any interrupted
-saves, which are ignored), then for one step (default: the newest complete one)
-the jaxzero version, ZeRO stage, mesh, precision policy, optimizer, user
-metadata, and every state leaf's path, shape, dtype, bytes and partition spec.
-Reads metadata only; nothing is loaded onto devices and nothing is written.
-
-examples:
-  jaxzero inspect /ckpt/run1
-  jaxzero inspect /ckpt/run1 --step 1000
-"""
-
-
-def _configure_inspect(p: argparse.ArgumentParser) -> None:
-    p.add_argument("directory", help="checkpoint directory (the CheckpointManager root)")
-    p.add_argument(
-        "--step", type=int, metavar="STEP", help="step to describe (default: newest complete)"
-    )
-
-
-def _run_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from jaxzero import checkpoint  # imports jax/orbax: only for this command
-
-    try:
-        text = checkpoint.inspect(args.directory, step=args.step)
-    except (FileNotFoundError, ValueError) as e:
-        parser.error(str(e))
-    print(text)
-    return 0
-
-
-register(
-    Command(
-        "inspect",
-        "Inspect a jaxzero checkpoint directory.",
-        _configure_inspect,
-        _run_inspect,
-        INSPECT_DESCRIPTION,
-    )
-)
-
-# `jaxzero convert torch2jax|jax2torch` lives with its implementation (imports nothing heavy).
-from jaxzero.convert import register_cli as _register_convert  # noqa: E402
-
-_register_convert(sys.modules[__name__])
-
-
-# --------------------------------------------------------------------------- entry point
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one subparser per registered command."""
-    parser = _Parser(prog=PROG, description="ZeRO memory sharding for JAX: command-line tools.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for cmd in COMMANDS.values():
-        p = sub.add_parser(
-            cmd.name,
-            help=cmd.help,
-            description=cmd.description or cmd.help,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        cmd.configure(p)
-        p.set_defaults(_command=cmd, _parser=p)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``jaxzero`` with ``argv`` (default ``sys.argv[1:]``); return the exit code.
-
-    Bad arguments print one ``jaxzero ...: error: ...`` line to stderr and raise
-    ``SystemExit(2)``.
-    """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.error(f"choose a command: {', '.join(COMMANDS)}")
-    code = args._command.run(args, args._parser)
-    return 0 if code is None else code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,7 @@
 """PyTorch <-> JAX names and weights: the name map and state-dict conversion.
 
-Split out of :mod:`jaxzero.torch_interop` (which re-exports everything here, so
-``jaxzero.torch_interop.build_name_map`` and friends keep working). See that module's docstring
-for the layouts and rules; the optimizer-state and EMA formats live there.
+See :mod:`jaxzero.interop.torch` for the naming rules and the transpose kinds
+(``jaxzero.torch_interop`` re-exports the public names).
 """
 
 from __future__ import annotations
@@ -11,99 +10,28 @@ import dataclasses
 import functools
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-KINDS = ("identity", "linear", "conv")
-ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
-SGD_KEYS = ("momentum_buffer",)
+from jaxzero.interop.torch._common import (
+    KINDS,
+    by_path,
+    fmt_path,
+    is_float,
+    join,
+    place,
+    shape_of,
+    to_flax,
+    to_flax_shape,
+    to_host,
+    to_torch,
+)
+from jaxzero.interop.torch._load import as_state_dict, torch_module
+
+__all__ = ["NameMap", "build_name_map", "torch_to_flax", "flax_to_torch"]
+
 _UNSET = object()
-
-
-# ------------------------------------------------------------------ small helpers
-def _torch():
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("this needs PyTorch: pip install 'jaxzero[torch]' (torch==2.13.0)") from e
-    return torch
-
-
-def _host(x) -> np.ndarray:
-    """A numpy copy of a torch tensor, jax array (gathered) or array-like."""
-    if isinstance(x, jax.Array):
-        if not x.is_fully_addressable:
-            from jax.experimental import multihost_utils
-
-            x = multihost_utils.process_allgather(x, tiled=True)
-        return np.array(x)
-    if type(x).__module__.startswith("torch"):
-        t = x.detach().cpu()
-        if t.dtype.is_floating_point and t.dtype.itemsize < 4 and str(t.dtype) != "torch.float16":
-            t = t.float()  # bfloat16/float8 have no numpy dtype
-        return t.numpy().copy()
-    return np.array(x)
-
-
-def _is_float(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return True
-    if type(x).__module__.startswith("torch"):
-        return bool(dtype.is_floating_point)
-    return bool(jnp.issubdtype(dtype, jnp.floating))
-
-
-def _shape(x) -> tuple[int, ...]:
-    if isinstance(x, tuple | list) and all(isinstance(d, int) for d in x):
-        return tuple(x)
-    return tuple(int(d) for d in x.shape)
-
-
-def _key_str(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def _table(tree) -> dict[tuple[str, ...], Any]:
-    """``{path (tuple of str): leaf}`` in flatten order."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {tuple(_key_str(k) for k in path): leaf for path, leaf in leaves}
-
-
-def _fmt(path) -> str:
-    return "/".join(path)
-
-
-def _to_flax(kind: str, a: np.ndarray) -> np.ndarray:
-    if kind == "linear":
-        return a.T
-    if kind == "conv":
-        return np.transpose(a, tuple(range(2, a.ndim)) + (1, 0))
-    return a
-
-
-def _to_torch(kind: str, a: np.ndarray) -> np.ndarray:
-    if kind == "linear":
-        return a.T
-    if kind == "conv":
-        return np.transpose(a, (a.ndim - 1, a.ndim - 2) + tuple(range(a.ndim - 2)))
-    return a
-
-
-def _flax_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return _to_flax(kind, np.empty(shape, np.int8)).shape if kind != "identity" else shape
-
-
-def _list(items, limit=20) -> str:
-    items = list(items)
-    more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
-    return ", ".join(str(i) for i in items[:limit]) + more
 
 
 # ------------------------------------------------------------------ name map
@@ -150,16 +78,16 @@ class NameMap:
             ("ignored", self.ignored),
         ):
             if items:
-                lines.append(f"{title}: {_list(items, 1000)}")
+                lines.append(f"{title}: {join(items, 1000)}")
         return "\n".join(lines)
 
     def check(self, *, torch_side: bool = True, flax_side: bool = True) -> None:
         """Raise ValueError listing the unmatched names on the requested sides."""
         problems = []
         if torch_side and self.unmatched_torch:
-            problems.append(f"torch entries with no tree leaf: {_list(self.unmatched_torch)}")
+            problems.append(f"torch entries with no tree leaf: {join(self.unmatched_torch)}")
         if flax_side and self.unmatched_flax:
-            problems.append(f"tree leaves with no torch entry: {_list(self.unmatched_flax)}")
+            problems.append(f"tree leaves with no torch entry: {join(self.unmatched_flax)}")
         if problems:
             raise ValueError(
                 "; ".join(problems) + ". Pass overrides= to build_name_map (torch name -> "
@@ -184,8 +112,8 @@ def _torch_entries(source) -> list[tuple[str, tuple[int, ...] | None, bool]]:
     for name, v in source.items():
         if not isinstance(name, str):
             raise TypeError(f"state-dict keys must be str, got {name!r}")
-        is_float = _is_float(v) and not name.endswith("num_batches_tracked")
-        out.append((name, _shape(v), is_float))
+        floating = is_float(v) and not name.endswith("num_batches_tracked")
+        out.append((name, shape_of(v), floating))
     return out
 
 
@@ -224,20 +152,22 @@ def _candidates(name: str, shape: tuple[int, ...] | None) -> list[tuple[tuple[st
     return list(dict.fromkeys(cands))
 
 
-def _fits(kind: str, torch_shape, flax_shape) -> bool:
+def fits(kind: str, torch_shape, flax_shape) -> bool:
+    """Whether a torch tensor of ``torch_shape`` (None: unknown) fits a leaf of ``flax_shape``
+    under the transpose ``kind``."""
     flax_shape = tuple(flax_shape)
     if torch_shape is None:  # names only: the layout follows from the leaf's rank
         return {"linear": len(flax_shape) == 2, "conv": len(flax_shape) >= 3}.get(kind, True)
     torch_shape = tuple(torch_shape)
     if kind == "linear" and len(torch_shape) != 2 or kind == "conv" and len(torch_shape) < 3:
         return False
-    return _flax_shape(kind, torch_shape) == flax_shape
+    return to_flax_shape(kind, torch_shape) == flax_shape
 
 
 def _infer_kind(torch_shape, flax_shape) -> str | None:
     if torch_shape is None:
         return "identity"
-    return next((k for k in KINDS if _fits(k, torch_shape, flax_shape)), None)
+    return next((k for k in KINDS if fits(k, torch_shape, flax_shape)), None)
 
 
 def _parse_override(value, name) -> tuple[tuple[str, ...], str | None] | None:
@@ -286,7 +216,7 @@ def build_name_map(torch_source, tree, *, overrides: Mapping | Callable | None =
       ValueError: two torch names map to one leaf, or an override names a missing path or a
         shape that does not fit (all such problems are listed).
     """
-    return _build({p: _shape(v) for p, v in _table(tree).items()}, torch_source, overrides)
+    return _build({p: shape_of(v) for p, v in by_path(tree).items()}, torch_source, overrides)
 
 
 def _build(shapes: dict, torch_source, overrides=None) -> NameMap:
@@ -294,7 +224,7 @@ def _build(shapes: dict, torch_source, overrides=None) -> NameMap:
         return _reverse_map(shapes)
     entries, unmatched, ignored, errors = [], [], [], []
     owner: dict[tuple[str, ...], str] = {}
-    for name, tshape, is_float in _torch_entries(torch_source):
+    for name, tshape, floating in _torch_entries(torch_source):
         override = _UNSET
         if callable(overrides):
             override = overrides(name, tshape)
@@ -309,32 +239,32 @@ def _build(shapes: dict, torch_source, overrides=None) -> NameMap:
                 continue
             path, kind = parsed
             if path not in shapes:
-                errors.append(f"override {name!r} -> {_fmt(path)!r}: no such path")
+                errors.append(f"override {name!r} -> {fmt_path(path)!r}: no such path")
                 continue
             kind = kind or _infer_kind(tshape, shapes[path])
-            if kind is None or not _fits(kind, tshape, shapes[path]):
+            if kind is None or not fits(kind, tshape, shapes[path]):
                 errors.append(
-                    f"override {name!r} {tshape} -> {_fmt(path)} {shapes[path]}: shapes do not fit"
+                    f"override {name!r} {tshape} -> {fmt_path(path)} {shapes[path]}: shapes do not fit"
                 )
                 continue
             match = (path, kind)
-        elif not is_float:
+        elif not floating:
             ignored.append(name)
             continue
         else:
             match, near = None, None
             for path, kind in _candidates(name, tshape):
                 if path in shapes:
-                    if _fits(kind, tshape, shapes[path]):
+                    if fits(kind, tshape, shapes[path]):
                         match = (path, kind)
                         break
-                    near = near or f"{_fmt(path)} has shape {shapes[path]}"
+                    near = near or f"{fmt_path(path)} has shape {shapes[path]}"
             if match is None:
                 shown = "" if tshape is None else f" {tshape}"
                 unmatched.append(f"{name}{shown}" + (f" ({near})" if near else ""))
                 continue
         if match[0] in owner:
-            errors.append(f"{owner[match[0]]!r} and {name!r} both map to {_fmt(match[0])}")
+            errors.append(f"{owner[match[0]]!r} and {name!r} both map to {fmt_path(match[0])}")
             continue
         owner[match[0]] = name
         entries.append((name, match[0], match[1]))
@@ -343,7 +273,7 @@ def _build(shapes: dict, torch_source, overrides=None) -> NameMap:
     return NameMap(
         entries=tuple(entries),
         unmatched_torch=tuple(unmatched),
-        unmatched_flax=tuple(_fmt(p) for p in shapes if p not in owner),
+        unmatched_flax=tuple(fmt_path(p) for p in shapes if p not in owner),
         ignored=tuple(ignored),
     )
 
@@ -368,7 +298,7 @@ def _reverse_map(shapes: dict) -> NameMap:
             name = ".".join(core[:-1] + (torch_leaf,))
         if name in seen:
             raise ValueError(
-                f"paths {_fmt(seen[name])} and {_fmt(path)} both give torch name {name!r}; "
+                f"paths {fmt_path(seen[name])} and {fmt_path(path)} both give torch name {name!r}; "
                 f"pass a torch state dict or name list (and overrides) to build the name map"
             )
         seen[name] = path
@@ -376,29 +306,14 @@ def _reverse_map(shapes: dict) -> NameMap:
     return NameMap(entries=tuple(entries))
 
 
-def _resolve_map(name_map, torch_source, shapes: dict) -> NameMap:
+def resolve_map(name_map, torch_source, shapes: dict) -> NameMap:
     """A NameMap as given, else built from a template (``name_map``) or ``torch_source``."""
     if isinstance(name_map, NameMap):
         return name_map
     return _build(shapes, name_map if name_map is not None else torch_source)
 
 
-def _place(value: np.ndarray, target):
-    """``value`` with ``target``'s dtype and sharding."""
-    value = np.asarray(value, dtype=target.dtype)
-    sharding = getattr(target, "sharding", None)
-    return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
-
-
 # ------------------------------------------------------------------ weights
-def _as_state_dict(source):
-    if hasattr(source, "state_dict") and callable(source.state_dict):
-        return source.state_dict()
-    if not isinstance(source, Mapping):
-        raise TypeError(f"expected a state dict or nn.Module, got {type(source).__name__}")
-    return source
-
-
 def torch_to_flax(state_dict, tree, name_map=None, *, strict: bool = True):
     """Load torch weights into a copy of ``tree`` (same structure, dtypes and shardings).
 
@@ -412,28 +327,28 @@ def torch_to_flax(state_dict, tree, name_map=None, *, strict: bool = True):
     Raises:
       ValueError: unpaired names (strict), mapped names absent from ``state_dict``, shapes.
     """
-    sd = _as_state_dict(state_dict)
-    table = _table(tree)
-    nm = _resolve_map(name_map, sd, {p: _shape(v) for p, v in table.items()})
+    sd = as_state_dict(state_dict)
+    table = by_path(tree)
+    nm = resolve_map(name_map, sd, {p: shape_of(v) for p, v in table.items()})
     if strict:
         nm.check()
     missing = [n for n in nm.torch_names if n not in sd]
     if missing:
-        raise ValueError(f"state_dict lacks the mapped entries: {_list(missing)}")
+        raise ValueError(f"state_dict lacks the mapped entries: {join(missing)}")
     new, errors = {}, []
     for name, path, kind in nm.entries:
         if path not in table:
-            errors.append(f"{name} -> {_fmt(path)}: no such leaf")
+            errors.append(f"{name} -> {fmt_path(path)}: no such leaf")
             continue
-        value = _to_flax(kind, _host(sd[name]))
-        if value.shape != _shape(table[path]):
+        value = to_flax(kind, to_host(sd[name]))
+        if value.shape != shape_of(table[path]):
             errors.append(
-                f"{name} {_shape(sd[name])} does not fit {_fmt(path)} {_shape(table[path])}"
+                f"{name} {shape_of(sd[name])} does not fit {fmt_path(path)} {shape_of(table[path])}"
             )
         new[path] = value
     if errors:
         raise ValueError("cannot load the weights: " + "; ".join(errors))
-    placed = [_place(new[p], leaf) if p in new else leaf for p, leaf in table.items()]
+    placed = [place(new[p], leaf) if p in new else leaf for p, leaf in table.items()]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), placed)
 
 
@@ -443,10 +358,10 @@ def flax_to_torch(tree, name_map=None) -> OrderedDict:
     ``name_map``: a :class:`NameMap`, a torch template (state dict, module, ``{name: shape}``,
     list of names) fixing names and order, or None (names derived from the tree's paths).
     """
-    torch = _torch()
-    table = _table(tree)
-    nm = _resolve_map(name_map, None, {p: _shape(v) for p, v in table.items()})
+    torch = torch_module()
+    table = by_path(tree)
+    nm = resolve_map(name_map, None, {p: shape_of(v) for p, v in table.items()})
     return OrderedDict(
-        (name, torch.from_numpy(np.ascontiguousarray(_to_torch(kind, _host(table[path])))))
+        (name, torch.from_numpy(np.ascontiguousarray(to_torch(kind, to_host(table[path])))))
         for name, path, kind in nm.entries
     )

@@ -1,0 +1,39 @@
+"""``jaxzero convert DIRECTION``: conversions between jaxzero checkpoints and other formats.
+
+Each converter module in :data:`CONVERTERS` adds its directions with
+``add_subcommands(subparsers)``, giving every direction's parser the defaults ``_convert``
+(``run(args, parser) -> int``), and lists them in ``DIRECTIONS``; its ``DESCRIPTION`` joins
+the command's help. To add a converter, write such a module and append it here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jaxzero.cli.convert_torch as convert_torch
+from jaxzero.cli.command import Command, Parser
+
+CONVERTERS = (convert_torch,)
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="direction", metavar="DIRECTION", parser_class=Parser)
+    for converter in CONVERTERS:
+        converter.add_subcommands(sub)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    run = getattr(args, "_convert", None)
+    if run is None:
+        directions = [d for c in CONVERTERS for d in c.DIRECTIONS]
+        parser.error(f"choose a direction: {' or '.join(directions)}")
+    return run(args, args._convert_parser)
+
+
+COMMAND = Command(
+    "convert",
+    "Convert torch ZeRO(AdamW) checkpoints to jaxzero and back.",
+    _configure,
+    _run,
+    "\n".join(c.DESCRIPTION for c in CONVERTERS),
+)

@@ -1,0 +1,47 @@
+"""``jaxzero inspect``: a checkpoint directory's steps, metadata and leaves
+(:func:`jaxzero.checkpoint.inspect`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxzero.cli.command import Command
+
+INSPECT_DESCRIPTION = """\
+Show a jaxzero checkpoint directory: its complete steps (and any interrupted
+saves, which are ignored), then for one step (default: the newest complete one)
+the jaxzero version, ZeRO stage, mesh, precision policy, optimizer, user
+metadata, and every state leaf's path, shape, dtype, bytes and partition spec.
+Reads metadata only; nothing is loaded onto devices and nothing is written.
+
+examples:
+  jaxzero inspect /ckpt/run1
+  jaxzero inspect /ckpt/run1 --step 1000
+"""
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", help="checkpoint directory (the CheckpointManager root)")
+    p.add_argument(
+        "--step", type=int, metavar="STEP", help="step to describe (default: newest complete)"
+    )
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from jaxzero import checkpoint  # imports jax/orbax: only for this command
+
+    try:
+        text = checkpoint.inspect(args.directory, step=args.step)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    print(text)
+    return 0
+
+
+COMMAND = Command(
+    "inspect",
+    "Inspect a jaxzero checkpoint directory.",
+    _configure,
+    _run,
+    INSPECT_DESCRIPTION,
+)
