@@ -39,7 +39,6 @@ from jaxzero.checkpoint.structure import FORMAT as FORMAT
 from jaxzero.checkpoint.structure import ITEMS as ITEMS
 from jaxzero.checkpoint.structure import METADATA as METADATA
 from jaxzero.checkpoint.structure import STATE as STATE
-from jaxzero.checkpoint.structure import _node_types as _node_types  # used by jaxzero.convert
 from jaxzero.checkpoint.structure import check_compatible, describe
 from jaxzero.checkpoint.structure import leaf_table as leaf_table
 

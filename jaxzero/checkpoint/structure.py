@@ -13,6 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
+from jaxzero._tree import node_types
 from jaxzero._version import __version__
 from jaxzero.ema import storage
 from jaxzero.evaluation import mesh_of
@@ -34,26 +35,6 @@ def _name(path: tuple[str, ...]) -> str:
 def _flat(tree) -> dict[tuple[str, ...], Any]:
     """Leaves keyed by Orbax's own path tuples (what it stores and matches on)."""
     return ocp.tree.to_flat_dict(tree)
-
-
-def _node_types(tree) -> list[str]:
-    """Names of the NamedTuple / dataclass nodes of an optimizer state, depth first."""
-    out = []
-
-    def walk(x):
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            out.append(type(x).__name__)
-            for v in x:
-                walk(v)
-        elif isinstance(x, (tuple, list)):
-            for v in x:
-                walk(v)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-
-    walk(tree)
-    return out
 
 
 def _describe_tx(tx) -> str:
@@ -134,7 +115,7 @@ def describe(
         "optimizer": optimizer
         if optimizer is not None
         else (None if zero is None else _describe_tx(zero.tx)),
-        "opt_state_types": _node_types(state.opt_state),
+        "opt_state_types": node_types(state.opt_state),
         "has_ema": state.ema is not None,
         "has_master": state.master is not None,
         "leaves": leaves,
@@ -199,7 +180,7 @@ def _mismatch_hints(meta: dict, target: TrainState) -> str:
     that ``target`` was built differently (optimizer, EMA, precision)."""
     hints = ""
     ckpt_opt = ", ".join(meta.get("opt_state_types") or []) or "none"
-    here_opt = ", ".join(_node_types(target.opt_state)) or "none"
+    here_opt = ", ".join(node_types(target.opt_state)) or "none"
     if ckpt_opt != here_opt:
         hints += f" The checkpoint's optimizer state is [{ckpt_opt}], the target's is [{here_opt}]."
     if meta.get("has_ema") and target.ema is None:
