@@ -46,3 +46,8 @@ def as_flags(message: str) -> str:
     """A library message with the arguments it names in backticks (`` `world_size` ``) shown
     as this command line's flags (``--world-size``)."""
     return _ARGUMENT.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
+def pick(args: argparse.Namespace, *names: str) -> dict:
+    """``{name: args.name}`` for ``names``: parsed flags handed on as keyword arguments."""
+    return {name: getattr(args, name) for name in names}

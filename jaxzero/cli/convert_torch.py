@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxzero.cli.command import as_flags, positive_int
+from jaxzero.cli.command import as_flags, pick, positive_int
 from jaxzero.interop.torch.convert import (
     CONSOLIDATED_FILE,
     ConversionResult,
@@ -26,6 +26,18 @@ examples:
 """
 
 
+_TORCH2JAX = (
+    "torch state_dict + ZeRO(AdamW) state -> jaxzero Orbax checkpoint",
+    "Convert a torch model state_dict and ZeroRedundancyOptimizer(AdamW) state (consolidated, "
+    "or per-rank local files) to a jaxzero Orbax checkpoint.",
+)
+_JAX2TORCH = (
+    "jaxzero Orbax checkpoint (AdamW) -> torch model.pt + ZeRO state files",
+    "Convert a jaxzero AdamW checkpoint to torch: model.pt, per-rank ZeroRedundancyOptimizer "
+    "local state dicts and/or a consolidated one.",
+)
+
+
 def add_subcommands(sub) -> None:
     """Add ``torch2jax`` and ``jax2torch`` to the ``convert`` subparsers ``sub``."""
     _add_torch2jax(sub)
@@ -33,12 +45,7 @@ def add_subcommands(sub) -> None:
 
 
 def _add_torch2jax(sub) -> None:
-    t = sub.add_parser(
-        "torch2jax",
-        help="torch state_dict + ZeRO(AdamW) state -> jaxzero Orbax checkpoint",
-        description="Convert a torch model state_dict and ZeroRedundancyOptimizer(AdamW) "
-        "state (consolidated, or per-rank local files) to a jaxzero Orbax checkpoint.",
-    )
+    t = sub.add_parser("torch2jax", help=_TORCH2JAX[0], description=_TORCH2JAX[1])
     t.add_argument("--model", required=True, metavar="MODEL.pt", help="torch state_dict file")
     src = t.add_mutually_exclusive_group(required=True)
     src.add_argument("--optim", metavar="OPT.pt", help="consolidated zero.state_dict() file")
@@ -60,12 +67,7 @@ def _add_torch2jax(sub) -> None:
 
 
 def _add_jax2torch(sub) -> None:
-    j = sub.add_parser(
-        "jax2torch",
-        help="jaxzero Orbax checkpoint (AdamW) -> torch model.pt + ZeRO state files",
-        description="Convert a jaxzero AdamW checkpoint to torch: model.pt, per-rank "
-        "ZeroRedundancyOptimizer local state dicts and/or a consolidated one.",
-    )
+    j = sub.add_parser("jax2torch", help=_JAX2TORCH[0], description=_JAX2TORCH[1])
     j.add_argument("--ckpt", required=True, metavar="ORBAX_DIR")
     j.add_argument("--out", metavar="DIR", help="output directory")
     j.add_argument("--world-size", type=positive_int, metavar="N", help="torch ranks")
@@ -94,42 +96,15 @@ def _run(convert, args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def _run_torch2jax(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    return _run(
-        lambda: torch_to_jax(
-            args.model,
-            args.out,
-            optim=args.optim,
-            optim_dir=args.optim_dir,
-            world_size=args.world_size,
-            devices=args.devices,
-            stage=args.stage,
-            name_map=args.name_map,
-            dry_run=args.dry_run,
-        ),
-        args,
-        parser,
-    )
+    names = ("optim", "optim_dir", "world_size", "devices", "stage", "name_map", "dry_run")
+    return _run(lambda: torch_to_jax(args.model, args.out, **pick(args, *names)), args, parser)
 
 
 def _run_jax2torch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    return _run(
-        lambda: jax_to_torch(
-            args.ckpt,
-            args.out,
-            world_size=args.world_size,
-            consolidated=args.consolidated,
-            name_map=args.name_map,
-            step=args.step,
-            devices=args.devices,
-            lr=args.lr,
-            betas=tuple(args.betas) if args.betas else None,
-            eps=args.eps,
-            weight_decay=args.weight_decay,
-            dry_run=args.dry_run,
-        ),
-        args,
-        parser,
-    )
+    names = ("world_size", "consolidated", "name_map", "step", "devices", "lr", "eps")
+    kwargs = pick(args, *names, "weight_decay", "dry_run")
+    betas = tuple(args.betas) if args.betas else None
+    return _run(lambda: jax_to_torch(args.ckpt, args.out, betas=betas, **kwargs), args, parser)
 
 
 def format_summary(s: ConversionResult) -> str:

@@ -8,7 +8,7 @@ import math
 import re
 
 from jaxzero import _tree, memory
-from jaxzero.cli.command import Command, positive_int
+from jaxzero.cli.command import Command, pick, positive_int
 
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
@@ -228,14 +228,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"activation estimate needs {', '.join(missing)} as well")
         activations.update(layers=args.layers, hidden=args.hidden)
     try:
+        names = ("stage", "optimizer", "precision", "ema", "layer_params")
         estimates = memory.estimate_memory(
             num_params,
             args.devices,
-            stage=args.stage,
-            optimizer=args.optimizer,
-            precision=args.precision,
-            ema=args.ema,
-            layer_params=args.layer_params,
+            **pick(args, *names),
             **(
                 {"layers": args.layers} if args.layer_params and "layers" not in activations else {}
             ),

@@ -33,6 +33,7 @@ import argparse
 import signal
 from collections.abc import Sequence
 
+from jaxzero.cli.command import pick
 from jaxzero.distributed.launch import launch
 
 
@@ -76,13 +77,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-    return launch(
-        run,
-        processes=a.processes,
-        devices_per_process=a.devices_per_process,
-        host=a.host,
-        port=a.port,
-        timeout=a.timeout,
-        heartbeat_timeout=a.heartbeat_timeout,
-        grace=a.grace,
-    )
+    names = ("processes", "devices_per_process", "host", "port", "timeout", "heartbeat_timeout")
+    return launch(run, grace=a.grace, **pick(a, *names))

@@ -55,6 +55,17 @@ def _cpu_platform_possible() -> bool:
     return not platforms or "cpu" in platforms.split(",")
 
 
+# The arguments of initialize() that the launcher's environment variables can fill in.
+_LAUNCH_ARGS = (
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+    "local_device_ids",
+    "heartbeat_timeout_seconds",
+    "initialization_timeout",
+)
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -104,16 +115,9 @@ def initialize(
     """
     if jax.distributed.is_initialized():
         return True
-    args, from_env = _from_launch_env(
-        dict(
-            coordinator_address=coordinator_address,
-            num_processes=num_processes,
-            process_id=process_id,
-            local_device_ids=local_device_ids,
-            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-            initialization_timeout=initialization_timeout,
-        )
-    )
+    given = (coordinator_address, num_processes, process_id, local_device_ids)
+    given += (heartbeat_timeout_seconds, initialization_timeout)
+    args, from_env = _from_launch_env(dict(zip(_LAUNCH_ARGS, given, strict=True)))
     explicit = (args["coordinator_address"], args["num_processes"], args["process_id"])
     if all(v is None for v in explicit) and cluster_detection_method is None:
         if not cluster_detected():

@@ -195,14 +195,7 @@ def make_train_step(
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
     step_fn = _step_fn(zero, local_gradients(zero, loss_fn, accum_steps, stateful=stateful), ema)
     jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else ())
-    return TrainStep(
-        loss_fn=loss_fn,
-        zero=zero,
-        ema=ema,
-        accum_steps=accum_steps,
-        jitted=jitted,
-        stateful=stateful,
-    )
+    return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful)
 
 
 def _step_fn(zero: ZeRO, grads_fn, ema: ShardedEMA | None):
