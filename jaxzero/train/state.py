@@ -197,7 +197,9 @@ def _onto(tree, shardings):
         return None
 
     def one(x, s):
-        if isinstance(x, jax.Array) and x.sharding.device_set != s.device_set:
+        if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+            return x  # traced (init under eval_shape / jit) or on the host: jit places it
+        if x.sharding.device_set != s.device_set:
             return jax.device_put(x, s)
         return x
 

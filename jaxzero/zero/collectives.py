@@ -37,6 +37,12 @@ class Comm:
     reduce_dtype: Any
     output_dtype: Any
 
+    @classmethod
+    def create(cls, axis, batch_axes, replica_axes, num_batch_shards, precision) -> Comm:
+        """The Comm of those axes and a :class:`~jaxzero.Precision` policy's dtypes."""
+        dtypes = (precision.param_dtype, precision.reduce_dtype, precision.output_dtype)
+        return cls(axis, tuple(batch_axes), tuple(replica_axes), num_batch_shards, *dtypes)
+
 
 def to_varying(x, axes):
     """``pcast`` ``x`` to device-varying over those of ``axes`` it is not yet varying over."""

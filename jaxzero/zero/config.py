@@ -147,15 +147,8 @@ class ZeRO:
     @property
     def comm(self) -> collectives.Comm:
         """What the collectives inside ``shard_map`` need to know (axes, sizes, dtypes)."""
-        pol = self.precision
-        return collectives.Comm(
-            self.axis,
-            self.batch_axes,
-            self.replica_axes,
-            self.num_batch_shards,
-            pol.param_dtype,
-            pol.reduce_dtype,
-            pol.output_dtype,
+        return collectives.Comm.create(
+            self.axis, self.batch_axes, self.replica_axes, self.num_batch_shards, self.precision
         )
 
     # -- the sharding rule (jaxzero.zero.specs) ----------------------------------------------
@@ -216,6 +209,8 @@ class ZeRO:
     def abstract_state(self, params, *, ema=None, model_state=None, rng=None) -> TrainState:
         """The state's ShapeDtypeStructs, with shardings, without allocating anything."""
         return train_state.abstract_state(self, params, ema=ema, model_state=model_state, rng=rng)
+
+    _ema_target = staticmethod(train_state.ema_target)  # what the EMA averages
 
     def check_layers(self, params) -> None:
         """Every name in ``layers`` must be a params subtree of arrays with a layer axis."""
