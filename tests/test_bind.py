@@ -14,10 +14,11 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from jaxzero import launch
-from jaxzero.distributed import bind
+from jaxzero.distributed import bind, runtime
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -143,6 +144,7 @@ def test_launch_listens_on_loopback_only_and_gives_the_same_numbers(tmp_path):
 
 
 SUM_OF_SQUARES = """
+import time
 from jaxzero import distributed as dist
 assert dist.initialize()
 import jax, jax.numpy as jnp, numpy as np
@@ -153,6 +155,7 @@ rows = np.arange(n, dtype=np.float32).reshape(jax.process_count(), -1)[jax.proce
 x = jax.make_array_from_process_local_data(NamedSharding(jz.data_parallel_mesh(), P("data")), rows)
 total = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(x.sharding.mesh, P()))(x)
 print("total", int(total), flush=True)
+time.sleep(2)  # let the test's poll see every listener even on a loaded machine
 """
 
 
@@ -251,3 +254,27 @@ def test_is_loopback():
 def test_launcher_environment_binds_to_its_host():
     env = launch.process_env(1, 2, "127.0.0.2:4321", base={})
     assert env["JAXZERO_BIND_ADDRESS"] == env["JAXZERO_COORDINATOR"] == "127.0.0.2:4321"
+
+
+def test_launcher_environment_brackets_ipv6():
+    env = launch.process_env(0, 2, "[::1]:4321", base={})
+    assert env["JAXZERO_BIND_ADDRESS"] == "[::1]:4321"
+
+
+def test_initialize_passes_the_bind_address_and_pins_gloo(no_bind_env):
+    """What ``initialize`` hands to jax (jax's own initialize replaced: nothing connects)."""
+    calls = []
+    no_bind_env.setattr(jax.distributed, "is_initialized", lambda: False)
+    no_bind_env.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    no_bind_env.setattr(runtime, "pin_gloo", lambda host: calls.append({"gloo": host}))
+    init = runtime.initialize
+    assert init("127.0.0.1:1234", 2, 0, cpu_collectives=None)
+    assert calls[0]["coordinator_bind_address"] == "127.0.0.1:1234"
+    if jax.config.jax_cpu_collectives_implementation == "gloo":  # jax's default
+        assert calls[1:] == [{"gloo": "127.0.0.1"}]
+    calls.clear()
+    assert init("10.0.0.1:1234", 2, 1, cpu_collectives=None)
+    assert len(calls) == 1 and "coordinator_bind_address" not in calls[0]  # jax's default
+    calls.clear()
+    assert init("10.0.0.1:1234", 2, 0, cpu_collectives=None, bind_address="10.0.0.1")
+    assert len(calls) == 1 and calls[0]["coordinator_bind_address"] == "10.0.0.1:1234"
