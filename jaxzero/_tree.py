@@ -4,6 +4,7 @@ tree-structure checks, argument checks and number formatting. Imports nothing fr
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -148,3 +149,16 @@ def leaf_rows_under(rows, field: str) -> list[dict]:
     """The rows of a checkpoint's leaf table (``{"path": "params.fc1.kernel", ...}``) that lie
     under the state field ``field`` (e.g. ``"params"``)."""
     return [r for r in rows if str(r["path"]).split(".", 1)[0] == field]
+
+
+_OPAQUE = re.compile(r"<function |<[\w.]+ object\b")
+
+
+def readable_repr(text) -> str | None:
+    """A repr ``text`` without memory addresses, or None when it only names functions or
+    objects: ``GradientTransformationExtraArgs(init=<function chain.<locals>.init_fn>, ...)``
+    says nothing of the optax chain (its state's node types do)."""
+    if text is None:
+        return None
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", str(text))
+    return None if _OPAQUE.search(text) else text

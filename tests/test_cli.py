@@ -22,15 +22,16 @@ def test_estimate_all_stages_paper_numbers(capsys):
     assert cli.main(["estimate", "--params", "7.5e9", "--devices", "64"]) == 0
     out, err = capsys.readouterr()
     assert err == ""
-    assert out.strip() == format_table(estimate_memory(7.5e9, 64))
+    assert out.strip() == format_table(estimate_memory(7.5e9, 64, gather_model=True))
     rows = _rows(out)
     assert sorted(rows) == [0, 1, 2, 3]
-    # total column: ZeRO paper Figure 1 (7.5B, N=64): 120 / 31.4 / 16.6 / 1.9 GB
+    # total column: ZeRO paper Figure 1 (7.5B, N=64): 120 / 31.4 / 16.6 / 1.9 GB; stage 3's
+    # step also holds the model gathered in bf16 (2 x 7.5e9 = 15 GB): 1.88 + 15 GB
     assert [rows[s][-2:] for s in range(4)] == [
         ["120.00", "GB"],
         ["31.41", "GB"],
         ["16.64", "GB"],
-        ["1.88", "GB"],
+        ["16.88", "GB"],
     ]
 
 
@@ -71,7 +72,7 @@ def test_estimate_gpt_model(capsys):
     out = capsys.readouterr().out
     n = gpt_param_count(32, 4096, vocab=32000, seq=2048)
     assert f"-> {n:,} params" in out
-    assert format_table(estimate_memory(n, 8)) in out
+    assert format_table(estimate_memory(n, 8, gather_model=True)) in out
 
 
 def test_estimate_options_flow_through(capsys):
@@ -113,6 +114,7 @@ def test_estimate_options_flow_through(capsys):
         batch=2,
         seq=512,
         ckpt_every=2,
+        gather_model=True,
     )
     assert out.strip() == format_table(expected)
     assert "ema" in out and "activations" in out and "sgd, fp32" in out

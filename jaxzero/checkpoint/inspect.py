@@ -42,13 +42,14 @@ def _rows(flat: dict) -> list[dict]:
 
 
 def _metadata_lines(meta: dict) -> list[str]:
+    optimizer = _tree.readable_repr(meta.get("optimizer"))  # None: optax closures, say nothing
     lines = [
         f"  jaxzero version: {meta.get('jaxzero_version')}",
         f"  ZeRO stage: {meta.get('stage')}",
         f"  mesh: {meta.get('mesh')} ({meta.get('num_devices')} devices, sharded over "
         f"{meta.get('axis')!r})",
         f"  precision: {meta.get('precision')}",
-        f"  optimizer: {meta.get('optimizer')}",
+        *([f"  optimizer: {optimizer}"] if optimizer else []),
         f"  optimizer state: {', '.join(meta.get('opt_state_types') or []) or 'none'}",
         f"  ema: {meta.get('has_ema')}",
         f"  train step: {meta.get('step')}",

@@ -4,7 +4,6 @@ stored tree and its checks against a restore target (:func:`check_compatible`)."
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import jax
@@ -13,7 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
-from jaxzero._tree import node_types
+from jaxzero._tree import node_types, readable_repr
 from jaxzero._version import __version__
 from jaxzero.ema import storage
 from jaxzero.evaluation import mesh_of
@@ -37,9 +36,8 @@ def _flat(tree) -> dict[tuple[str, ...], Any]:
     return ocp.tree.to_flat_dict(tree)
 
 
-def _describe_tx(tx) -> str:
-    text = repr(tx)
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+def _describe_tx(tx) -> str | None:
+    return readable_repr(repr(tx))
 
 
 def _row(path: tuple[str, ...], shape: tuple[int, ...], dtype) -> dict:

@@ -119,7 +119,7 @@ def format_summary(s: ConversionResult) -> str:
     lines.append(f"step {s.step}; optimizer {s.optimizer}: " + ", ".join(
         f"{k}={s.hyperparams[k]}" for k in ("lr", "betas", "eps", "weight_decay")
     ))  # fmt: skip
-    lines.append(f"{len(s.params)} params (name, shape, tree path, owner rank):")
+    lines.append(f"{len(s.params)} params (torch name, torch shape, tree path, owner rank):")
     for p in s.params:
         shape = p.torch_shape if p.torch_shape is not None else p.shape
         owner = "-" if p.owner_rank is None else p.owner_rank

@@ -40,7 +40,9 @@ Estimate per-device training memory for ZeRO stages 0-3 (Rajbhandari et al. 2020
 
 Under mixed precision with Adam each parameter costs 2 bytes (bf16 params) +
 2 (grads) + 12 (fp32 master, m, v); stage 1 shards the 12 over the devices,
-stage 2 also the grads, stage 3 also the params. GB = 1e9 bytes.
+stage 2 also the grads, stage 3 also the params. Stage 3 then gathers the whole
+model in the compute dtype for each micro-batch (2 bytes/param in bf16: "gathered"
+column) unless it runs one layer at a time (--layer-params). GB = 1e9 bytes.
 
 examples:
   jaxzero estimate --params 7.5e9 --devices 64
@@ -73,8 +75,8 @@ def _add_size(p: argparse.ArgumentParser) -> None:
     which.add_argument(
         "--from-checkpoint",
         metavar="DIR",
-        help="read the parameter count (and, unless given, devices, stage and precision) "
-        "from a jaxzero checkpoint's metadata",
+        help="read the parameter count (and, unless given, devices, stage and precision; "
+        "the EMA when it has one) from a jaxzero checkpoint's metadata",
     )
     which.add_argument(
         "--model",
@@ -188,9 +190,11 @@ def _from_checkpoint(args, parser) -> int:
     if args.precision is None:
         dtype = (meta.get("precision") or {}).get("param_dtype", "float32")
         args.precision = _tree.PRECISION_NAMES.get(dtype, "fp32")
+    args.ema = args.ema or bool(meta.get("has_ema"))
     print(
         f"{args.from_checkpoint}: step {meta.get('step')}, stage {meta.get('stage')}, "
         f"mesh {meta.get('mesh')}, {num_params:,} params"
+        + (", with an EMA" if meta.get("has_ema") else "")
     )
     return num_params
 
@@ -233,6 +237,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             num_params,
             args.devices,
             **pick(args, *names),
+            gather_model=args.layer_params is None,
             **(
                 {"layers": args.layers} if args.layer_params and "layers" not in activations else {}
             ),

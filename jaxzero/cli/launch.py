@@ -7,7 +7,8 @@ Starts ``--processes`` copies of ``python -u train.py args...``, each with the e
 :func:`jaxzero.distributed.initialize` reads:
 
 * ``JAXZERO_COORDINATOR=127.0.0.1:<port>`` (a free port unless ``--port``),
-  ``JAXZERO_NUM_PROCESSES``, ``JAXZERO_PROCESS_ID``;
+  ``JAXZERO_NUM_PROCESSES``, ``JAXZERO_PROCESS_ID``, and ``JAXZERO_BIND_ADDRESS`` (the same
+  address: the coordination service listens on ``--host`` only, not on every interface);
 * with ``--devices-per-process K``: ``XLA_FLAGS=... --xla_force_host_platform_device_count=K``
   (K simulated CPU devices per process) and ``JAXZERO_LOCAL_DEVICE_IDS`` (process ``i`` gets
   accelerators ``i*K .. i*K+K-1``: the node's GPUs split between the processes);

@@ -7,7 +7,8 @@ checkpoint code run unchanged; three things differ, and this module covers them:
 
 * **Start-up**: :func:`initialize` before any other jax call (it reads the environment set by
   ``python -m jaxzero.launch``, or lets jax auto-detect SLURM / Open MPI / TPU clusters, and
-  selects gloo collectives for CPU processes). It returns False (and does nothing) when no
+  selects gloo collectives for CPU processes; a loopback coordinator binds every listener to
+  that address, see :mod:`jaxzero.distributed.bind`). It returns False (and does nothing) when no
   multi-process environment is found, so the same script runs on one process too.
 * **Data**: each process loads only its rows of the global batch
   (:func:`process_batch_slice`) and :func:`global_batch` assembles the global arrays from
@@ -29,6 +30,7 @@ Example::
     ema = dist.gather_to_host(state.ema)     # numpy, on every process
 """
 
+from jaxzero.distributed.bind import ENV_BIND_ADDRESS as ENV_BIND_ADDRESS
 from jaxzero.distributed.runtime import ENV_COORDINATOR as ENV_COORDINATOR
 from jaxzero.distributed.runtime import ENV_HEARTBEAT_TIMEOUT as ENV_HEARTBEAT_TIMEOUT
 from jaxzero.distributed.runtime import ENV_INIT_TIMEOUT as ENV_INIT_TIMEOUT
@@ -43,6 +45,7 @@ from jaxzero.distributed.runtime import process_batch_slice as process_batch_sli
 from jaxzero.evaluation import gather_to_host as gather_to_host
 
 __all__ = [
+    "ENV_BIND_ADDRESS",
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",

@@ -4,7 +4,8 @@
 :func:`jaxzero.distributed.initialize` reads (built by :func:`process_env`):
 
 * ``JAXZERO_COORDINATOR=<host>:<port>`` (a free port unless ``port``),
-  ``JAXZERO_NUM_PROCESSES``, ``JAXZERO_PROCESS_ID``;
+  ``JAXZERO_NUM_PROCESSES``, ``JAXZERO_PROCESS_ID``, and ``JAXZERO_BIND_ADDRESS`` (the same
+  address: the coordination service listens on ``host`` only, not on every interface);
 * with ``devices_per_process=K``: ``XLA_FLAGS=... --xla_force_host_platform_device_count=K``
   (K simulated CPU devices per process) and ``JAXZERO_LOCAL_DEVICE_IDS`` (process ``i`` gets
   accelerators ``i*K .. i*K+K-1``: the node's GPUs split between the processes);
@@ -33,12 +34,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
+from jaxzero.distributed.bind import join_host_port
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bind to port 0 and release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -55,6 +59,7 @@ def process_env(
     """The environment of process ``process_id`` (``base``: default ``os.environ``)."""
     env = dict(os.environ if base is None else base)
     env["JAXZERO_COORDINATOR"] = coordinator
+    env["JAXZERO_BIND_ADDRESS"] = coordinator
     env["JAXZERO_NUM_PROCESSES"] = str(processes)
     env["JAXZERO_PROCESS_ID"] = str(process_id)
     env["PYTHONUNBUFFERED"] = "1"
@@ -225,7 +230,7 @@ def launch(
             stderr.write(f"[launch] +{time.monotonic() - started:.1f}s {msg}\n")
             stderr.flush()
 
-    coordinator = f"{host}:{port or free_port(host)}"
+    coordinator = join_host_port(host, port or free_port(host))
     cmd = [python or sys.executable, "-u", *argv]
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []

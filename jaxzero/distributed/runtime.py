@@ -13,6 +13,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxzero._tree import batch_rows
+from jaxzero.distributed.bind import (
+    coordinator_bind_address,
+    is_loopback,
+    pin_gloo,
+    split_host_port,
+)
 
 ENV_COORDINATOR = "JAXZERO_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXZERO_NUM_PROCESSES"
@@ -77,6 +83,7 @@ def initialize(
     initialization_timeout: int | None = None,
     shutdown_timeout_seconds: int | None = None,
     cluster_detection_method: str | None = None,
+    bind_address: str | None = None,
 ) -> bool:
     """Connect this process to the others: a thin wrapper over ``jax.distributed.initialize``.
 
@@ -86,7 +93,7 @@ def initialize(
     1. the environment ``python -m jaxzero.launch`` sets: ``JAXZERO_COORDINATOR``
        (``host:port`` of process 0), ``JAXZERO_NUM_PROCESSES``, ``JAXZERO_PROCESS_ID``,
        ``JAXZERO_LOCAL_DEVICE_IDS`` (comma-separated), ``JAXZERO_HEARTBEAT_TIMEOUT`` and
-       ``JAXZERO_INIT_TIMEOUT`` (seconds);
+       ``JAXZERO_INIT_TIMEOUT`` (seconds), ``JAXZERO_BIND_ADDRESS``;
     2. jax's cluster auto-detection (SLURM, Open MPI, Cloud TPU, ``JAX_COORDINATOR_ADDRESS``;
        ``cluster_detection_method="mpi4py"`` for other MPIs).
 
@@ -105,13 +112,17 @@ def initialize(
       initialization_timeout: how long to wait for all processes to connect (default 300 s).
       shutdown_timeout_seconds: how long a finishing process waits for the others at exit.
       cluster_detection_method: passed to jax (e.g. ``"mpi4py"``, ``"deactivate"``).
+      bind_address: the interface (``host`` or ``host:port``) process 0's coordination
+        service listens on. Default: ``JAXZERO_BIND_ADDRESS``; else, when the coordinator is a
+        loopback address (one machine), that address only, and gloo's listeners too; else
+        jax's default (``JAX_COORDINATOR_BIND_ADDRESS``, or every interface).
 
     Returns:
       True when the process is (now, or already was) part of a distributed run.
 
     Raises:
       RuntimeError: a jax backend was already started (from ``jax.distributed.initialize``).
-      ValueError: a malformed ``JAXZERO_*`` variable.
+      ValueError: a malformed ``JAXZERO_*`` variable or ``bind_address``.
     """
     if jax.distributed.is_initialized():
         return True
@@ -128,17 +139,28 @@ def initialize(
             # The launcher's variables are complete; a surrounding SLURM allocation must not
             # override them (jax would e.g. pin each process to GPU $SLURM_LOCALID).
             cluster_detection_method = "deactivate"
-
     if cpu_collectives is not None and _cpu_platform_possible():
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-
+    bind = coordinator_bind_address(args["coordinator_address"], bind_address)
     kwargs = dict(
         args,
         cluster_detection_method=cluster_detection_method,
         shutdown_timeout_seconds=shutdown_timeout_seconds,
+        coordinator_bind_address=bind,
     )
     jax.distributed.initialize(**{k: v for k, v in kwargs.items() if v is not None})
+    _pin_gloo_on_one_machine(args["coordinator_address"])
     return True
+
+
+def _pin_gloo_on_one_machine(coordinator_address: str | None) -> None:
+    """A loopback coordinator means every process runs on this machine: gloo's listeners
+    then bind to that address too (not to what the hostname resolves to)."""
+    if coordinator_address is None or not _cpu_platform_possible():
+        return
+    host = split_host_port(coordinator_address, "coordinator_address")[0]
+    if jax.config.jax_cpu_collectives_implementation == "gloo" and is_loopback(host):
+        pin_gloo(host)
 
 
 def _from_launch_env(args: dict) -> tuple[dict, bool]:

@@ -86,9 +86,18 @@ def to_torch(kind: str, a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _moved_shape(move, kind: str, shape) -> tuple[int, ...]:
+    return tuple(move(kind, np.broadcast_to(np.int8(0), tuple(shape))).shape)  # no allocation
+
+
 def to_flax_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The Flax shape of a torch ``shape`` under ``kind``."""
-    return to_flax(kind, np.empty(shape, np.int8)).shape if kind != "identity" else shape
+    return _moved_shape(to_flax, kind, shape)
+
+
+def to_torch_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The torch shape of a Flax ``shape`` under ``kind``."""
+    return _moved_shape(to_torch, kind, shape)
 
 
 def join(items, limit=20) -> str:

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxzero import _tree
 from jaxzero.interop.torch import optimizer_state
-from jaxzero.interop.torch._common import by_path
+from jaxzero.interop.torch._common import by_path, to_torch_shape
 from jaxzero.interop.torch._convert_common import (
     CONSOLIDATED_FILE,
     CONVERT_KEY,
@@ -83,7 +83,7 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class ParamRow:
     """One converted param: torch ``name``, tree ``path`` (``"a/b"``), its ``shape`` in the
-    tree, ``torch_shape`` (torch -> jax only) and the torch rank that owns it (None without a
+    tree, its ``torch_shape`` (torch layout) and the torch rank that owns it (None without a
     world size)."""
 
     name: str
@@ -339,6 +339,7 @@ def _jax_result(source: JaxCheckpoint, out, hp, world_size, consolidated, dry_ru
             path="/".join(source.name_map.lookup(n)[0]),
             shape=shapes[n],
             owner_rank=None if owners is None else owners[i],
+            torch_shape=list(to_torch_shape(source.name_map.lookup(n)[1], shapes[n])),
         )
         for i, n in enumerate(source.names)
     ]
