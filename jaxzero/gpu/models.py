@@ -23,7 +23,15 @@ import optax
 
 from jaxzero.layer_gather import gather_layer
 
-__all__ = ["ARCHS", "ModelShape", "Decoder", "abstract_params", "make_loss", "model_shape"]
+__all__ = [
+    "ARCHS",
+    "Decoder",
+    "ModelShape",
+    "abstract_params",
+    "batch_shapes",
+    "make_loss",
+    "model_shape",
+]
 
 ARCHS = ("llama", "gpt")
 
