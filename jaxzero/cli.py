@@ -352,6 +352,14 @@ from jaxzero.convert import register_cli as _register_convert  # noqa: E402
 
 _register_convert(sys.modules[__name__])
 
+from jaxzero import cli_plan as _plan  # noqa: E402  (`jaxzero plan`; imports jax only when run)
+
+register(
+    Command(
+        "plan", "Compile the step for a GPU cluster.", _plan.configure, _plan.run, _plan.DESCRIPTION
+    )
+)
+
 
 # --------------------------------------------------------------------------- entry point
 

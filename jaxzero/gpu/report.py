@@ -18,6 +18,7 @@ from jaxzero.gpu.hlo import (
 )
 from jaxzero.gpu.targets import gpu_spec
 from jaxzero.gpu.topology import gpu_kind_of
+from jaxzero.memory import format_bytes
 from jaxzero.state import TrainState
 
 __all__ = ["CompileReport", "compile_report", "format_gb"]
@@ -82,9 +83,10 @@ class CompileReport:
         return f"short by {format_gb(-self.headroom_bytes)} of {format_gb(self.hbm_bytes)}"
 
     def collective_summary(self) -> str:
-        """``"all-gather bf16 1.2 GB x64, reduce-scatter bf16 ..."`` (payload per step, launches)."""
+        """``"all-gather bf16 1.20 GB x64, ..."``: payload per step and launches, per kind and
+        dtype (collectives under 1 KiB, such as the finite-check and norm scalars, left out)."""
         parts = [
-            f"{c.kind} {c.dtype} {format_gb(c.bytes)} x{c.launches}"
+            f"{c.kind} {c.dtype} {format_bytes(c.bytes)} x{c.launches}"
             for c in self.collectives
             if c.bytes >= 1024
         ]
