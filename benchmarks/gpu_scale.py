@@ -13,7 +13,7 @@ compiled for a compile-only mesh (``jaxzero.gpu.compile_only_mesh``) and never r
    and f32 logits, + the per-layer working set), with collective payloads per step.
 2. The ZeRO paper's 7.5B / N=64 row (Figure 1: 120 / 31.4 / 16.6 / 1.9 GB of model states for
    stages 0-3, bf16 Adam): the compiled persistent state per device (arguments less the batch)
-   of a 7.5B LLaMA-shaped model. jaxzero's persistent state holds no gradients (they are
+   of a 7.55B LLaMA-shaped model (36 layers of 4096), scaled to 7.5B. jaxzero's persistent state holds no gradients (they are
    temporaries of the step), so the paper's figure is also shown less its gradient term.
 3. Kernels per EMA update of a 350-leaf YOLOv5s-shaped fp32 tree on 8 GPUs: a replicated
    ``tree.map`` EMA, jaxzero's per-leaf sharded EMA, and the bucketed one
@@ -104,7 +104,8 @@ def part1(kind, n):
 
 
 def part2(kind, n):
-    shape = model_shape(params=7.5e9, vocab=32000, seq=2048, batch=1)
+    # LLaMA-7B's width with 36 layers: Φ = 7.55e9, the paper's 7.5B within 1%.
+    shape = model_shape(layers=36, hidden=4096, heads=32, vocab=32000, seq=2048, batch=1)
     rows = gpu.plan(
         shape,
         gpu=kind,
