@@ -13,8 +13,9 @@ compiled for a compile-only mesh (``jaxzero.gpu.compile_only_mesh``) and never r
    and f32 logits, + the per-layer working set), with collective payloads per step.
 2. The ZeRO paper's 7.5B / N=64 row (Figure 1: 120 / 31.4 / 16.6 / 1.9 GB of model states for
    stages 0-3, bf16 Adam): the compiled persistent state per device (arguments less the batch)
-   of a 7.55B LLaMA-shaped model (36 layers of 4096), scaled to 7.5B. jaxzero's persistent state holds no gradients (they are
-   temporaries of the step), so the paper's figure is also shown less its gradient term.
+   of a 7.55B LLaMA-shaped model (36 layers of 4096), scaled to 7.5B. jaxzero's persistent
+   state holds no gradients (they are temporaries of the step), so the paper's figure is also
+   shown less its gradient term.
 3. Kernels per EMA update of a 350-leaf YOLOv5s-shaped fp32 tree on 8 GPUs: a replicated
    ``tree.map`` EMA, jaxzero's per-leaf sharded EMA, and the bucketed one
    (``ShardedEMA(bucket_leaves_up_to=4096)``). On a GPU each kernel is a launch, so the count
