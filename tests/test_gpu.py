@@ -56,17 +56,20 @@ def sizes(params, n, per_layer):
     return phi, s, r, s_stack
 
 
-@functools.cache
-def compiled(stage, per_layer, precision, n=N):
-    mesh = gpu.compile_only_mesh("h100", n)
+def make_step(stage, per_layer, precision, n=N):
     zero = jz.ZeRO(
         optax.adam(1e-3),
-        mesh,
+        gpu.compile_only_mesh("h100", n),
         stage=stage,
         precision=precision,
         layers="layers" if per_layer else None,
     )
-    step = jz.make_train_step(make_loss(SHAPE), zero, ema=jz.ShardedEMA(0.99))
+    return jz.make_train_step(make_loss(SHAPE), zero, ema=jz.ShardedEMA(0.99))
+
+
+@functools.cache
+def compiled(stage, per_layer, precision, n=N):
+    step = make_step(stage, per_layer, precision, n)
     return gpu.compile_report(step, abstract_params(SHAPE), batch_shapes(SHAPE, n))
 
 
@@ -121,7 +124,9 @@ def test_gpu_64_devices_stage3_bf16_is_18_phi_over_n():
     """64 H100s (8 hosts of 8): stage 3 bf16 with the EMA holds 2Φ/N bf16 params + 12Φ/N
     master and Adam + 4Φ/N EMA = 18Φ/64 per device, and moves Φ in bf16 each way."""
     n = 64
-    rep = compiled(3, False, "bf16", n)
+    step = make_step(3, False, "bf16", n)
+    state = step.zero.abstract_state(abstract_params(SHAPE), ema=step.ema)  # a TrainState
+    rep = gpu.compile_report(step, state, batch_shapes(SHAPE, n))
     assert rep.devices == n
     phi, s, r, _ = sizes(abstract_params(SHAPE), n, False)
     assert r == 0  # every leaf of this shape divides by 64
@@ -162,6 +167,14 @@ def test_gpu_mesh_refuses_bad_input_and_names_the_fix(monkeypatch):
     )
     with pytest.raises(gpu.PluginMissingError, match=r'pip install "jax\[cuda12\]==0.10.2"'):
         gpu.compile_only_mesh("h100", 8)
+
+
+def test_gpu_compile_report_refuses_a_batch_the_mesh_cannot_split():
+    step = make_step(2, False, "fp32")
+    with pytest.raises(ValueError, match=r"\['x'\] has shape \(12, 16\).*multiple of devices"):
+        gpu.compile_report(step, abstract_params(SHAPE), batch_shapes(SHAPE, 12))
+    with pytest.raises(TypeError, match="TrainStep"):
+        gpu.compile_report(step.jitted, abstract_params(SHAPE), batch_shapes(SHAPE, 8))
 
 
 def test_gpu_refused_topology_says_how_to_install(monkeypatch):
