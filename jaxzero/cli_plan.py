@@ -73,6 +73,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=1,
         help="sequences per device and micro-batch (default: %(default)s)",
     )
+    size.add_argument(
+        "--attention",
+        choices=["auto", "cudnn", "xla"],
+        default="auto",
+        help="auto: cuDNN flash attention for bf16/fp16, XLA's for fp32; xla: XLA's reference "
+        "attention, which holds the seq x seq scores (default: %(default)s)",
+    )
     train = p.add_argument_group("training and cluster")
     train.add_argument(
         "--stage",
@@ -141,6 +148,7 @@ def _shape(args, parser):
             batch=args.batch,
             arch=args.model,
             ffn=args.ffn or 0,
+            attention=args.attention,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -8,6 +8,12 @@ pass through :func:`jaxzero.gather_layer`, built abstractly (``jax.eval_shape``)
 * ``"gpt"``: LayerNorm, biases, GELU MLP of width ``ffn`` (default 4h), learned positions,
   head tied to the embedding. Parameters: ``L (4h^2 + 2 h ffn + 9h + ffn) + (V + S) h + 2h``.
 
+Attention (``ModelShape.attention``): ``"auto"`` uses cuDNN's fused flash attention when the
+compute dtype is 16-bit (what GPU training of such models runs; it never holds the s x s
+scores) and XLA's reference attention in fp32 (cuDNN's kernel has no fp32 form); ``"xla"``
+always uses XLA's, which materialises the f32 scores, probabilities and causal mask per layer.
+These models are for XLA:GPU compiles (the cuDNN call does not compile for CPU).
+
 The layer stack is ``params["layers"]`` (for ``ZeRO(layers="layers")``).
 """
 
@@ -34,6 +40,7 @@ __all__ = [
 ]
 
 ARCHS = ("llama", "gpt")
+ATTENTION = ("auto", "cudnn", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +55,7 @@ class ModelShape:
     seq: int
     batch: int = 1
     ffn: int = 0  # 0: the arch's default
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -56,6 +64,8 @@ class ModelShape:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int.")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention={self.attention!r} must be one of {', '.join(ATTENTION)}.")
         if self.hidden % self.heads:
             raise ValueError(
                 f"hidden={self.hidden} is not divisible by heads={self.heads}; pick heads that "
@@ -97,6 +107,7 @@ def model_shape(
     batch: int = 1,
     arch: str = "llama",
     ffn: int = 0,
+    attention: str = "auto",
 ) -> ModelShape:
     """A :class:`ModelShape` from ``layers``/``hidden`` (heads default ``hidden // 128``), or,
     with ``params`` alone, the shape of that size with ``layers = hidden / 128`` (LLaMA's and
@@ -108,12 +119,23 @@ def model_shape(
             raise ValueError("give the model size: params, or layers and hidden.")
 
         def size(h):
-            return ModelShape(arch, max(1, h // 128), h, max(1, h // 128), vocab, seq, batch, ffn)
+            heads = max(1, h // 128)
+            return ModelShape(arch, heads, h, heads, vocab, seq, batch, ffn, attention)
 
         hidden = min(range(256, 65537, 256), key=lambda h: abs(size(h).num_params - params))
         return size(hidden)
     heads = heads or max(1, hidden // 128)
-    return ModelShape(arch, layers, hidden, heads, vocab, seq, batch, ffn)
+    return ModelShape(arch, layers, hidden, heads, vocab, seq, batch, ffn, attention)
+
+
+def _impl(shape: ModelShape, dtype) -> str | None:
+    """cuDNN's fused (flash) attention for 16-bit compute, as GPU training runs it; XLA's
+    reference attention (which materialises the s x s scores) for fp32 or when asked."""
+    if shape.attention == "xla":
+        return None
+    if shape.attention == "cudnn" or jnp.dtype(dtype).itemsize == 2:
+        return "cudnn"
+    return None
 
 
 class _Block(nn.Module):
@@ -127,7 +149,8 @@ class _Block(nn.Module):
         dense = lambda n, name: nn.Dense(n, use_bias=not llama, name=name)
         norm = nn.RMSNorm if llama else nn.LayerNorm
         qkv = dense(3 * d, "qkv")(norm(name="norm1")(x)).reshape(b, s, 3, c.heads, d // c.heads)
-        h = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        h = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_impl(c, q.dtype))
         x = x + dense(d, "out")(h.reshape(b, s, d))
         h = norm(name="norm2")(x)
         if llama:
