@@ -21,7 +21,8 @@ compiled for a compile-only mesh (``jaxzero.gpu.compile_only_mesh``) and never r
    (``ShardedEMA(bucket_leaves_up_to=4096)``). On a GPU each kernel is a launch, so the count
    is the EMA's cost for small leaves.
 
-Writes ``benchmarks/results/gpu_scale.md`` and ``gpu_scale.json``.
+Writes ``benchmarks/results/gpu_scale.md`` and ``gpu_scale.json`` (parts not rerun are kept
+from the JSON).
 """
 
 from __future__ import annotations
@@ -278,11 +279,15 @@ def main(argv=None):
     ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
     ap.add_argument("--out", default=os.path.join(HERE, "results", "gpu_scale.md"))
     args = ap.parse_args(argv)
+    path = os.path.splitext(args.out)[0] + ".json"
     results = {}
+    if os.path.exists(path):  # keep the parts not rerun
+        with open(path) as f:
+            results = json.load(f)
     for part, fn in ((1, part1), (2, part2), (3, part3)):
         if part in args.parts:
             results[f"part{part}"] = fn(args.gpu, args.devices) if part < 3 else fn(args.gpu)
-            with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            with open(path, "w") as f:
                 json.dump(results, f, indent=1)
             print(write(results, args.gpu, args.devices, args.out), flush=True)
     return 0
