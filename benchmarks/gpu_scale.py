@@ -20,6 +20,8 @@ compiled for a compile-only mesh (``jaxzero.gpu.compile_only_mesh``) and never r
    ``tree.map`` EMA, jaxzero's per-leaf sharded EMA, and the bucketed one
    (``ShardedEMA(bucket_leaves_up_to=4096)``). On a GPU each kernel is a launch, so the count
    is the EMA's cost for small leaves.
+4. Stage 3 per layer, bf16: the compiled bytes with cuDNN's flash attention (part 1's model)
+   and with XLA's reference attention, which materialises the per-layer f32 scores.
 
 Writes ``benchmarks/results/gpu_scale.md`` and ``gpu_scale.json`` (parts not rerun are kept
 from the JSON).
@@ -196,6 +198,28 @@ def part3(kind, n=8):
     return out
 
 
+def part4(kind, n):
+    """Stage 3 per layer, bf16: cuDNN flash attention (part 1) vs XLA's reference attention,
+    which holds each layer's f32 scores, probabilities and causal mask (seq x seq x heads)."""
+    out = []
+    for attention in ("cudnn", "xla"):
+        shape = model_shape(
+            layers=32, hidden=4096, heads=32, vocab=32000, seq=2048, batch=1, attention=attention
+        )
+        (r,) = gpu.plan(shape, gpu=kind, devices=n, stages=[3], stage3="per-layer")
+        log(f"part 4: {attention} attention: peak {r.gpu_bytes / GB:.2f} GB")
+        out.append(
+            {
+                "attention": attention,
+                "temp": r.report.temp_bytes,
+                "peak": r.gpu_bytes,
+                "estimate": r.estimate.total,
+                "working": 2 * shape.heads * shape.seq**2,  # the estimator's 2as^2 (16-bit)
+            }
+        )
+    return out
+
+
 def write(results, kind, n, path):
     g = lambda b: f"{b / GB:.2f}"
     lines = [f"## Deviceless XLA:GPU compiles ({kind}, GB = 1e9 bytes per device)", ""]
@@ -267,6 +291,28 @@ def write(results, kind, n, path):
             for r in results["part3"]
         ]
         lines += [md(["EMA", "leaves", "kernels per update", "collectives"], rows), ""]
+    if "part4" in results:
+        lines += [f"### Stage 3 per layer, bf16, LLaMA-7B, N={n}: attention kernel", ""]
+        rows = [
+            [
+                r["attention"],
+                g(r["temp"]),
+                g(r["peak"]),
+                g(r["estimate"]),
+                f"{r['peak'] / r['estimate']:.2f}x",
+                g(r["working"]),
+            ]
+            for r in results["part4"]
+        ]
+        header = [
+            "attention",
+            "temp",
+            "peak",
+            "estimate_memory",
+            "peak/estimate",
+            "estimator's attention working set (2 a s^2)",
+        ]
+        lines += [md(header, rows), ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
     return "\n".join(lines)
@@ -276,7 +322,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", default="h100", choices=list(gpu.GPU_KINDS))
     ap.add_argument("--devices", type=int, default=64)
-    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
+    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4], choices=[1, 2, 3, 4])
     ap.add_argument("--out", default=os.path.join(HERE, "results", "gpu_scale.md"))
     args = ap.parse_args(argv)
     path = os.path.splitext(args.out)[0] + ".json"
@@ -284,9 +330,9 @@ def main(argv=None):
     if os.path.exists(path):  # keep the parts not rerun
         with open(path) as f:
             results = json.load(f)
-    for part, fn in ((1, part1), (2, part2), (3, part3)):
+    for part, fn in ((1, part1), (2, part2), (3, part3), (4, part4)):
         if part in args.parts:
-            results[f"part{part}"] = fn(args.gpu, args.devices) if part < 3 else fn(args.gpu)
+            results[f"part{part}"] = fn(args.gpu) if part == 3 else fn(args.gpu, args.devices)
             with open(path, "w") as f:
                 json.dump(results, f, indent=1)
             print(write(results, args.gpu, args.devices, args.out), flush=True)
