@@ -39,6 +39,10 @@ class CompileReport:
     ``headroom_bytes = hbm_bytes - peak_bytes``. ``collectives`` are per (kind, dtype) with loop
     trip counts applied; ``kernels_per_step`` counts device launches (see
     :func:`jaxzero.gpu.hlo.kernels_per_step`); ``hlo_text`` is the scheduled HLO.
+
+    The verdict compares with the whole HBM; a JAX process gets 75% of it unless
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (e.g. ``.95``) or ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
+    says otherwise, and CUDA/NCCL take a few hundred MB of their own.
     """
 
     kind: str | None
