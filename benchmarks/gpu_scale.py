@@ -202,7 +202,7 @@ def part4(kind, n):
     """Stage 3 per layer, bf16: cuDNN flash attention (part 1) vs XLA's reference attention,
     which holds each layer's f32 scores, probabilities and causal mask (seq x seq x heads)."""
     out = []
-    for attention in ("cudnn", "xla"):
+    for attention in ("auto", "xla"):  # auto: cuDNN flash attention in bf16
         shape = model_shape(
             layers=32, hidden=4096, heads=32, vocab=32000, seq=2048, batch=1, attention=attention
         )

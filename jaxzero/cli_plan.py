@@ -75,7 +75,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     size.add_argument(
         "--attention",
-        choices=["auto", "cudnn", "xla"],
+        choices=["auto", "xla"],
         default="auto",
         help="auto: cuDNN flash attention for bf16/fp16, XLA's for fp32; xla: XLA's reference "
         "attention, which holds the seq x seq scores (default: %(default)s)",

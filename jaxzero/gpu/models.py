@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 ARCHS = ("llama", "gpt")
-ATTENTION = ("auto", "cudnn", "xla")
+ATTENTION = ("auto", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +131,7 @@ def model_shape(
 def _impl(shape: ModelShape, dtype) -> str | None:
     """cuDNN's fused (flash) attention for 16-bit compute, as GPU training runs it; XLA's
     reference attention (which materialises the s x s scores) for fp32 or when asked."""
-    if shape.attention == "xla":
-        return None
-    if shape.attention == "cudnn" or jnp.dtype(dtype).itemsize == 2:
+    if shape.attention == "auto" and jnp.dtype(dtype).itemsize == 2:
         return "cudnn"
     return None
 
