@@ -313,6 +313,14 @@ def write(results, kind, n, path):
             "estimator's attention working set (2 a s^2)",
         ]
         lines += [md(header, rows), ""]
+        flash, ref = results["part4"]
+        lines += [
+            f"XLA's reference attention needs {g(ref['temp'] - flash['temp'])} GB more "
+            f"temporaries than cuDNN's flash attention: it materialises each layer's f32 "
+            f"scores, their gradient, the bf16 probabilities and the causal mask (heads x seq "
+            f"x seq), where the estimator assumes one 16-bit copy ({g(flash['working'])} GB).",
+            "",
+        ]
     with open(path, "w") as f:
         f.write("\n".join(lines))
     return "\n".join(lines)
