@@ -17,8 +17,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -244,13 +242,14 @@ def test_gpu_hlo_reader_multiplies_nested_trip_counts_and_counts_async_pairs_onc
     assert not known and mult["inner"] == 4 and mult["cond"] == 4
 
 
-def test_gpu_plan_cli_prints_compiled_bytes_and_verdict():
-    cmd = [sys.executable, "-m", "jaxzero.cli", "plan", "--devices", "8", "--layers", "2"]
-    cmd += ["--hidden", "64", "--heads", "2", "--vocab", "128", "--seq", "16", "--stage", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert f"{SHAPE.num_params:,} params; 8 x H100" in out.stdout
-    row = next(line for line in out.stdout.splitlines() if line.startswith("1 "))
+def test_gpu_plan_cli_prints_compiled_bytes_and_verdict(capsys):
+    from jaxzero import cli
+
+    argv = ["plan", "--devices", "8", "--layers", "2", "--hidden", "64", "--heads", "2"]
+    assert cli.main([*argv, "--vocab", "128", "--seq", "16", "--stage", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"{SHAPE.num_params:,} params; 8 x H100" in out
+    row = next(line for line in out.splitlines() if line.startswith("1 "))
     assert "fits in 84.93 GB with" in row and "all-gather bf16" in row
 
 
