@@ -272,3 +272,38 @@ def test_gpu_plan_cli_bad_flags_exit_2_with_one_line(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_gpu_ema_kernels_per_update_one_per_leaf_or_one_bucket():
+    """On a GPU each kernel is a launch: a replicated tree.map EMA of L leaves is L fused
+    kernels, jaxzero's per-leaf sharded EMA L + 1 (its update counter), and the bucketed EMA
+    one loop for all the small leaves plus one kernel per big leaf; none communicates."""
+    mesh = gpu.compile_only_mesh("h100", N)
+    small = {f"b{i}": jax.ShapeDtypeStruct((8 * (i + 1),), jnp.float32) for i in range(10)}
+    big = {
+        "w1": jax.ShapeDtypeStruct((512, 64), jnp.float32),
+        "w2": jax.ShapeDtypeStruct((64, 512), jnp.float32),
+    }
+    tree = {**small, **big}
+    leaves = len(tree)
+    place = lambda t, specs: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+        t,
+        specs,
+    )
+    rep = place(tree, jax.tree.map(lambda _: P(), tree))
+    replicated = jax.jit(lambda e, p: jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, e, p))
+    assert gpu.kernels_per_step(replicated.lower(rep, rep).compile().as_text()) == leaves
+    counts = {}
+    for bucket in (0, 4096):
+        ema = jz.ShardedEMA(0.9, bucket_leaves_up_to=bucket)
+        zero = jz.ZeRO(optax.sgd(0.1), mesh, stage=2)
+        state = zero.abstract_state(tree, ema=ema)
+        master = place(tree, zero.shard_specs(tree))
+        fn = jax.jit(lambda e, m, t, z=zero, em=ema: z.update_ema(em, e, m, step=t, apply=True))
+        t = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+        hlo = fn.lower(state.ema, master, t).compile().as_text()
+        assert gpu.collectives_per_step(hlo, N) == ()
+        counts[bucket] = gpu.kernels_per_step(hlo)
+    assert counts[0] == leaves + 1
+    assert counts[4096] <= len(big) + 3, counts
