@@ -2,7 +2,7 @@
 registry of subcommands and the entry point.
 
 Each subcommand module (:mod:`~jaxzero.cli.estimate`, :mod:`~jaxzero.cli.inspect`,
-:mod:`~jaxzero.cli.convert`) defines a :class:`~jaxzero.cli.command.Command` named
+:mod:`~jaxzero.cli.convert`, :mod:`~jaxzero.cli.plan`) defines a :class:`~jaxzero.cli.command.Command` named
 ``COMMAND``: a ``configure(parser)`` that adds its arguments and a
 ``run(args, parser) -> int`` that does the work (reporting bad input with
 ``parser.error(msg)``). This module imports them and registers them in :data:`COMMANDS`; to
@@ -24,11 +24,12 @@ from jaxzero.cli.command import Command, Parser
 from jaxzero.cli.convert import COMMAND as CONVERT
 from jaxzero.cli.estimate import COMMAND as ESTIMATE
 from jaxzero.cli.inspect import COMMAND as INSPECT
+from jaxzero.cli.plan import COMMAND as PLAN
 
 __all__ = ["COMMANDS", "Command", "Parser", "build_parser", "main", "register"]
 
 PROG = "jaxzero"
-BUILTIN = (ESTIMATE, INSPECT, CONVERT)
+BUILTIN = (ESTIMATE, INSPECT, CONVERT, PLAN)
 COMMANDS: dict[str, Command] = {}
 
 

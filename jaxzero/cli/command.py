@@ -51,3 +51,19 @@ def as_flags(message: str) -> str:
 def pick(args: argparse.Namespace, *names: str) -> dict:
     """``{name: args.name}`` for ``names``: parsed flags handed on as keyword arguments."""
     return {name: getattr(args, name) for name in names}
+
+
+_COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+def param_count(text: str) -> int:
+    """'7e9', '7000000000', '7B', '350M', '1.5T' -> int parameter count (> 0)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"invalid parameter count {text!r}; write e.g. 7e9, 7B or 350M (must be positive)"
+        )
+    value = round(float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"parameter count must be positive, got {text!r}")
+    return value

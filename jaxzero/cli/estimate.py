@@ -5,25 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 
 from jaxzero import _tree, memory
-from jaxzero.cli.command import Command, pick, positive_int
-
-_COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
-
-
-def _param_count(text: str) -> int:
-    """'7e9', '7000000000', '7B', '350M', '1.5T' -> int parameter count (> 0)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(
-            f"invalid parameter count {text!r}; write e.g. 7e9, 7B or 350M (must be positive)"
-        )
-    value = round(float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"parameter count must be positive, got {text!r}")
-    return value
+from jaxzero.cli.command import Command, param_count, pick, positive_int
 
 
 def _memory_size(text: str) -> int:
@@ -58,7 +42,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
     _add_activations(p)
     train.add_argument(
         "--layer-params",
-        type=_param_count,
+        type=param_count,
         metavar="N",
         help="stage 3 one layer at a time (ZeRO(layers=...)): parameters of one layer; adds "
         "that layer gathered with its gradient and the full gradients outside the stack "
@@ -70,7 +54,7 @@ def _add_size(p: argparse.ArgumentParser) -> None:
     size = p.add_argument_group("model size (give --params or --model)")
     which = size.add_mutually_exclusive_group(required=True)
     which.add_argument(
-        "--params", type=_param_count, metavar="N", help="total parameter count, e.g. 7e9, 7B, 350M"
+        "--params", type=param_count, metavar="N", help="total parameter count, e.g. 7e9, 7B, 350M"
     )
     which.add_argument(
         "--from-checkpoint",

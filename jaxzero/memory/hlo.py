@@ -15,8 +15,8 @@ COLLECTIVE_KINDS = (
     "collective-permute",
 )
 _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
-_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
+INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
 _COMP_RE = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
 _LAYOUT_RE = re.compile(r"\{[^{}]*\}|/\*.*?\*/")
 _GROUPS_RE = re.compile(  # explicit {{0,1},{2,3}} or iota [2,4]<=[8] / [2,4]<=[4,2]T(1,0)
@@ -97,13 +97,13 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         )
     ops, computation, starts = [], None, {}
     for line in hlo_text.splitlines():
-        instr = _INSTR_RE.match(line)
+        instr = INSTR_RE.match(line)
         if not instr:
             comp = _COMP_RE.match(line)
             computation = comp.group(1) if comp else computation
             continue
         type_text, tail = _split_type(instr.group(2).strip())
-        opm = _OPCODE_RE.match(tail)
+        opm = OPCODE_RE.match(tail)
         if not opm:
             continue
         opcode, name = opm.group(1), instr.group(1)

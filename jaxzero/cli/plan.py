@@ -1,0 +1,212 @@
+"""``jaxzero plan``: compile the real jaxzero step for a GPU cluster, without a GPU.
+
+Registered as ``COMMAND`` in :mod:`jaxzero.cli`; the library side is :mod:`jaxzero.gpu`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxzero.cli.command import Command, param_count, pick, positive_int
+
+DESCRIPTION = """\
+Compile jaxzero's Adam train step of a GPT/LLaMA-shaped model for a GPU cluster with XLA's GPU
+compiler, on a machine without GPUs (needs jax's CUDA plugin: pip install "jax[cuda12]==0.10.2"),
+and print per stage the compiled bytes per device next to jaxzero.estimate_memory's, whether it
+fits in the GPU's memory, and the collectives per step. Nothing is allocated or run.
+
+The model: nn.scan'd, rematerialised decoder layers (LLaMA: RMSNorm, SwiGLU MLP, untied head;
+GPT: LayerNorm, GELU MLP, tied head), --batch sequences of --seq tokens per device and
+micro-batch. GB = 1e9 bytes.
+
+examples:
+  jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
+      --batch 1 --gpu h100 --devices 64
+  jaxzero plan --params 1.3B --gpu a100 --devices 16 --stage 3 --stage3 per-layer --ema
+"""
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    """Add ``jaxzero plan``'s arguments to ``p``."""
+    size = p.add_argument_group("model shape (give --params, or --layers and --hidden)")
+    size.add_argument("--params", type=param_count, metavar="N", help="parameter count, e.g. 6.7e9")
+    size.add_argument(
+        "--model", choices=["llama", "gpt"], default="llama", help="(default: %(default)s)"
+    )
+    size.add_argument("--layers", type=positive_int, metavar="L")
+    size.add_argument("--hidden", type=positive_int, metavar="H")
+    size.add_argument("--heads", type=positive_int, help="attention heads (default: hidden / 128)")
+    size.add_argument(
+        "--ffn", type=positive_int, help="MLP width (default: LLaMA 8h/3 rounded up to 256, GPT 4h)"
+    )
+    size.add_argument("--vocab", type=positive_int, default=32000, help="(default: %(default)s)")
+    size.add_argument(
+        "--seq", type=positive_int, default=2048, help="tokens per sequence (default: %(default)s)"
+    )
+    size.add_argument(
+        "--batch",
+        type=positive_int,
+        default=1,
+        help="sequences per device and micro-batch (default: %(default)s)",
+    )
+    size.add_argument(
+        "--attention",
+        choices=["auto", "xla"],
+        default="auto",
+        help="auto: cuDNN flash attention for bf16/fp16, XLA's for fp32; xla: XLA's reference "
+        "attention, which holds the seq x seq scores (default: %(default)s)",
+    )
+    train = p.add_argument_group("training and cluster")
+    train.add_argument(
+        "--stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        action="append",
+        help="ZeRO stage (repeatable; default: all four)",
+    )
+    train.add_argument(
+        "--stage3",
+        choices=["whole", "per-layer", "both"],
+        default="both",
+        help="stage 3 gathers the whole model up front, one layer at a time (ZeRO(layers=...) + "
+        "jaxzero.gather_layer), or both rows (default: %(default)s)",
+    )
+    train.add_argument(
+        "--precision",
+        choices=["bf16", "fp16", "fp32"],
+        default="bf16",
+        help="(default: %(default)s)",
+    )
+    train.add_argument(
+        "--accum",
+        type=positive_int,
+        default=1,
+        help="gradient accumulation micro-batches (default: 1)",
+    )
+    train.add_argument("--ema", action="store_true", help="add a sharded fp32 parameter EMA")
+    train.add_argument(
+        "--gpu", choices=["h100", "a100", "h200"], default="h100", help="(default: %(default)s)"
+    )
+    train.add_argument(
+        "--devices", type=positive_int, required=True, metavar="N", help="GPUs in the cluster"
+    )
+    train.add_argument(
+        "--replicas", type=positive_int, default=1, help="HSDP replica groups (default: 1)"
+    )
+
+
+def _shape(args, parser):
+    from jaxzero.gpu.models import model_shape
+
+    if args.params is None and (args.layers is None or args.hidden is None):
+        parser.error("give --params, or --layers and --hidden (and optionally --heads)")
+    try:
+        dims = pick(args, "params", "layers", "hidden", "heads", "vocab", "seq", "batch")
+        shape = model_shape(
+            **dims,
+            arch=args.model,
+            ffn=args.ffn or 0,
+            attention=args.attention,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    if args.devices % args.replicas:
+        parser.error(f"--replicas {args.replicas} must divide --devices {args.devices}")
+    return shape
+
+
+def _progress(total_hint: int):
+    """``(on_case, close)``: a tqdm bar on stderr, or plain lines where tqdm is absent."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is None:
+
+        def on_case(label, i, total):
+            print(f"[{i + 1}/{total}] compiling stage {label} ...", file=sys.stderr, flush=True)
+
+        return on_case, lambda: None
+    bar = tqdm(total=total_hint, desc="compiling", unit="stage", file=sys.stderr, leave=False)
+
+    def on_case(label, i, total):
+        bar.n = i
+        bar.set_postfix_str(f"stage {label}")  # refreshes the bar
+
+    def close():
+        bar.n = bar.total
+        bar.close()
+
+    return on_case, close
+
+
+def _table(rows) -> str:
+    from jaxzero.memory import format_bytes
+
+    header = ["stage", "GPU-compiled", "estimate", "state", "verdict", "collectives per step"]
+    body = [
+        [
+            r.label,
+            format_bytes(r.gpu_bytes),
+            format_bytes(r.estimate.total),
+            format_bytes(r.state_bytes),
+            r.verdict,
+            r.report.collective_summary(),
+        ]
+        for r in rows
+    ]
+    widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header) - 1)]
+    fmt = lambda cells: "  ".join(
+        [c.ljust(w) for c, w in zip(cells[:-1], widths, strict=True)] + [cells[-1]]
+    )
+    return "\n".join(
+        [fmt(header), fmt(["-" * w for w in widths] + ["-" * 20])] + [fmt(b) for b in body]
+    )
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """Compile every requested stage and print the table; returns the exit code."""
+    shape = _shape(args, parser)
+    from jaxzero.gpu import PluginMissingError, plan, plan_cases
+
+    if args.params is not None and abs(shape.num_params - args.params) > 0.1 * args.params:
+        print(
+            f"note: the {args.model} shape has {shape.num_params:,} parameters, not "
+            f"{args.params:,}; planning the shape",
+            file=sys.stderr,
+        )
+    print(
+        f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, ffn "
+        f"{shape.ffn}, vocab {shape.vocab}, {shape.batch} x {shape.seq} tokens per device -> "
+        f"{shape.num_params:,} params; {args.devices} x {args.gpu.upper()}"
+        + (f" ({args.replicas} replicas)" if args.replicas > 1 else "")
+        + f", {args.precision}, Adam, accum {args.accum}"
+        + (", EMA" if args.ema else ""),
+        flush=True,
+    )
+    on_case, close = _progress(len(plan_cases(args.stage, args.stage3)))
+    try:
+        options = pick(args, "gpu", "devices", "replicas", "stage3", "precision", "accum", "ema")
+        rows = plan(shape, stages=args.stage, on_case=on_case, **options)
+    except PluginMissingError as e:
+        close()
+        print(f"jaxzero plan: error: {e}", file=sys.stderr)
+        return 1
+    close()
+    print(_table(rows))
+    print(
+        "GPU-compiled: arguments + outputs - donated aliases + temporaries per device "
+        "(XLA:GPU memory_analysis); estimate: jaxzero.estimate_memory with activations "
+        "(ckpt_every=1) and f32 logits; state: persistent arguments less the batch."
+    )
+    return 0
+
+
+COMMAND = Command(
+    "plan",
+    "Compile the step for a GPU cluster (no GPU needed) and show memory per stage.",
+    configure,
+    run,
+    DESCRIPTION,
+)

@@ -1,0 +1,51 @@
+"""Planning for GPU clusters without a GPU: XLA:GPU compiles jaxzero's step for a described
+cluster (``compile_only_mesh``), and ``compile_report`` / ``plan`` read the compiler's bytes,
+collectives and kernels per device.
+
+    mesh = jaxzero.gpu.compile_only_mesh("h100", 64)        # needs jax[cuda12], not a GPU
+    zero = jz.ZeRO(optax.adam(1e-4), mesh, stage=3, precision="bf16")
+    step = jz.make_train_step(loss_fn, zero)
+    report = jaxzero.gpu.compile_report(step, param_shapes, batch_shapes)
+    report.peak_bytes, report.verdict(), report.payload("all-gather", "bf16")
+"""
+
+from jaxzero.gpu.hlo import (
+    CollectiveTotal,
+    collectives_per_step,
+    computation_multipliers,
+    kernels_per_step,
+)
+from jaxzero.gpu.models import ModelShape, model_shape
+from jaxzero.gpu.plan import PlanRow, plan, plan_cases
+from jaxzero.gpu.report import CompileReport, compile_report
+from jaxzero.gpu.targets import GPU_KINDS, GpuSpec, gpu_spec, target_config
+from jaxzero.gpu.topology import (
+    INSTALL_HINT,
+    PluginMissingError,
+    compile_only_mesh,
+    recommended_xla_flags,
+    topology_string,
+)
+
+__all__ = [
+    "GPU_KINDS",
+    "INSTALL_HINT",
+    "CollectiveTotal",
+    "CompileReport",
+    "GpuSpec",
+    "ModelShape",
+    "PlanRow",
+    "PluginMissingError",
+    "collectives_per_step",
+    "compile_only_mesh",
+    "compile_report",
+    "computation_multipliers",
+    "gpu_spec",
+    "kernels_per_step",
+    "model_shape",
+    "plan",
+    "plan_cases",
+    "recommended_xla_flags",
+    "target_config",
+    "topology_string",
+]

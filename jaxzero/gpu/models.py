@@ -1,0 +1,205 @@
+"""GPT- and LLaMA-shaped decoders for planning: scanned, rematerialised layers whose variables
+pass through :func:`jaxzero.gather_layer`, built abstractly (``jax.eval_shape``) only.
+
+* ``"llama"``: RMSNorm, no biases, SwiGLU MLP of width ``ffn`` (default LLaMA's
+  ``256 * ceil(8h/3 / 256)``: 11008 for h=4096), no position parameters (rotary embeddings have
+  none; left out, as they change no parameter or communicated byte), untied head.
+  Parameters: ``L (4h^2 + 3 h ffn + 2h) + 2 V h + h``.
+* ``"gpt"``: LayerNorm, biases, GELU MLP of width ``ffn`` (default 4h), learned positions,
+  head tied to the embedding. Parameters: ``L (4h^2 + 2 h ffn + 9h + ffn) + (V + S) h + 2h``.
+
+Attention (``ModelShape.attention``): ``"auto"`` uses cuDNN's fused flash attention when the
+compute dtype is 16-bit (what GPU training of such models runs; it never holds the s x s
+scores) and XLA's reference attention in fp32 (cuDNN's kernel has no fp32 form); ``"xla"``
+always uses XLA's, which materialises the f32 scores, probabilities and causal mask per layer.
+These models are for XLA:GPU compiles (the cuDNN call does not compile for CPU).
+
+The layer stack is ``params["layers"]`` (for ``ZeRO(layers="layers")``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxzero.zero.layers import gather_layer
+
+__all__ = [
+    "ARCHS",
+    "Decoder",
+    "ModelShape",
+    "abstract_params",
+    "batch_shapes",
+    "make_loss",
+    "model_shape",
+]
+
+ARCHS = ("llama", "gpt")
+ATTENTION = ("auto", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A decoder's shape and the per-device micro-batch it trains on."""
+
+    arch: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    batch: int = 1
+    ffn: int = 0  # 0: the arch's default
+    attention: str = "auto"
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch={self.arch!r} is not one of {', '.join(ARCHS)}.")
+        for name in ("layers", "hidden", "heads", "vocab", "seq", "batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int.")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention={self.attention!r} must be one of {', '.join(ATTENTION)}.")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"hidden={self.hidden} is not divisible by heads={self.heads}; pick heads that "
+                f"divide the width (e.g. heads={max(1, self.hidden // 128)})."
+            )
+        if not self.ffn:
+            ffn = (
+                256 * math.ceil(8 * self.hidden / 3 / 256)
+                if self.arch == "llama"
+                else 4 * self.hidden
+            )
+            object.__setattr__(self, "ffn", ffn)
+
+    @property
+    def num_params(self) -> int:
+        """Φ from the formulas in the module docstring (equals the built model's count)."""
+        h, f, v = self.hidden, self.ffn, self.vocab
+        if self.arch == "llama":
+            return self.layers * (4 * h * h + 3 * h * f + 2 * h) + 2 * v * h + h
+        return self.layers * (4 * h * h + 2 * h * f + 9 * h + f) + (v + self.seq) * h + 2 * h
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one layer (DeepSpeed's "largest layer")."""
+        h, f = self.hidden, self.ffn
+        if self.arch == "llama":
+            return 4 * h * h + 3 * h * f + 2 * h
+        return 4 * h * h + 2 * h * f + 9 * h + f
+
+
+def model_shape(
+    *,
+    params: int | None = None,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    vocab: int = 32000,
+    seq: int = 2048,
+    batch: int = 1,
+    arch: str = "llama",
+    ffn: int = 0,
+    attention: str = "auto",
+) -> ModelShape:
+    """A :class:`ModelShape` from ``layers``/``hidden`` (heads default ``hidden // 128``), or,
+    with ``params`` alone, the shape of that size with ``layers = hidden / 128`` (LLaMA's and
+    GPT-3's aspect ratio; hidden a multiple of 256) nearest to ``params``."""
+    if (layers is None) != (hidden is None):
+        raise ValueError("give both layers and hidden (or only params to derive them).")
+    if layers is None:
+        if params is None:
+            raise ValueError("give the model size: params, or layers and hidden.")
+
+        def size(h):
+            heads = max(1, h // 128)
+            return ModelShape(arch, heads, h, heads, vocab, seq, batch, ffn, attention)
+
+        hidden = min(range(256, 65537, 256), key=lambda h: abs(size(h).num_params - params))
+        return size(hidden)
+    heads = heads or max(1, hidden // 128)
+    return ModelShape(arch, layers, hidden, heads, vocab, seq, batch, ffn, attention)
+
+
+def _impl(shape: ModelShape, dtype) -> str | None:
+    """cuDNN's fused (flash) attention for 16-bit compute, as GPU training runs it; XLA's
+    reference attention (which materialises the s x s scores) for fp32 or when asked."""
+    if shape.attention == "auto" and jnp.dtype(dtype).itemsize == 2:
+        return "cudnn"
+    return None
+
+
+class _Block(nn.Module):
+    shape: ModelShape
+
+    @nn.compact
+    def __call__(self, x, _):
+        c = self.shape
+        llama = c.arch == "llama"
+        b, s, d = x.shape
+        dense = lambda n, name: nn.Dense(n, use_bias=not llama, name=name)
+        norm = nn.RMSNorm if llama else nn.LayerNorm
+        qkv = dense(3 * d, "qkv")(norm(name="norm1")(x)).reshape(b, s, 3, c.heads, d // c.heads)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        h = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_impl(c, q.dtype))
+        x = x + dense(d, "out")(h.reshape(b, s, d))
+        h = norm(name="norm2")(x)
+        if llama:
+            h = nn.silu(dense(c.ffn, "gate")(h)) * dense(c.ffn, "up")(h)
+        else:
+            h = nn.gelu(dense(c.ffn, "fc")(h))
+        return x + dense(d, "down")(h), None
+
+
+class Decoder(nn.Module):
+    """The decoder of ``shape`` (see the module docstring); computes in the params' dtype."""
+
+    shape: ModelShape
+
+    @nn.compact
+    def __call__(self, tokens):
+        c = self.shape
+        embed = nn.Embed(c.vocab, c.hidden, name="embed")
+        x = embed(tokens)
+        if c.arch == "gpt":
+            pos = self.param("pos", nn.initializers.normal(0.02), (c.seq, c.hidden))
+            x = x + pos[: tokens.shape[1]].astype(x.dtype)
+        block = nn.remat(nn.map_variables(_Block, "params", trans_in_fn=gather_layer, init=True))
+        x, _ = nn.scan(
+            block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.layers
+        )(c, name="layers")(x, None)
+        x = (nn.RMSNorm if c.arch == "llama" else nn.LayerNorm)(name="final_norm")(x)
+        if c.arch == "gpt":
+            return embed.attend(x)
+        return nn.Dense(c.vocab, use_bias=False, name="head")(x)
+
+
+def abstract_params(shape: ModelShape):
+    """The float32 params' ``ShapeDtypeStruct``s (``jax.eval_shape``: nothing allocated)."""
+    model = Decoder(shape)
+    tokens = jax.ShapeDtypeStruct((1, shape.seq), jnp.int32)
+    return jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+
+
+def make_loss(shape: ModelShape):
+    """``loss_fn(params, {"x", "y"})``: mean next-token cross-entropy over f32 logits."""
+    model = Decoder(shape)
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["x"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    return loss_fn
+
+
+def batch_shapes(shape: ModelShape, global_batch: int):
+    """The global token batch ``{"x", "y"}`` as int32 ``ShapeDtypeStruct``s."""
+    s = jax.ShapeDtypeStruct((global_batch, shape.seq), jnp.int32)
+    return {"x": s, "y": s}

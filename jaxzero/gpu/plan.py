@@ -1,0 +1,162 @@
+"""``plan``: compile the real jaxzero step of a GPT/LLaMA-shaped model for a GPU cluster (no GPU
+needed, nothing allocated) and set the GPU compiler's bytes per device next to
+:func:`jaxzero.estimate_memory`'s, for every stage."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import optax
+
+from jaxzero.ema import ShardedEMA
+from jaxzero.gpu.models import ModelShape, abstract_params, batch_shapes, make_loss
+from jaxzero.gpu.report import CompileReport, compile_report
+from jaxzero.gpu.topology import compile_only_mesh
+from jaxzero.memory import MemoryEstimate, estimate_memory
+from jaxzero.train.step import make_train_step
+from jaxzero.zero.config import ZeRO
+
+__all__ = ["PlanRow", "plan", "plan_cases"]
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One stage of a plan: the compiled step's figures and the estimator's.
+
+    ``gpu_bytes``: the compiled peak per device (``CompileReport.peak_bytes``);
+    ``state_bytes``: the compiled arguments less the batch (the persistent state per device);
+    ``estimate``: :func:`jaxzero.estimate_memory` for the same setup (activations with
+    ``ckpt_every=1`` and the f32 logits; the per-layer working set for stage 3 per layer).
+    """
+
+    stage: int
+    per_layer: bool
+    num_params: int
+    report: CompileReport
+    estimate: MemoryEstimate
+    state_bytes: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.stage} per layer" if self.per_layer else str(self.stage)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.report.peak_bytes
+
+    @property
+    def verdict(self) -> str:
+        return self.report.verdict()
+
+
+def plan_cases(stages: Sequence[int] | None, stage3: str) -> list[tuple[int, bool]]:
+    """``[(stage, per_layer), ...]``: ``stages`` (default all four); stage 3 as ``stage3`` says:
+    ``"whole"`` (gather the whole model up front), ``"per-layer"`` or ``"both"``."""
+    if stage3 not in ("whole", "per-layer", "both"):
+        raise ValueError(f"stage3={stage3!r} must be 'whole', 'per-layer' or 'both'.")
+    stages = (0, 1, 2, 3) if stages is None else tuple(stages)
+    bad = [s for s in stages if isinstance(s, bool) or s not in (0, 1, 2, 3)]
+    if bad or not stages:
+        raise ValueError(f"stages={stages!r} must be a non-empty subset of 0, 1, 2, 3.")
+    out = []
+    for s in sorted(set(stages)):
+        if s < 3:
+            out.append((s, False))
+            continue
+        if stage3 in ("whole", "both"):
+            out.append((3, False))
+        if stage3 in ("per-layer", "both"):
+            out.append((3, True))
+    return out
+
+
+def _estimate(shape: ModelShape, n: int, stage: int, per_layer: bool, precision, ema):
+    """``estimate_memory`` for this shape and stage: activations of the whole scanned stack,
+    plus one layer gathered (per-layer stage 3) or the whole model gathered (stage 3)."""
+    dims = {k: getattr(shape, k) for k in ("batch", "seq", "hidden", "layers", "heads", "vocab")}
+    return estimate_memory(
+        shape.num_params,
+        n,
+        stage=stage,
+        precision=precision,
+        ema=ema,
+        ckpt_every=1,
+        layer_params=shape.layer_params if per_layer else None,
+        gather_model=stage == 3 and not per_layer,
+        **dims,
+    )
+
+
+def _check_plan_args(precision, accum, devices, replicas):
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}.")
+    for name, v in (("accum", accum), ("devices", devices), ("replicas", replicas)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive int.")
+    if devices % replicas:
+        raise ValueError(f"replicas={replicas} must divide devices={devices}.")
+
+
+def plan(
+    shape: ModelShape,
+    *,
+    gpu: str = "h100",
+    devices: int = 8,
+    replicas: int = 1,
+    stages: Sequence[int] | None = None,
+    stage3: str = "both",
+    precision: str = "bf16",
+    accum: int = 1,
+    ema: bool = False,
+    on_case: Callable[[str, int, int], None] | None = None,
+) -> list[PlanRow]:
+    """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
+
+    The model is :class:`jaxzero.gpu.models.Decoder` (scanned, rematerialised layers; params
+    from ``jax.eval_shape``), the global batch ``shape.batch x devices x accum`` sequences, the
+    optimizer ``optax.adam`` with ZeRO's ``precision`` policy, plus an fp32 ``ShardedEMA`` with
+    ``ema=True``. ``on_case(label, i, total)`` is called before each compile (progress).
+
+    Returns:
+      One :class:`PlanRow` per case of :func:`plan_cases`.
+
+    Raises:
+      ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
+    """
+    _check_plan_args(precision, accum, devices, replicas)
+    cases = plan_cases(stages, stage3)
+    mesh = compile_only_mesh(gpu, devices, replicas=replicas)
+    params = abstract_params(shape)
+    loss_fn = make_loss(shape)
+    batch = batch_shapes(shape, shape.batch * devices * accum)
+    batch_bytes = 2 * shape.batch * accum * shape.seq * 4
+    n = devices // replicas
+    sema = ShardedEMA(0.999) if ema else None
+    rows = []
+    for i, (stage, per_layer) in enumerate(cases):
+        label = f"{stage} per layer" if per_layer else str(stage)
+        if on_case is not None:
+            on_case(label, i, len(cases))
+        zero = ZeRO(
+            optax.adam(1e-4),
+            mesh,
+            stage=stage,
+            precision=precision,
+            layers="layers" if per_layer else None,
+        )
+        step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
+        report = compile_report(step, params, batch, kind=gpu)
+        rows.append(
+            PlanRow(
+                stage=stage,
+                per_layer=per_layer,
+                num_params=shape.num_params,
+                report=report,
+                estimate=_estimate(shape, n, stage, per_layer, precision, ema),
+                state_bytes=report.argument_bytes - batch_bytes,
+            )
+        )
+    return rows

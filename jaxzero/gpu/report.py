@@ -1,0 +1,188 @@
+"""``compile_report``: what XLA's GPU compiler makes of a jaxzero train step, per device."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import NamedSharding
+
+from jaxzero.gpu.hlo import (
+    CollectiveTotal,
+    collectives_per_step,
+    computation_multipliers,
+    kernels_per_step,
+)
+from jaxzero.gpu.targets import gpu_spec
+from jaxzero.gpu.topology import gpu_kind_of
+from jaxzero.memory import format_bytes
+from jaxzero.train.state import TrainState
+
+__all__ = ["CompileReport", "compile_report", "format_gb"]
+
+
+def format_gb(nbytes: int) -> str:
+    """Bytes as decimal gigabytes (GB = 1e9), two decimals."""
+    return f"{nbytes / 1e9:.2f} GB"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """Per-device figures of one compiled step (bytes unless noted).
+
+    ``argument/output/alias/temp`` come from ``compiled.memory_analysis()``; ``peak_bytes`` is
+    ``argument + output - alias + temp`` (the donated state's outputs reuse its buffers);
+    ``hbm_bytes`` is the GPU's memory (None when the mesh is not a bundled GPU kind), and
+    ``headroom_bytes = hbm_bytes - peak_bytes``. ``collectives`` are per (kind, dtype) with loop
+    trip counts applied; ``kernels_per_step`` counts device launches (see
+    :func:`jaxzero.gpu.hlo.kernels_per_step`); ``hlo_text`` is the scheduled HLO.
+
+    The verdict compares with the whole HBM; a JAX process gets 75% of it unless
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (e.g. ``.95``) or ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
+    says otherwise, and CUDA/NCCL take a few hundred MB of their own.
+    """
+
+    kind: str | None
+    devices: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    hbm_bytes: int | None
+    collectives: tuple[CollectiveTotal, ...]
+    kernels_per_step: int
+    trip_counts_known: bool
+    compile_seconds: float
+    hlo_text: str = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return None if self.hbm_bytes is None else self.hbm_bytes - self.peak_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.hbm_bytes is None else self.headroom_bytes >= 0
+
+    def payload(self, kind: str, dtype: str | None = None) -> int:
+        """Payload bytes per device per step of one collective kind (optionally one dtype)."""
+        return sum(c.bytes for c in self.collectives if c.kind == kind and dtype in (None, c.dtype))
+
+    def dtypes(self, kind: str) -> set[str]:
+        """The element types the collectives of ``kind`` move."""
+        return {c.dtype for c in self.collectives if c.kind == kind}
+
+    def verdict(self) -> str:
+        """``"fits in 85.00 GB with 12.30 GB to spare"`` or ``"short by 3.10 GB of 85.00 GB"``."""
+        if self.hbm_bytes is None:
+            return f"needs {format_gb(self.peak_bytes)} (no GPU kind to compare with)"
+        if self.fits:
+            return f"fits in {format_gb(self.hbm_bytes)} with {format_gb(self.headroom_bytes)} to spare"
+        return f"short by {format_gb(-self.headroom_bytes)} of {format_gb(self.hbm_bytes)}"
+
+    def collective_summary(self) -> str:
+        """``"all-gather bf16 1.20 GB x64, ..."``: payload per step and launches, per kind and
+        dtype (collectives under 1 KiB, such as the finite-check and norm scalars, left out)."""
+        parts = [
+            f"{c.kind} {c.dtype} {format_bytes(c.bytes)} x{c.launches}"
+            for c in self.collectives
+            if c.bytes >= 1024
+        ]
+        return ", ".join(parts) or "none"
+
+
+def _abstract_state(step, state_or_shapes, model_state, rng):
+    zero = step.zero
+    if isinstance(state_or_shapes, TrainState):
+        state = state_or_shapes
+    else:
+        return zero.abstract_state(state_or_shapes, ema=step.ema, model_state=model_state, rng=rng)
+    shardings = zero.state_shardings(state)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+
+
+def _abstract_batch(step, batch_shapes):
+    zero = step.zero
+    sharding = NamedSharding(zero.mesh, zero.batch_spec())
+    need = zero.num_batch_shards * step.accum_steps
+    leaves = jax.tree_util.tree_flatten_with_path(batch_shapes)[0]
+    if not leaves:
+        raise ValueError("batch_shapes is an empty tree; pass the global batch's shapes.")
+    for path, x in leaves:
+        shape = tuple(getattr(x, "shape", ()))
+        if not shape or shape[0] % need:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}: the "
+                f"leading (global batch) dimension must be a multiple of devices "
+                f"({zero.num_batch_shards}) x accum_steps ({step.accum_steps}) = {need}."
+            )
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch_shapes
+    )
+
+
+def _memory(compiled) -> dict[str, int]:
+    stats = compiled.memory_analysis()
+    if isinstance(stats, Sequence):
+        stats = stats[0] if stats else None
+    if stats is None:
+        raise RuntimeError("the compiler gave no memory analysis for this step.")
+    return {
+        k: int(getattr(stats, f"{k}_size_in_bytes", 0) or 0)
+        for k in ("argument", "output", "alias", "temp")
+    }
+
+
+def compile_report(
+    step, state_or_shapes, batch_shapes, *, kind: str | None = None, model_state=None, rng=None
+) -> CompileReport:
+    """Compile ``step`` for its mesh (e.g. :func:`compile_only_mesh`) and report per device.
+
+    Args:
+      step: a :class:`jaxzero.TrainStep` (``jz.make_train_step``) whose ZeRO is built over the
+        mesh to compile for.
+      state_or_shapes: a :class:`jaxzero.TrainState` (concrete or abstract; re-sharded onto the
+        step's mesh) or the params' shapes (``jax.eval_shape`` of the init), from which
+        ``zero.abstract_state(shapes, ema=step.ema, model_state=, rng=)`` is built.
+      batch_shapes: the GLOBAL batch as arrays or ``ShapeDtypeStruct``s.
+      kind: the GPU kind for the memory verdict; default: read from the mesh's devices.
+
+    Nothing is allocated or run: ``step.jitted.lower(abstract state, abstract batch)
+    .compile()``.
+    """
+    if not hasattr(step, "jitted") or not hasattr(step, "zero"):
+        raise TypeError(
+            f"step must be a jaxzero.TrainStep (from jaxzero.make_train_step), got "
+            f"{type(step).__name__}."
+        )
+    mesh = step.zero.mesh
+    kind = gpu_kind_of(mesh) if kind is None else gpu_spec(kind).kind
+    state = _abstract_state(step, state_or_shapes, model_state, rng)
+    batch = _abstract_batch(step, batch_shapes)
+    t0 = time.perf_counter()
+    compiled = step.jitted.lower(state, batch).compile()
+    seconds = time.perf_counter() - t0
+    hlo = compiled.as_text()
+    mem = _memory(compiled)
+    return CompileReport(
+        kind=kind,
+        devices=math.prod(mesh.devices.shape),
+        argument_bytes=mem["argument"],
+        output_bytes=mem["output"],
+        alias_bytes=mem["alias"],
+        temp_bytes=mem["temp"],
+        hbm_bytes=None if kind is None else gpu_spec(kind).memory_bytes,
+        collectives=collectives_per_step(hlo, step.zero.num_shards),
+        kernels_per_step=kernels_per_step(hlo),
+        trip_counts_known=computation_multipliers(hlo)[1],
+        compile_seconds=seconds,
+        hlo_text=hlo,
+    )

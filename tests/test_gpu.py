@@ -1,0 +1,309 @@
+"""XLA:GPU, deviceless: jaxzero's real step compiled for 8 (and 64) H100s on a machine without
+GPUs, checked against the ZeRO formulas in the GPU compiler's scheduled HLO and buffers.
+
+The GPU compiles run in this pytest process next to the simulated CPU devices: jax's CUDA
+plugin builds compile-only devices from a target config (``get_topology_desc``) without
+touching the default backend, so ``JAX_PLATFORMS=cpu`` (tests/conftest.py) keeps the numerical
+tests on CPU and the plugin never looks for a driver. These tests need the plugin
+(``pip install -e '.[cuda12]'``, as ``make test`` does) and fail, not skip, without it.
+
+Expected numbers are restated here from the sharding rule and the ZeRO accounting (DESIGN /
+tests/test_stages.py), not read from jaxzero: a leaf is split N ways on its largest dimension
+divisible by N (not the layer axis of a named stack), else replicated.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxzero as jz
+from jaxzero import gpu
+from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
+
+N = 8
+SHAPE = model_shape(layers=2, hidden=64, heads=2, vocab=128, seq=16, batch=1)
+CASES = [(0, False), (1, False), (2, False), (3, False), (3, True)]
+SCALARS = 16  # int32 step, skipped, Adam's count, the EMA's update counter
+
+
+def leaf_split(shape, n, stacked):
+    """(elements, split n ways?) of one leaf under the documented rule."""
+    skip = 1 if stacked else 0
+    return math.prod(shape), any(d % n == 0 for d in shape[skip:])
+
+
+def sizes(params, n, per_layer):
+    """Φ, sharded elements S, replicated R, and S of the layer stack."""
+    phi = s = r = s_stack = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        stacked = per_layer and path[0].key == "layers"
+        size, split = leaf_split(x.shape, n, stacked)
+        phi += size
+        s += size if split else 0
+        r += 0 if split else size
+        s_stack += size if (split and path[0].key == "layers") else 0
+    return phi, s, r, s_stack
+
+
+def make_step(stage, per_layer, precision, n=N):
+    zero = jz.ZeRO(
+        optax.adam(1e-3),
+        gpu.compile_only_mesh("h100", n),
+        stage=stage,
+        precision=precision,
+        layers="layers" if per_layer else None,
+    )
+    return jz.make_train_step(make_loss(SHAPE), zero, ema=jz.ShardedEMA(0.99))
+
+
+@functools.cache
+def compiled(stage, per_layer, precision, n=N):
+    step = make_step(stage, per_layer, precision, n)
+    return gpu.compile_report(step, abstract_params(SHAPE), batch_shapes(SHAPE, n))
+
+
+def expected_state_bytes(stage, precision, n, s, r, phi):
+    p = 4 if precision == "fp32" else 2
+    master = 0 if precision == "fp32" else 4
+    sharded = s // n + r  # elements per device of a sharded copy
+    params = p * (sharded if stage == 3 else phi)
+    opt = (8 + master) * (sharded if stage >= 1 else phi)
+    ema = 4 * sharded
+    return params + opt + ema + SCALARS
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage,per_layer", CASES, ids=["0", "1", "2", "3", "3_per_layer"])
+def test_gpu_compiled_step_matches_zero_theory(stage, per_layer, precision):
+    rep = compiled(stage, per_layer, precision)
+    assert rep.kind == "h100" and rep.devices == N
+    assert rep.trip_counts_known
+    phi, s, r, s_stack = sizes(abstract_params(SHAPE), N, per_layer)
+    assert phi == SHAPE.num_params
+    b = 4 if precision == "fp32" else 2  # reduce and compute dtype bytes
+    # Collective payload per device per step, loop trip counts applied.
+    ag = {0: 0, 1: b * s, 2: b * s, 3: b * s}[stage]
+    if per_layer:  # each layer gathered for the forward and again for the remat'd backward
+        ag = b * (2 * s_stack + (s - s_stack))
+    rs = b * s if stage >= 2 else 0
+    ar = b * phi if stage <= 1 else b * r
+    assert rep.payload("all-gather") == ag
+    assert rep.payload("reduce-scatter") == rs
+    # + the scalars of the global finite check and gradient norm; nothing else (the EMA adds
+    # no collective: every payload above is exactly the gradient's or the parameters').
+    assert 0 <= rep.payload("all-reduce") - ar <= 64, rep.collectives
+    assert {c.kind for c in rep.collectives} <= {"all-gather", "reduce-scatter", "all-reduce"}
+    if precision == "bf16" and stage >= 1:
+        assert rep.dtypes("all-gather") == {"bf16"}
+    if precision == "bf16" and stage >= 2:
+        assert rep.dtypes("reduce-scatter") == {"bf16"}
+    # Persistent arguments: the state per the ZeRO formula (+ replicated leaves) and the batch.
+    batch_bytes = 2 * SHAPE.batch * SHAPE.seq * 4
+    state = rep.argument_bytes - batch_bytes
+    assert state == expected_state_bytes(stage, precision, N, s, r, phi)
+    k = {"fp32": (4, 8), "bf16": (2, 12)}[precision]
+    formula = {0: sum(k) * phi, 1: k[0] * phi + k[1] * phi / N, 2: k[0] * phi + k[1] * phi / N}
+    formula = formula.get(stage, sum(k) * phi / N) + 4 * phi / N  # + the sharded fp32 EMA
+    assert abs(state - formula) / formula < 0.01, (state, formula)
+    assert rep.peak_bytes >= rep.argument_bytes and rep.fits
+    assert rep.kernels_per_step > 0
+
+
+def test_gpu_64_devices_stage3_bf16_is_18_phi_over_n():
+    """64 H100s (8 hosts of 8): stage 3 bf16 with the EMA holds 2Φ/N bf16 params + 12Φ/N
+    master and Adam + 4Φ/N EMA = 18Φ/64 per device, and moves Φ in bf16 each way."""
+    n = 64
+    step = make_step(3, False, "bf16", n)
+    state = step.zero.abstract_state(abstract_params(SHAPE), ema=step.ema)  # a TrainState
+    rep = gpu.compile_report(step, state, batch_shapes(SHAPE, n))
+    assert rep.devices == n
+    phi, s, r, _ = sizes(abstract_params(SHAPE), n, False)
+    assert r == 0  # every leaf of this shape divides by 64
+    assert rep.argument_bytes - 2 * SHAPE.seq * 4 == 18 * phi // n + SCALARS
+    assert rep.payload("all-gather", "bf16") == rep.payload("all-gather") == 2 * phi
+    assert rep.payload("reduce-scatter", "bf16") == rep.payload("reduce-scatter") == 2 * phi
+
+
+@pytest.mark.parametrize("kind", gpu.GPU_KINDS)
+def test_gpu_every_target_config_compiles(kind):
+    spec = gpu.gpu_spec(kind)
+    text = gpu.target_config(kind)
+    assert f"core_count: {spec.sm_count}" in text and f"major: {spec.compute_capability[0]}" in text
+    mesh = gpu.compile_only_mesh(kind, 2)
+    assert mesh.devices.flat[0].device_kind == spec.name
+    x = jax.ShapeDtypeStruct((2, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+    fn = jax.jit(lambda x: (x.astype(jnp.float32) ** 2).sum())
+    hlo = fn.lower(x).compile().as_text()
+    assert gpu.collectives_per_step(hlo, 2)[0].kind == "all-reduce"
+
+
+def test_gpu_mesh_refuses_bad_input_and_names_the_fix(monkeypatch):
+    with pytest.raises(ValueError, match="h100"):
+        gpu.compile_only_mesh("v100", 8)
+    with pytest.raises(ValueError, match="replicas"):
+        gpu.compile_only_mesh("h100", 8, replicas=3)
+    with pytest.raises(ValueError, match="attached GPUs"):
+        gpu.compile_only_mesh("h100", None)
+    mesh = gpu.compile_only_mesh("h100", 16, replicas=2)
+    assert mesh.shape == {"replica": 2, "data": 8}
+    assert gpu.topology_string(64) == "1x8x8" and gpu.topology_string(4) == "1x1x4"
+    assert gpu.recommended_xla_flags() == []
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "jax_plugins.xla_cuda12" else real(name, *a),
+    )
+    with pytest.raises(gpu.PluginMissingError, match=r'pip install "jax\[cuda12\]==0.10.2"'):
+        gpu.compile_only_mesh("h100", 8)
+
+
+def test_gpu_compile_report_refuses_a_batch_the_mesh_cannot_split():
+    step = make_step(2, False, "fp32")
+    with pytest.raises(ValueError, match=r"\['x'\] has shape \(12, 16\).*multiple of devices"):
+        gpu.compile_report(step, abstract_params(SHAPE), batch_shapes(SHAPE, 12))
+    with pytest.raises(TypeError, match="TrainStep"):
+        gpu.compile_report(step.jitted, abstract_params(SHAPE), batch_shapes(SHAPE, 8))
+
+
+def test_gpu_refused_topology_says_how_to_install(monkeypatch):
+    from jax.experimental import topologies
+
+    def refuse(**kwargs):
+        raise RuntimeError("Unknown backend cuda")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", refuse)
+    with pytest.raises(gpu.PluginMissingError, match=r"refused.*jax\[cuda12\]"):
+        gpu.compile_only_mesh("a100", 8)
+
+
+HLO = """HloModule m, entry_computation_layout={(f32[1]{0})->f32[8]{0}}
+
+%fused (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(%p0)
+}
+
+%inner (a: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %a = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%a), index=1
+  %rs-start = ((f32[8]{0}), bf16[1]{0}) reduce-scatter-start(%x), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %rs-done = bf16[1]{0} reduce-scatter-done(%rs-start)
+  %f = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %f)
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  ROOT %lt = pred[] compare(%c, %c), direction=LT
+}
+
+%outer (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]{0}) parameter(0)
+  %ag-start = ((f32[1]{0}), f32[8]{0}) all-gather-start(%b), replica_groups=[1,8]<=[8], dimensions={0}
+  %ag-done = f32[8]{0} all-gather-done(%ag-start)
+  ROOT %w = (s32[], f32[8]{0}) while(%b), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"3"}}
+}
+
+ENTRY %main (e: f32[1]) -> f32[8] {
+  %e = f32[1]{0} parameter(0)
+  %c1 = f32[8]{0} custom-call(%e), custom_call_target="__cublas$gemm"
+  %w2 = (s32[], f32[8]{0}) while(%c1), condition=%cond, body=%outer, backend_config={"known_trip_count":{"n":"4"}}
+  %ar = f32[2]{0} all-reduce(%e), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%fused
+  ROOT %r = f32[8]{0} get-tuple-element(%w2), index=1
+}
+"""
+
+
+def test_gpu_hlo_reader_multiplies_nested_trip_counts_and_counts_async_pairs_once():
+    mult, known = gpu.computation_multipliers(HLO)
+    assert known and mult == {"main": 1, "outer": 4, "inner": 12}
+    got = {
+        (c.kind, c.dtype): (c.ops, c.launches, c.bytes) for c in gpu.collectives_per_step(HLO, 8)
+    }
+    assert got == {
+        ("all-gather", "f32"): (1, 4, 4 * 32),
+        ("reduce-scatter", "bf16"): (1, 12, 12 * 2 * 8),  # output 2 bytes x group of 8
+        ("all-reduce", "f32"): (1, 1, 8),
+    }
+    # entry: custom-call + all-reduce; outer x4: all-gather-start; inner x12: rs-start + fusion
+    assert gpu.kernels_per_step(HLO) == 2 + 4 * 1 + 12 * 2
+    unknown = HLO.replace('backend_config={"known_trip_count":{"n":"3"}}', "")
+    mult, known = gpu.computation_multipliers(unknown)
+    assert not known and mult["inner"] == 4 and mult["cond"] == 4
+
+
+def test_gpu_plan_cli_prints_compiled_bytes_and_verdict(capsys):
+    from jaxzero import cli
+
+    argv = ["plan", "--devices", "8", "--layers", "2", "--hidden", "64", "--heads", "2"]
+    assert cli.main([*argv, "--vocab", "128", "--seq", "16", "--stage", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"{SHAPE.num_params:,} params; 8 x H100" in out
+    row = next(line for line in out.splitlines() if line.startswith("1 "))
+    assert "fits in 84.93 GB with" in row and "all-gather bf16" in row
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--layers", "2"], "--devices"),
+        (["--devices", "8"], "give --params, or --layers and --hidden"),
+        (["--devices", "8", "--params", "7x"], "invalid parameter count"),
+        (["--devices", "8", "--layers", "2", "--hidden", "100", "--heads", "3"], "divisible"),
+        (["--devices", "8", "--params", "7B", "--gpu", "v100"], "invalid choice"),
+        (["--devices", "6", "--params", "7B", "--replicas", "4"], "must divide"),
+    ],
+)
+def test_gpu_plan_cli_bad_flags_exit_2_with_one_line(argv, message, capsys):
+    from jaxzero import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_gpu_ema_kernels_per_update_one_per_leaf_or_one_bucket():
+    """On a GPU each kernel is a launch: a replicated tree.map EMA of L leaves is L fused
+    kernels, jaxzero's per-leaf sharded EMA L + 1 (its update counter), and the bucketed EMA
+    one loop for all the small leaves plus one kernel per big leaf; none communicates."""
+    mesh = gpu.compile_only_mesh("h100", N)
+    small = {f"b{i}": jax.ShapeDtypeStruct((8 * (i + 1),), jnp.float32) for i in range(10)}
+    big = {
+        "w1": jax.ShapeDtypeStruct((2048, 64), jnp.float32),
+        "w2": jax.ShapeDtypeStruct((64, 2048), jnp.float32),
+    }
+    tree = {**small, **big}
+    leaves = len(tree)
+    place = lambda t, specs: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+        t,
+        specs,
+    )
+    rep = place(tree, jax.tree.map(lambda _: P(), tree))
+    replicated = jax.jit(lambda e, p: jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, e, p))
+    assert gpu.kernels_per_step(replicated.lower(rep, rep).compile().as_text()) == leaves
+    counts = {}
+    for bucket in (0, 4096):
+        ema = jz.ShardedEMA(0.9, bucket_leaves_up_to=bucket)
+        zero = jz.ZeRO(optax.sgd(0.1), mesh, stage=2)
+        state = zero.abstract_state(tree, ema=ema)
+        master = place(tree, zero.shard_specs(tree))
+        fn = jax.jit(lambda e, m, t, z=zero, em=ema: z.update_ema(em, e, m, step=t, apply=True))
+        t = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+        hlo = fn.lower(state.ema, master, t).compile().as_text()
+        assert gpu.collectives_per_step(hlo, N) == ()
+        counts[bucket] = gpu.kernels_per_step(hlo)
+    assert counts[0] == leaves + 1
+    assert counts[4096] == len(big) + 2, counts  # big leaves, the bucket loop, the counter
