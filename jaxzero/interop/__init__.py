@@ -1,0 +1,1 @@
+"""Checkpoint interop with other training frameworks (DeepSpeed; torch helpers move here later)."""
