@@ -33,10 +33,16 @@ def _raise(e):
 
 
 def _load(path, what):
+    from jaxzero.interop.safe_pickle import UnsafeFileError
+
     try:
         return _pickle.load(path, what)
     except FileNotFoundError as e:
         raise DeepSpeedCheckpointError(f"{e} (partial checkpoint?)") from None
+    except UnsafeFileError:
+        raise
+    except ValueError as e:
+        raise DeepSpeedCheckpointError(str(e)) from None
 
 
 def _np(x, path, what) -> np.ndarray:

@@ -91,7 +91,8 @@ def gather_zero12(osds, paths, shapes, bf16_opt: bool):
         pads = osds[0].get("param_alignment_paddings")
         pads = list(pads[g]) if pads is not None else [0] * len(names)
         if len(pads) != len(names):
-            raise _err(paths[0], f"group {g}: {len(pads)} alignment paddings for {len(names)} params")
+            raise _err(paths[0], f"group {g}: param_alignment_paddings lists {len(pads)} params "
+                       f"but param_shapes has {len(names)}; the files do not belong together")
         offsets, used = L.zero12_offsets(numels, pads)
         size = L.zero12_partition_size(used, w)
         fl, ml, vl = [], [], []

@@ -235,6 +235,8 @@ def write_ds_checkpoint(ckpt: DeepSpeedCheckpoint, save_dir, *, stage: int, worl
         raise ValueError(f"world_size={world_size!r} must be a positive int")
     cfg = dict(ds_config) if ds_config is not None else default_ds_config(ckpt, stage, world_size)
     cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": stage}
+    for key in ("bf16", "fp16"):
+        cfg.setdefault(key, {"enabled": ckpt.dtype == key})
     tag = str(tag if tag is not None else f"global_step{ckpt.step}")
     tag_dir = os.path.join(os.fspath(save_dir), tag)
     if os.path.isdir(tag_dir) and os.listdir(tag_dir):
