@@ -45,8 +45,10 @@ class MlpB(torch.nn.Module):
 def groups(model, name, spec=None):
     named = dict(model.named_parameters())
     if spec:
-        return [{"params": [named[n] for n in g["names"]], "weight_decay": g["weight_decay"]}
-                for g in spec]
+        return [
+            {"params": [named[n] for n in g["names"]], "weight_decay": g["weight_decay"]}
+            for g in spec
+        ]
     if name == "mlp_a":
         return [{"params": list(model.parameters()), "weight_decay": 0.1}]
     w = ["fc1.weight", "fc2.weight", "fc3.weight"]
@@ -63,7 +65,9 @@ def run(spec, rank):
     torch.manual_seed(spec.get("seed", 0))
     model = MlpA() if spec["model"] == "mlp_a" else MlpB()
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=groups(model, spec["model"], spec.get("groups")), config=spec["config"]
+        model=model,
+        model_parameters=groups(model, spec["model"], spec.get("groups")),
+        config=spec["config"],
     )
     if spec.get("load"):
         path, _ = engine.load_checkpoint(spec["load"])

@@ -70,7 +70,9 @@ def raw_partitions(ckpt_dir, hp):
             pos = 0
             for n in names:
                 k = int(np.prod(shapes[n]))
-                out[n] = [t[pos : pos + k].reshape(shapes[n]).detach().numpy() for t in (fp32, m, v)]
+                out[n] = [
+                    t[pos : pos + k].reshape(shapes[n]).detach().numpy() for t in (fp32, m, v)
+                ]
                 pos += k
         else:
             pos = 0
@@ -199,7 +201,9 @@ def torch_continue(model, ckpt, batches):
         opt.state[p] = {"step": torch.tensor(float(ckpt.step)),
                         "exp_avg": torch.from_numpy(ckpt.exp_avg[n].copy()),
                         "exp_avg_sq": torch.from_numpy(ckpt.exp_avg_sq[n].copy())}  # fmt: skip
-    loss_fn = torch.nn.functional.mse_loss if model == "mlp_a" else torch.nn.functional.cross_entropy
+    loss_fn = (
+        torch.nn.functional.mse_loss if model == "mlp_a" else torch.nn.functional.cross_entropy
+    )
     for b in batches:
         opt.zero_grad()
         loss_fn(m(torch.from_numpy(b["x"])), torch.from_numpy(b["y"])).backward()
@@ -299,7 +303,10 @@ def test_deepspeed_export_then_continue_in_deepspeed(fixtures_dir, tmp_path):
         state, _ = step(state, first)  # a jaxzero step of its own
         save = str(tmp_path / f"z{stage}")
         cfg = {**hp["ds_config"], "zero_optimization": {"stage": stage}}
-        cfg["optimizer"] = {"type": "AdamW", "params": {**cfg["optimizer"]["params"], "torch_adam": True}}
+        cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {**cfg["optimizer"]["params"], "torch_adam": True},
+        }
         write_checkpoint(save, state, stage=stage, world_size=2, zero=zero, ds_config=cfg)
         expected[stage] = (from_train_state(state, zero), step(state, second)[0], zero)
         jobs.append({"model": "mlp_b", "config": cfg, "load": save, "data": str(tmp_path / "data.npz"),

@@ -58,7 +58,9 @@ def load_torch_file(path, *, stand_ins: Mapping[str, type] | None = None, what: 
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()
-        detail = next((line for line in first if "global" in line.lower()), first[0] if first else "")
+        detail = next(
+            (line for line in first if "global" in line.lower()), first[0] if first else ""
+        )
         raise UnsafeFileError(
             f"{what} {path!r} was refused: it asks to load code that is not on the allowlist "
             f"({detail.strip()}); nothing from it was executed. Only tensors, plain values and "

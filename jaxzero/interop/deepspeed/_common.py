@@ -6,14 +6,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxzero.interop.deepspeed import _pickle
+import jaxzero.interop.deepspeed._pickle as _pickle
 
 _ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 
 
 class DeepSpeedCheckpointError(ValueError):
     """A DeepSpeed checkpoint that is damaged, partial or of an unsupported kind."""
-
 
 
 # ------------------------------------------------------------------ small helpers
@@ -24,12 +23,8 @@ def _err(path, msg: str) -> DeepSpeedCheckpointError:
 def _need(d, key, path, what="file"):
     if not isinstance(d, Mapping) or key not in d:
         have = sorted(map(str, d))[:12] if isinstance(d, Mapping) else type(d).__name__
-        return _raise(_err(path, f"the {what} has no {key!r} entry (has {have}); is it damaged?"))
+        raise _err(path, f"the {what} has no {key!r} entry (has {have}); is it damaged?")
     return d[key]
-
-
-def _raise(e):
-    raise e
 
 
 def _load(path, what):
@@ -63,7 +58,7 @@ def _compute_array(x) -> np.ndarray:
     return t.numpy().copy()
 
 
-def _int(x) -> float:
+def _scalar(x) -> float:
     if hasattr(x, "item"):
         x = x.item()
     return float(x)
@@ -73,5 +68,3 @@ def _shapes(groups, path) -> list[dict[str, tuple[int, ...]]]:
     if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
         raise _err(path, f"param_shapes must be a list of name->shape dicts, got {groups!r}")
     return [{n: tuple(int(d) for d in s) for n, s in g.items()} for g in groups]
-
-

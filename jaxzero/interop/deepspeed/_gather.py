@@ -5,13 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-import numpy as np
-
-from jaxzero.interop.deepspeed import layout as L
-from jaxzero.interop.deepspeed._common import _ADAM_KEYS, _err, _int, _need, _np
-
-_UNSUPPORTED_TYPES = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "adagrad",
-                      "sgd", "muon", "muadam", "muadamw", "musgd")  # fmt: skip
+import jaxzero.interop.deepspeed.layout as L
+from jaxzero.interop.deepspeed._common import _ADAM_KEYS, _err, _need, _np, _scalar
 
 
 def optimizer_kind(ds_config: Mapping, groups: list[Mapping], path) -> str:
@@ -35,15 +30,14 @@ def optimizer_kind(ds_config: Mapping, groups: list[Mapping], path) -> str:
             raise _err(path, "Adam without bias correction is not supported")
         if g.get("decoupled_weight_decay") is False and float(g.get("weight_decay", 0.0)):
             raise _err(path, "torch Adam with L2 weight decay is not supported (AdamW only)")
-    return "torch.optim.AdamW" if "decoupled_weight_decay" in keys or "foreach" in keys else (
-        "FusedAdam"
-    )
+    torch_keys = {"decoupled_weight_decay", "foreach"} & keys
+    return "torch.optim.AdamW" if torch_keys else "FusedAdam"
 
 
 def hyper(group: Mapping, names: list[str]) -> dict:
     return {
         "names": list(names),
-        "lr": float(_int(group["lr"])),
+        "lr": float(_scalar(group["lr"])),
         "betas": tuple(float(b) for b in group["betas"]),
         "eps": float(group["eps"]),
         "weight_decay": float(group.get("weight_decay", 0.0)),
@@ -61,7 +55,9 @@ def adam_entry(state: Mapping, key, path) -> dict:
 def common_step(steps: list[float], path) -> int:
     distinct = set(steps)
     if len(distinct) != 1 or not float(next(iter(distinct))).is_integer():
-        raise _err(path, f"the optimizer states have different or fractional steps {sorted(distinct)}")
+        raise _err(
+            path, f"the optimizer states have different or fractional steps {sorted(distinct)}"
+        )
     return int(distinct.pop())
 
 
@@ -77,8 +73,12 @@ def _rank_group(osd, g, path, bf16_opt):
         pid = _need(base, "param_groups", path)[g]["params"][0]
         entry = adam_entry(_need(base, "state", path), pid, path)
     fp32 = _np(parts[g], path, f"fp32 partition {g}")
-    return fp32, _np(entry["exp_avg"], path, "exp_avg"), _np(entry["exp_avg_sq"], path,
-                                                            "exp_avg_sq"), _int(entry["step"])
+    return (
+        fp32,
+        _np(entry["exp_avg"], path, "exp_avg"),
+        _np(entry["exp_avg_sq"], path, "exp_avg_sq"),
+        _scalar(entry["step"]),
+    )
 
 
 def gather_zero12(osds, paths, shapes, bf16_opt: bool):
@@ -91,8 +91,11 @@ def gather_zero12(osds, paths, shapes, bf16_opt: bool):
         pads = osds[0].get("param_alignment_paddings")
         pads = list(pads[g]) if pads is not None else [0] * len(names)
         if len(pads) != len(names):
-            raise _err(paths[0], f"group {g}: param_alignment_paddings lists {len(pads)} params "
-                       f"but param_shapes has {len(names)}; the files do not belong together")
+            raise _err(
+                paths[0],
+                f"group {g}: param_alignment_paddings lists {len(pads)} params "
+                f"but param_shapes has {len(names)}; the files do not belong together",
+            )
         offsets, used = L.zero12_offsets(numels, pads)
         size = L.zero12_partition_size(used, w)
         fl, ml, vl = [], [], []
@@ -109,7 +112,9 @@ def gather_zero12(osds, paths, shapes, bf16_opt: bool):
                 )
             for name, moment in (("exp_avg", m), ("exp_avg_sq", v)):
                 if not real <= moment.size <= size:
-                    raise _err(path, f"group {g}: {name} has {moment.size} elements, expected {size}")
+                    raise _err(
+                        path, f"group {g}: {name} has {moment.size} elements, expected {size}"
+                    )
             fl.append(fp32[:real])
             ml.append(m[:real])
             vl.append(v[:real])
@@ -143,11 +148,14 @@ def gather_zero3(osds, paths, shapes):
                       _np(entry["exp_avg_sq"], path, "exp_avg_sq"))  # fmt: skip
             for a, label in zip(arrays, ("fp32 group", "exp_avg", "exp_avg_sq"), strict=True):
                 if a.size != want:
-                    raise _err(path, f"sub-group {s}: {label} has {a.size} elements, expected "
-                               f"{want} (chunks of ceil(numel/{w})); does not match param_shapes")
+                    raise _err(
+                        path,
+                        f"sub-group {s}: {label} has {a.size} elements, expected "
+                        f"{want} (chunks of ceil(numel/{w})); does not match param_shapes",
+                    )
             for c, a in zip(cols, arrays, strict=True):
                 c.append(a)
-            steps.append(_int(entry["step"]))
+            steps.append(_scalar(entry["step"]))
         joined = [L.zero3_join(c, numels) for c in cols]
         for i, name in enumerate(names):
             out[name] = tuple(j[i].reshape(group[name]) for j in joined)

@@ -109,7 +109,9 @@ def deepspeed_to_jax(save_dir, out, *, tag=None, stage: int = 2, devices: int | 
     zero = ZeRO(tx, data_parallel_mesh(devices), stage=stage, precision=_precision(ckpt.dtype))
     state = to_train_state(ckpt, zero, template, name_map=nm, model_state=None)
     if ckpt.buffers and state.model_state is None:
-        state = state.replace(model_state={n: jax.numpy.asarray(b) for n, b in ckpt.buffers.items()})
+        state = state.replace(
+            model_state={n: jax.numpy.asarray(b) for n, b in ckpt.buffers.items()}
+        )
     params = [{"name": n, "shape": list(np.shape(ckpt.params[n])), "path": "/".join(p), "kind": k}
               for n, p, k in nm.entries]  # fmt: skip
     res = ConversionResult(
@@ -156,7 +158,10 @@ def _groups_from_meta(meta: dict, ckpt_dir) -> tuple[list[dict], dict]:
     if "convert" in user:  # written by `jaxzero convert torch2jax`: one AdamW group
         rec = user["convert"]
         hp = rec["hyperparams"]
-        group = {"names": rec["param_names"], **{k: hp[k] for k in ("lr", "betas", "eps", "weight_decay")}}
+        group = {
+            "names": rec["param_names"],
+            **{k: hp[k] for k in ("lr", "betas", "eps", "weight_decay")},
+        }
         return [group], {**rec, "buffers": {}, "dtype": "fp32"}
     raise ValueError(
         f"{ckpt_dir}: the checkpoint records no param groups (it was not written by "
@@ -183,7 +188,10 @@ def jax_to_deepspeed(ckpt_dir, out, *, stage: int, world_size: int, step: int | 
     meta = checkpoint.load_metadata(ckpt_dir, step)
     step = meta.get("checkpoint_step", meta.get("step"))
     groups, rec = _groups_from_meta(meta, ckpt_dir)
-    leaves = {tuple(p.split("/")): jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for p, s, d in rec["params"]}
+    leaves = {
+        tuple(p.split("/")): jax.ShapeDtypeStruct(tuple(s), np.dtype(d))
+        for p, s, d in rec["params"]
+    }
     from jaxzero.convert import _nest
 
     abstract = _nest(leaves)
@@ -193,7 +201,9 @@ def jax_to_deepspeed(ckpt_dir, out, *, stage: int, world_size: int, step: int | 
                 precision=_precision(rec.get("dtype", "fp32")) if meta.get("has_master") else None)  # fmt: skip
     buffers = rec.get("buffers") or {}
     ms = {n: jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for n, (s, d) in buffers.items()} or None
-    params = [{"name": n, "shape": list(leaves[p].shape), "path": "/".join(p)} for n, p, _ in nm.entries]
+    params = [
+        {"name": n, "shape": list(leaves[p].shape), "path": "/".join(p)} for n, p, _ in nm.entries
+    ]
     res = ConversionResult("jax2deepspeed", os.fspath(ckpt_dir), out, step, stage, zero.stage,
                            world_size, zero.num_shards, rec.get("dtype", "fp32"), groups, params,
                            dry_run=dry_run, zero=zero)  # fmt: skip

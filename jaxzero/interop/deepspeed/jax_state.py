@@ -104,8 +104,13 @@ def adamw(param_groups, params_template, *, name_map=None) -> optax.GradientTran
         )
     else:
         inner = {
-            str(i): optax.adamw(g["lr"], b1=g["betas"][0], b2=g["betas"][1], eps=g["eps"],
-                                weight_decay=float(g["weight_decay"]))  # fmt: skip
+            str(i): optax.adamw(
+                g["lr"],
+                b1=g["betas"][0],
+                b2=g["betas"][1],
+                eps=g["eps"],
+                weight_decay=float(g["weight_decay"]),
+            )  # fmt: skip
             for i, g in enumerate(groups)
         }
         tx = optax.multi_transform(inner, _label_tree(groups, nm, params_template, str))
@@ -186,14 +191,20 @@ def to_train_state(
     _check_tx(zero, groups)
     names = ckpt.param_names
     nm = name_map_for(ckpt, params_template, name_map)
-    template = params_template if params_template is not None else {n: ckpt.params[n] for n in names}
+    template = (
+        params_template if params_template is not None else {n: ckpt.params[n] for n in names}
+    )
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.float32), template)
     params = ti.torch_to_flax(ckpt.params, target, nm)
     ms = _model_state(ckpt.buffers, model_state, params_template is None)
     state = zero.init(params, ema=ema, model_state=ms, rng=rng)
     sd = {
         "state": {
-            i: {"step": float(ckpt.step), "exp_avg": ckpt.exp_avg[n], "exp_avg_sq": ckpt.exp_avg_sq[n]}
+            i: {
+                "step": float(ckpt.step),
+                "exp_avg": ckpt.exp_avg[n],
+                "exp_avg_sq": ckpt.exp_avg_sq[n],
+            }
             for i, n in enumerate(names)
         },
         "param_groups": [],

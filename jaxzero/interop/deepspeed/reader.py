@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxzero.interop.deepspeed import _gather
+import jaxzero.interop.deepspeed._gather as _gather
 from jaxzero.interop.deepspeed._common import (
     DeepSpeedCheckpointError,
     _compute_array,
@@ -91,7 +91,9 @@ def resolve_tag_dir(save_dir, tag=None) -> tuple[str, str]:
 def _model_states(tag_dir) -> tuple[dict, str, bool]:
     files = sorted(os.listdir(tag_dir))
     if any(f.startswith("layer_") for f in files):
-        raise _err(tag_dir, "a pipeline-parallel checkpoint (layer_* files); only pp=1 is supported")
+        raise _err(
+            tag_dir, "a pipeline-parallel checkpoint (layer_* files); only pp=1 is supported"
+        )
     other_mp = [f for f in files if re.search(r"mp_rank_(?!00)\d+", f)]
     if other_mp:
         raise _err(
@@ -101,7 +103,9 @@ def _model_states(tag_dir) -> tuple[dict, str, bool]:
         path = os.path.join(tag_dir, name)
         if os.path.isfile(path):
             return _load(path, "DeepSpeed model-states file"), path, zero3
-    raise _err(tag_dir, f"no {MODEL_FILE} or {ZERO3_MODEL_FILE.format(rank=0)}: not a DeepSpeed tag")
+    raise _err(
+        tag_dir, f"no {MODEL_FILE} or {ZERO3_MODEL_FILE.format(rank=0)}: not a DeepSpeed tag"
+    )
 
 
 def _check_parallel(ms, path) -> None:
@@ -127,7 +131,9 @@ def _optim_paths(tag_dir, world_size: int, bf16_first: bool) -> list[str]:
     if prefix is None:
         want = os.path.join(tag_dir, OPTIM_FILE.format(prefix="", rank=0))
         raise _err(want, "no such file: no ZeRO optimizer files (ZeRO disabled, or partial?)")
-    paths = [os.path.join(tag_dir, OPTIM_FILE.format(prefix=prefix, rank=r)) for r in range(world_size)]
+    paths = [
+        os.path.join(tag_dir, OPTIM_FILE.format(prefix=prefix, rank=r)) for r in range(world_size)
+    ]
     missing = [p for r, p in enumerate(paths) if r not in found[prefix]]
     if missing:
         raise _err(missing[0], f"no such file: the checkpoint is partial ({world_size} ranks)")
@@ -199,6 +205,17 @@ def read_checkpoint(save_dir, tag=None) -> DeepSpeedCheckpoint:
       UnsafeFileError: a file asks for code outside the allowlist.
     """
     tag_dir, _ = resolve_tag_dir(save_dir, tag)
+    try:
+        return _read(tag_dir)
+    except (KeyError, IndexError, TypeError, AttributeError) as e:
+        raise _err(
+            tag_dir,
+            f"unexpected file contents ({type(e).__name__}: {e}); is the "
+            "checkpoint damaged or from another DeepSpeed version than 0.19.8?",
+        ) from None
+
+
+def _read(tag_dir) -> DeepSpeedCheckpoint:
     ms, ms_path, zero3 = _model_states(tag_dir)
     _check_parallel(ms, ms_path)
     cfg = ms.get("ds_config") or {}
@@ -221,7 +238,9 @@ def read_checkpoint(save_dir, tag=None) -> DeepSpeedCheckpoint:
         values, steps = _gather.gather_zero12(osds, paths, shapes, bf16_opt)
     groups_raw = _need(inner, "param_groups", paths[0]) if isinstance(inner, Mapping) else None
     if groups_raw is None:  # elastic ZeRO-1/2: no torch param groups saved; use the config
-        raise _err(paths[0], "elastic checkpoints (no base optimizer param_groups) are not supported")
+        raise _err(
+            paths[0], "elastic checkpoints (no base optimizer param_groups) are not supported"
+        )
     kind = _gather.optimizer_kind(cfg, groups_raw, paths[0])
     names = _groups_of(groups_raw, shapes, zero3, paths[0])
     step = _gather.common_step(steps, paths[0])

@@ -5,14 +5,13 @@ the stand-ins of :mod:`jaxzero.interop.deepspeed._pickle`.
 
 from __future__ import annotations
 
-import math
 import os
 from collections import OrderedDict
 
 import numpy as np
 
-from jaxzero.interop.deepspeed import _pickle
-from jaxzero.interop.deepspeed import layout as L
+import jaxzero.interop.deepspeed._pickle as _pickle
+import jaxzero.interop.deepspeed.layout as L
 from jaxzero.interop.deepspeed._pickle import LossScaler, ZeroStageEnum, fragment_address
 from jaxzero.interop.deepspeed.reader import (
     MODEL_FILE,
@@ -114,7 +113,10 @@ def _zero12_files(ckpt, cfg, world_size: int, stage: int, torch_opt: bool):
     """(param_shapes, [rank optimizer_state_dict]) for ZeRO 1/2."""
     zcfg = cfg.get("zero_optimization", {})
     elsize = 4 if ckpt.dtype == "fp32" else 2
-    shapes, ranks = [], [dict(fp32=[], m=[], v=[], pad=[], apad=[], maps=[]) for _ in range(world_size)]
+    shapes, ranks = (
+        [],
+        [dict(fp32=[], m=[], v=[], pad=[], apad=[], maps=[]) for _ in range(world_size)],
+    )
     for g in ckpt.param_groups:
         names = list(g["names"])
         if zcfg.get("round_robin_gradients"):
