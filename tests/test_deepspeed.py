@@ -480,3 +480,92 @@ def test_deepspeed_cli_roundtrip(fixtures_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_deepspeed.run(parser.parse_args(["deepspeed2jax", str(tmp_path / "nope"), "--dry-run"]))
     assert "nope: no such directory" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- (a') more layouts
+TINY = [{"names": ["fc1.weight", "fc1.bias", "fc2.weight"], "weight_decay": 0.1},
+        {"names": ["fc2.bias"], "weight_decay": 0.0}]  # fmt: skip
+LAYOUTS = {  # name: (stage, zero_optimization extras, bf16, BF16_Optimizer, groups)
+    "rr_align": (2, {"round_robin_gradients": True, "parameter_alignment": True}, False, False, None),
+    "padding_rank_z1": (1, {}, False, False, TINY),
+    "padding_rank_rr_align_z2": (2, {"round_robin_gradients": True, "parameter_alignment": True},
+                                 False, False, TINY),
+    "z3_sub_groups": (3, {"sub_group_size": 100}, False, False, TINY),
+    "bf16_rr_align": (2, {"round_robin_gradients": True, "parameter_alignment": True}, True,
+                      False, TINY),
+    "bf16_optimizer": (1, {}, True, True, TINY),
+}  # fmt: skip
+
+
+def torch_reference(groups, data, world):
+    """Plain torch.optim.AdamW on the worker's model and data (mean of the ranks' grads)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import ds_worker
+
+    torch.manual_seed(0)
+    m = ds_worker.MlpA()
+    opt = torch.optim.AdamW(ds_worker.groups(m, "mlp_a", groups), lr=1e-2, betas=(0.9, 0.95))
+    for s in range(data["x"].shape[0]):
+        opt.zero_grad()
+        for r in range(world):
+            out = m(torch.from_numpy(data["x"][s, r]))
+            (
+                torch.nn.functional.mse_loss(out, torch.from_numpy(data["y"][s, r])) / world
+            ).backward()
+        opt.step()
+    return {n: [p.detach().numpy(), opt.state[p]["exp_avg"].numpy(),
+                opt.state[p]["exp_avg_sq"].numpy()] for n, p in m.named_parameters()}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_deepspeed_reads_more_real_layouts(fixtures_dir, tmp_path):
+    """Real DeepSpeed at W=4 (torch AdamW inside ZeRO): round-robin order with parameter
+    alignment, ranks that own only padding, ZeRO-3 sub-groups, bf16 and BF16_Optimizer. fp32
+    runs == torch.optim.AdamW (1e-6) and zero_to_fp32 (bitwise); bf16 runs: the bf16 module
+    == bf16(master) bitwise, zero_to_fp32 bitwise where it reads them, and within bf16 noise
+    of the fp32 reference."""
+    pytest.importorskip("deepspeed")
+    d, hp, _ = fixture(fixtures_dir, "z2_mlp_a_ws2_fp32")
+    world, rng = 4, np.random.default_rng(1)
+    data = {"x": rng.normal(size=(3, world, 4, 17)).astype(np.float32),
+            "y": rng.normal(size=(3, world, 4, 5)).astype(np.float32)}  # fmt: skip
+    np.savez(tmp_path / "data.npz", **data)
+    jobs = []
+    for name, (stage, zopt, bf16, bf16_opt, groups) in LAYOUTS.items():
+        cfg = {**hp["ds_config"], "train_micro_batch_size_per_gpu": 4, "train_batch_size": 16,
+               "zero_optimization": {"stage": stage, **zopt}, "bf16": {"enabled": bf16}}  # fmt: skip
+        cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {**cfg["optimizer"]["params"], "torch_adam": True},
+        }
+        if bf16_opt:
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+        jobs.append({"model": "mlp_a", "config": cfg, "data": str(tmp_path / "data.npz"),
+                     "steps": 3, "out": str(tmp_path / name), "tag": "t3",
+                     **({"groups": groups} if groups else {})})  # fmt: skip
+    jobs.sort(key=lambda j: j["config"]["zero_optimization"]["stage"])  # ZeRO 3 patches F.linear
+    run_deepspeed(jobs, str(tmp_path), world=world)
+
+    import ml_dtypes
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for name, (stage, _, bf16, bf16_opt, groups) in LAYOUTS.items():
+        ckpt = read_checkpoint(tmp_path / name)
+        assert (ckpt.zero_stage, ckpt.world_size, ckpt.step) == (stage, world, 3), name
+        assert ckpt.optimizer == "torch.optim.AdamW" and ckpt.dtype == ("bf16" if bf16 else "fp32")
+        ref = torch_reference(groups, data, world)
+        if not bf16_opt:
+            fp32 = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / name))
+            for n in ref:
+                np.testing.assert_array_equal(
+                    ckpt.params[n], fp32[n].detach().numpy(), err_msg=name
+                )
+        for n, (p, m, v) in ref.items():
+            tol = 0.1 * np.abs(p).max() if bf16 else 1e-6
+            np.testing.assert_allclose(ckpt.params[n], p, rtol=0, atol=tol, err_msg=f"{name} {n}")
+            for got, want in ((ckpt.exp_avg[n], m), (ckpt.exp_avg_sq[n], v)):
+                tol = 0.1 * np.abs(want).max() if bf16 else 1e-6
+                np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=f"{name} {n}")
+            if bf16:
+                want = ckpt.params[n].astype(ml_dtypes.bfloat16)
+                np.testing.assert_array_equal(ckpt.module[n], want, err_msg=f"{name} module {n}")
