@@ -257,6 +257,27 @@ def test_deepspeed_import_then_continue_matches_torch(fixtures_dir, name, stage,
     compare(state, zero, torch_continue(model, ckpt, batches), 1e-6, name)
 
 
+def test_deepspeed_groups_with_their_own_lr_and_betas(fixtures_dir):
+    """Groups that differ in lr/betas/eps (an optax.multi_transform of per-group AdamW) continue
+    like torch.optim.AdamW with those groups (1e-6); a tx built for other groups is refused."""
+    import dataclasses
+
+    d, _, _ = fixture(fixtures_dir, "z3_mlp_b_ws2_fp32")
+    ckpt = read_checkpoint(os.path.join(d, "ckpt"))
+    groups = [dict(ckpt.param_groups[0]), dict(ckpt.param_groups[1], lr=3e-3, betas=(0.8, 0.9))]
+    ckpt = dataclasses.replace(ckpt, param_groups=groups)
+    zero = zero_for(ckpt, None, 2, 4)
+    state = to_train_state(ckpt, zero, rng=jax.random.key(0))
+    batches = new_batches("mlp_b", 2, 16, seed=3)
+    step = train_step("mlp_b", ckpt, zero, state)
+    for b in batches:
+        state, _ = step(state, b)
+    compare(state, zero, torch_continue("mlp_b", ckpt, batches), 1e-6, "multi_transform")
+    other = jz.ZeRO(adamw(groups[:1] + [dict(groups[1], lr=1.0)], None), zero.mesh, stage=2)
+    with pytest.raises(ValueError, match="group 1: lr=1.0 vs checkpoint 0.003"):
+        to_train_state(ckpt, other)
+
+
 # --------------------------------------------------------------------------- (c) export
 def free_port():
     with socket.socket() as s:
@@ -383,6 +404,8 @@ def test_deepspeed_refuses_code_in_pickles(fixtures_dir, tmp_path):
     with pytest.raises(UnsafeFileError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
         read_checkpoint(save)
     assert not marker.exists()
+    torch.load(evil, weights_only=False)  # the payload is live: an unsafe load runs it
+    assert marker.exists()
 
 
 def damaged(fixtures_dir, tmp_path, name, edit):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 
 import jax
@@ -16,7 +15,7 @@ from jaxzero.interop.deepspeed.reader import DeepSpeedCheckpoint
 __all__ = ["adamw", "name_map_for", "to_train_state", "from_train_state"]
 
 # tx -> the param groups it was built for (so write_checkpoint can recover them from a ZeRO)
-_GROUPS: dict[int, tuple[weakref.ref | object, list[dict]]] = {}
+_GROUPS: dict[int, tuple[optax.GradientTransformation, list[dict]]] = {}
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
