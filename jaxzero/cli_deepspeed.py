@@ -31,16 +31,30 @@ def _positive(text: str) -> int:
 def _ds2jax(args):
     from jaxzero.interop.deepspeed.convert import deepspeed_to_jax
 
-    return deepspeed_to_jax(args.save_dir, args.out, tag=args.tag, stage=args.stage,
-                            devices=args.devices, name_map=args.name_map, dry_run=args.dry_run)  # fmt: skip
+    return deepspeed_to_jax(
+        args.save_dir,
+        args.out,
+        tag=args.tag,
+        stage=args.stage,
+        devices=args.devices,
+        name_map=args.name_map,
+        dry_run=args.dry_run,
+    )
 
 
 def _jax2ds(args):
     from jaxzero.interop.deepspeed.convert import jax_to_deepspeed
 
-    return jax_to_deepspeed(args.ckpt_dir, args.out, stage=args.stage, world_size=args.world_size,
-                            step=args.step, devices=args.devices, tag=args.tag,
-                            dry_run=args.dry_run)  # fmt: skip
+    return jax_to_deepspeed(
+        args.ckpt_dir,
+        args.out,
+        stage=args.stage,
+        world_size=args.world_size,
+        step=args.step,
+        devices=args.devices,
+        tag=args.tag,
+        dry_run=args.dry_run,
+    )
 
 
 def add_subcommands(convert_subparsers) -> None:

@@ -1,7 +1,8 @@
 """One rank of a real DeepSpeed run for tests/test_deepspeed.py (launched twice, gloo, CPU).
 
 python tests/ds_worker.py JOBS.json, with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
-JOBS: a list of job specs, run one after the other in the same process group. A job: model (mlp_a/mlp_b), config (ds_config), load (a save dir or null), seed, data (npz
+JOBS: a list of job specs, run one after the other in the same process group. A job: model
+(mlp_a/mlp_b), config (ds_config), load (a save dir or null), seed, data (npz
 with x[step, rank, micro, f], y[step, rank, micro]), steps, out (save dir), tag.
 Builds the fixtures' models, optionally loads a checkpoint, trains, saves with DeepSpeed.
 """

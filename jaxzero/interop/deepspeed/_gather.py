@@ -38,7 +38,7 @@ def hyper(group: Mapping, names: list[str]) -> dict:
     return {
         "names": list(names),
         "lr": float(_scalar(group["lr"])),
-        "betas": tuple(float(b) for b in group["betas"]),
+        "betas": [float(b) for b in group["betas"]],
         "eps": float(group["eps"]),
         "weight_decay": float(group.get("weight_decay", 0.0)),
     }
@@ -144,8 +144,11 @@ def gather_zero3(osds, paths, shapes):
         cols = ([], [], [])
         for (flats, state), path in zip(per_rank, paths, strict=True):
             entry = adam_entry(state, s, path)
-            arrays = (_np(flats[s], path, f"fp32 group {s}"), _np(entry["exp_avg"], path, "exp_avg"),
-                      _np(entry["exp_avg_sq"], path, "exp_avg_sq"))  # fmt: skip
+            arrays = (
+                _np(flats[s], path, f"fp32 group {s}"),
+                _np(entry["exp_avg"], path, "exp_avg"),
+                _np(entry["exp_avg_sq"], path, "exp_avg_sq"),
+            )
             for a, label in zip(arrays, ("fp32 group", "exp_avg", "exp_avg_sq"), strict=True):
                 if a.size != want:
                     raise _err(

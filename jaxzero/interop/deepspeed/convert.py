@@ -82,8 +82,16 @@ def _precision(dtype: str):
     return {"bf16": "bf16", "fp16": "fp16"}.get(dtype)
 
 
-def deepspeed_to_jax(save_dir, out, *, tag=None, stage: int = 2, devices: int | None = None,
-                     name_map=None, dry_run: bool = False) -> ConversionResult:  # fmt: skip
+def deepspeed_to_jax(
+    save_dir,
+    out,
+    *,
+    tag=None,
+    stage: int = 2,
+    devices: int | None = None,
+    name_map=None,
+    dry_run: bool = False,
+) -> ConversionResult:
     """Convert a DeepSpeed ZeRO checkpoint into a jaxzero Orbax checkpoint.
 
     Args:
@@ -112,13 +120,26 @@ def deepspeed_to_jax(save_dir, out, *, tag=None, stage: int = 2, devices: int | 
         state = state.replace(
             model_state={n: jax.numpy.asarray(b) for n, b in ckpt.buffers.items()}
         )
-    params = [{"name": n, "shape": list(np.shape(ckpt.params[n])), "path": "/".join(p), "kind": k}
-              for n, p, k in nm.entries]  # fmt: skip
+    params = [
+        {"name": n, "shape": list(np.shape(ckpt.params[n])), "path": "/".join(p), "kind": k}
+        for n, p, k in nm.entries
+    ]
     res = ConversionResult(
-        "deepspeed2jax", os.fspath(save_dir), out, ckpt.step, ckpt.zero_stage, stage,
-        ckpt.world_size, zero.num_shards, ckpt.dtype, ckpt.param_groups, params, dry_run=dry_run, state=state,
+        "deepspeed2jax",
+        os.fspath(save_dir),
+        out,
+        ckpt.step,
+        ckpt.zero_stage,
+        stage,
+        ckpt.world_size,
+        zero.num_shards,
+        ckpt.dtype,
+        ckpt.param_groups,
+        params,
+        dry_run=dry_run,
+        state=state,
         zero=zero,
-    )  # fmt: skip
+    )
     if dry_run:
         return res
     if out is None:
@@ -127,18 +148,33 @@ def deepspeed_to_jax(save_dir, out, *, tag=None, stage: int = 2, devices: int | 
         raise ValueError(f"out {out!r} already exists and is not empty")
     record = {
         "format": FORMAT,
-        "source": {"save_dir": os.path.abspath(save_dir), "tag": tag, "ds_version": ckpt.ds_version,
-                   "zero_stage": ckpt.zero_stage, "world_size": ckpt.world_size,
-                   "optimizer": ckpt.optimizer, "ds_config": ckpt.ds_config},
+        "source": {
+            "save_dir": os.path.abspath(save_dir),
+            "tag": tag,
+            "ds_version": ckpt.ds_version,
+            "zero_stage": ckpt.zero_stage,
+            "world_size": ckpt.world_size,
+            "optimizer": ckpt.optimizer,
+            "ds_config": ckpt.ds_config,
+        },
         "param_groups": [{**g, "betas": list(g["betas"])} for g in ckpt.param_groups],
         "name_map": [[n, "/".join(p), k] for n, p, k in nm.entries],
         "params": _params_meta(template),
-        "buffers": {n: [list(np.shape(b)), str(np.asarray(b).dtype)] for n, b in ckpt.buffers.items()},
+        "buffers": {
+            n: [list(np.shape(b)), str(np.asarray(b).dtype)] for n, b in ckpt.buffers.items()
+        },
         "dtype": ckpt.dtype,
         "step": ckpt.step,
-    }  # fmt: skip
-    checkpoint.save(out, ckpt.step, state, zero=zero, metadata={META_KEY: record}, wait=True,
-                    optimizer=f"jaxzero.interop.deepspeed.adamw({len(ckpt.param_groups)} groups)")  # fmt: skip
+    }
+    checkpoint.save(
+        out,
+        ckpt.step,
+        state,
+        zero=zero,
+        metadata={META_KEY: record},
+        wait=True,
+        optimizer=f"jaxzero.interop.deepspeed.adamw({len(ckpt.param_groups)} groups)",
+    )
     res.written = [os.path.join(out, str(ckpt.step))]
     return res
 
@@ -169,9 +205,18 @@ def _groups_from_meta(meta: dict, ckpt_dir) -> tuple[list[dict], dict]:
     )
 
 
-def jax_to_deepspeed(ckpt_dir, out, *, stage: int, world_size: int, step: int | None = None,
-                     devices: int | None = None, tag=None, ds_config=None,
-                     dry_run: bool = False) -> ConversionResult:  # fmt: skip
+def jax_to_deepspeed(
+    ckpt_dir,
+    out,
+    *,
+    stage: int,
+    world_size: int,
+    step: int | None = None,
+    devices: int | None = None,
+    tag=None,
+    ds_config=None,
+    dry_run: bool = False,
+) -> ConversionResult:
     """Convert a jaxzero checkpoint (from :func:`deepspeed_to_jax` or ``convert torch2jax``)
     into a DeepSpeed ZeRO ``stage`` checkpoint for ``world_size`` ranks in ``out``."""
     import jax
@@ -197,22 +242,46 @@ def jax_to_deepspeed(ckpt_dir, out, *, stage: int, world_size: int, step: int | 
     abstract = _nest(leaves)
     nm = ti.NameMap(entries=tuple((n, tuple(p.split("/")), k) for n, p, k in rec["name_map"]))
     tx = adamw(groups, abstract, name_map=nm)
-    zero = ZeRO(tx, data_parallel_mesh(devices), stage=meta.get("stage") or 1,
-                precision=_precision(rec.get("dtype", "fp32")) if meta.get("has_master") else None)  # fmt: skip
+    zero = ZeRO(
+        tx,
+        data_parallel_mesh(devices),
+        stage=meta.get("stage") or 1,
+        precision=_precision(rec.get("dtype", "fp32")) if meta.get("has_master") else None,
+    )
     buffers = rec.get("buffers") or {}
     ms = {n: jax.ShapeDtypeStruct(tuple(s), np.dtype(d)) for n, (s, d) in buffers.items()} or None
     params = [
         {"name": n, "shape": list(leaves[p].shape), "path": "/".join(p)} for n, p, _ in nm.entries
     ]
-    res = ConversionResult("jax2deepspeed", os.fspath(ckpt_dir), out, step, stage, zero.stage,
-                           world_size, zero.num_shards, rec.get("dtype", "fp32"), groups, params,
-                           dry_run=dry_run, zero=zero)  # fmt: skip
+    res = ConversionResult(
+        "jax2deepspeed",
+        os.fspath(ckpt_dir),
+        out,
+        step,
+        stage,
+        zero.stage,
+        world_size,
+        zero.num_shards,
+        rec.get("dtype", "fp32"),
+        groups,
+        params,
+        dry_run=dry_run,
+        zero=zero,
+    )
     if dry_run:
         return res
     if out is None:
         raise ValueError("out is required (or dry_run=True)")
     state = checkpoint.restore(ckpt_dir, zero, abstract, step=step, model_state=ms)
     res.state = state
-    res.written = write_checkpoint(out, state, stage=stage, world_size=world_size, zero=zero,
-                                   name_map=nm, tag=tag, ds_config=ds_config)  # fmt: skip
+    res.written = write_checkpoint(
+        out,
+        state,
+        stage=stage,
+        world_size=world_size,
+        zero=zero,
+        name_map=nm,
+        tag=tag,
+        ds_config=ds_config,
+    )
     return res

@@ -26,8 +26,9 @@ def _check_groups(param_groups) -> list[dict]:
     for i, g in enumerate(param_groups):
         missing = [k for k in ("names", *_HYPER) if k not in g]
         if missing:
-            raise ValueError(f"param group {i} lacks {missing} (needs names, lr, betas, eps, "
-                             "weight_decay)")  # fmt: skip
+            raise ValueError(
+                f"param group {i} lacks {missing} (needs names, lr, betas, eps, weight_decay)"
+            )
         out.append({"names": list(g["names"]), **{k: g[k] for k in _HYPER}})
         out[-1]["betas"] = tuple(float(b) for b in g["betas"])
     return out
@@ -95,8 +96,9 @@ def adamw(param_groups, params_template, *, name_map=None) -> optax.GradientTran
         lr, (b1, b2), eps = groups[0]["lr"], groups[0]["betas"], groups[0]["eps"]
         decays = []
         for wd in sorted({float(g["weight_decay"]) for g in groups} - {0.0}):
-            mask = _label_tree(groups, nm, params_template, lambda i, wd=wd: (
-                float(groups[i]["weight_decay"]) == wd))  # fmt: skip
+            mask = _label_tree(
+                groups, nm, params_template, lambda i, wd=wd: float(groups[i]["weight_decay"]) == wd
+            )
             decays.append(optax.add_decayed_weights(wd, mask=mask))
         tx = optax.chain(
             optax.scale_by_adam(b1=b1, b2=b2, eps=eps), *decays, optax.scale_by_learning_rate(lr)
@@ -109,7 +111,7 @@ def adamw(param_groups, params_template, *, name_map=None) -> optax.GradientTran
                 b2=g["betas"][1],
                 eps=g["eps"],
                 weight_decay=float(g["weight_decay"]),
-            )  # fmt: skip
+            )
             for i, g in enumerate(groups)
         }
         tx = optax.multi_transform(inner, _label_tree(groups, nm, params_template, str))
@@ -210,8 +212,12 @@ def to_train_state(
     }
     start = 0
     for g in groups:
-        sd["param_groups"].append({**ti.adamw_hyperparams(**{k: g[k] for k in _HYPER}),
-                                   "params": list(range(start, start + len(g["names"])))})  # fmt: skip
+        sd["param_groups"].append(
+            {
+                **ti.adamw_hyperparams(**{k: g[k] for k in _HYPER}),
+                "params": list(range(start, start + len(g["names"]))),
+            }
+        )
         start += len(g["names"])
     opt_state = ti.import_optimizer_state(
         state.opt_state, sd, [g["names"] for g in groups], name_map=nm
@@ -237,9 +243,11 @@ def from_train_state(
     was built for by :func:`adamw`. ``buffers`` default to ``state.model_state`` when that is a
     flat ``{torch name: array}`` dict.
     """
-    groups = param_groups if param_groups is not None else (
-        groups_of(zero.tx) if zero is not None else None
-    )  # fmt: skip
+    groups = (
+        param_groups
+        if param_groups is not None
+        else (groups_of(zero.tx) if zero is not None else None)
+    )
     if groups is None:
         raise ValueError(
             "cannot tell the param groups: pass param_groups=[{names, lr, betas, eps, "
@@ -271,7 +279,7 @@ def from_train_state(
         module={n: weights[n].astype(cast) for n in names},
         buffers=dict(buffers or {}),
         step=int(steps.pop()),
-        param_groups=groups,
+        param_groups=[{**g, "betas": list(g["betas"])} for g in groups],
         zero_stage=getattr(zero, "stage", 0) if zero is not None else 0,
         world_size=getattr(zero, "num_shards", 1) if zero is not None else 1,
         ds_config=dict(ds_config or {}),

@@ -40,8 +40,8 @@ class DeepSpeedCheckpoint:
       module: name -> compute-dtype weights (bfloat16/float16 arrays for bf16/fp16 runs).
       buffers: name -> the module's persistent buffers, as saved.
       step: the optimizer's step (Adam bias correction continues from it).
-      param_groups: one dict per param group: ``names``, ``lr``, ``betas``, ``eps``,
-        ``weight_decay``.
+      param_groups: one dict per param group: ``names``, ``lr``, ``betas`` (a list, as
+        saved), ``eps``, ``weight_decay``.
       zero_stage, world_size: how DeepSpeed ran (1 for ``BF16_Optimizer``).
       ds_config, ds_version: as saved.
       dtype: the compute dtype, ``"fp32"``, ``"bf16"`` or ``"fp16"``.

@@ -23,8 +23,15 @@ from jaxzero.interop.deepspeed.reader import (
 __all__ = ["write_checkpoint", "default_ds_config"]
 
 DS_VERSION = "0.19.8"
-_TORCH_GROUP_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
-                         differentiable=False, fused=None, decoupled_weight_decay=True)  # fmt: skip
+_TORCH_GROUP_KEYS = dict(
+    amsgrad=False,
+    maximize=False,
+    foreach=None,
+    capturable=False,
+    differentiable=False,
+    fused=None,
+    decoupled_weight_decay=True,
+)
 
 
 def _t(a):
@@ -44,9 +51,16 @@ def default_ds_config(ckpt: DeepSpeedCheckpoint, stage: int, world_size: int) ->
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (ckpt.ds_config or {}).items()}
     if "optimizer" not in cfg:
         g = ckpt.param_groups[0]
-        cfg["optimizer"] = {"type": "AdamW", "params": {
-            "lr": g["lr"], "betas": list(g["betas"]), "eps": g["eps"],
-            "weight_decay": g["weight_decay"], "torch_adam": True}}  # fmt: skip
+        cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": g["lr"],
+                "betas": list(g["betas"]),
+                "eps": g["eps"],
+                "weight_decay": g["weight_decay"],
+                "torch_adam": True,
+            },
+        }
     cfg.setdefault("train_micro_batch_size_per_gpu", 1)
     cfg.setdefault("gradient_accumulation_steps", 1)
     cfg.setdefault("train_batch_size", cfg["train_micro_batch_size_per_gpu"] * world_size)
@@ -62,8 +76,14 @@ def _torch_optimizer(cfg: dict, ckpt: DeepSpeedCheckpoint) -> bool:
 
 
 def _group_dict(g: dict, params: list[int], torch_opt: bool) -> dict:
-    group = {"weight_decay": g["weight_decay"], "lr": g["lr"], "bias_correction": True,
-             "betas": list(g["betas"]), "eps": g["eps"], "step": 0}  # fmt: skip
+    group = {
+        "weight_decay": g["weight_decay"],
+        "lr": g["lr"],
+        "bias_correction": True,
+        "betas": list(g["betas"]),
+        "eps": g["eps"],
+        "step": 0,
+    }
     if torch_opt:
         group.update(_TORCH_GROUP_KEYS, betas=tuple(g["betas"]))
     return {**group, "params": params}
@@ -139,31 +159,39 @@ def _zero12_files(ckpt, cfg, world_size: int, stage: int, torch_opt: bool):
             rank["pad"].append(size - real)
             rank["apad"].append(pads)
             lo, hi = r * size, (r + 1) * size
-            rank["maps"].append(OrderedDict(
-                (n, fragment_address(numel=min(hi, o + k) - max(lo, o), start=max(lo, o) - lo))
-                for n, o, k in zip(names, offsets, numels, strict=True) if o < hi and o + k > lo
-            ))  # fmt: skip
+            rank["maps"].append(
+                OrderedDict(
+                    (n, fragment_address(numel=min(hi, o + k) - max(lo, o), start=max(lo, o) - lo))
+                    for n, o, k in zip(names, offsets, numels, strict=True)
+                    if o < hi and o + k > lo
+                )
+            )
     out = []
     for rank in ranks:
-        out.append({
-            "loss_scaler": LossScaler(1.0, False),
-            "dynamic_loss_scale": False,
-            "overflow": False,
-            "clip_grad": float(cfg.get("gradient_clipping", 0.0)),
-            "base_optimizer_state": {
-                "state": {i: _adam_state(ckpt.step, m, v, torch_opt)
-                          for i, (m, v) in enumerate(zip(rank["m"], rank["v"], strict=True))},
-                "param_groups": [_group_dict(g, [i], torch_opt)
-                                 for i, g in enumerate(ckpt.param_groups)],
-            },
-            "single_partition_of_fp32_groups": [_t(a) for a in rank["fp32"]],
-            "zero_stage": ZeroStageEnum(stage),
-            "group_paddings": rank["pad"],
-            "param_alignment_paddings": rank["apad"],
-            "partition_count": [world_size] * len(ckpt.param_groups),
-            "ds_version": DS_VERSION,
-            "param_slice_mappings": rank["maps"],
-        })  # fmt: skip
+        out.append(
+            {
+                "loss_scaler": LossScaler(1.0, False),
+                "dynamic_loss_scale": False,
+                "overflow": False,
+                "clip_grad": float(cfg.get("gradient_clipping", 0.0)),
+                "base_optimizer_state": {
+                    "state": {
+                        i: _adam_state(ckpt.step, m, v, torch_opt)
+                        for i, (m, v) in enumerate(zip(rank["m"], rank["v"], strict=True))
+                    },
+                    "param_groups": [
+                        _group_dict(g, [i], torch_opt) for i, g in enumerate(ckpt.param_groups)
+                    ],
+                },
+                "single_partition_of_fp32_groups": [_t(a) for a in rank["fp32"]],
+                "zero_stage": ZeroStageEnum(stage),
+                "group_paddings": rank["pad"],
+                "param_alignment_paddings": rank["apad"],
+                "partition_count": [world_size] * len(ckpt.param_groups),
+                "ds_version": DS_VERSION,
+                "param_slice_mappings": rank["maps"],
+            }
+        )
     return shapes, out
 
 
@@ -193,24 +221,32 @@ def _zero3_files(ckpt, cfg, world_size: int, torch_opt: bool):
         for sub in _sub_groups(names, numels, world_size, sgs):
             members[-1].append(len(shapes))
             shapes.append({names[i]: tuple(np.shape(ckpt.params[names[i]])) for i in sub})
-    per = {key: [L.zero3_split([src[n] for n in s], world_size) for s in shapes]
-           for key, src in (("fp32", ckpt.params), ("m", ckpt.exp_avg), ("v", ckpt.exp_avg_sq))}  # fmt: skip
+    per = {
+        key: [L.zero3_split([src[n] for n in s], world_size) for s in shapes]
+        for key, src in (("fp32", ckpt.params), ("m", ckpt.exp_avg), ("v", ckpt.exp_avg_sq))
+    }
     out = []
     for r in range(world_size):
-        out.append({
-            "zero_stage": ZeroStageEnum.weights,
-            "loss_scaler": LossScaler(1.0, False),
-            "dynamic_loss_scale": False,
-            "overflow": False,
-            "partition_count": world_size,
-            "optimizer_state_dict": {
-                "state": {s: _adam_state(ckpt.step, per["m"][s][r], per["v"][s][r], torch_opt)
-                          for s in range(len(shapes))},
-                "param_groups": [_group_dict(g, members[i], torch_opt)
-                                 for i, g in enumerate(ckpt.param_groups)],
-            },
-            "fp32_flat_groups": [_t(per["fp32"][s][r]) for s in range(len(shapes))],
-        })  # fmt: skip
+        out.append(
+            {
+                "zero_stage": ZeroStageEnum.weights,
+                "loss_scaler": LossScaler(1.0, False),
+                "dynamic_loss_scale": False,
+                "overflow": False,
+                "partition_count": world_size,
+                "optimizer_state_dict": {
+                    "state": {
+                        s: _adam_state(ckpt.step, per["m"][s][r], per["v"][s][r], torch_opt)
+                        for s in range(len(shapes))
+                    },
+                    "param_groups": [
+                        _group_dict(g, members[i], torch_opt)
+                        for i, g in enumerate(ckpt.param_groups)
+                    ],
+                },
+                "fp32_flat_groups": [_t(per["fp32"][s][r]) for s in range(len(shapes))],
+            }
+        )
     return shapes, out
 
 
@@ -220,7 +256,10 @@ def _copy_zero_to_fp32(save_dir) -> None:
     import importlib.util
     import shutil
 
-    spec = importlib.util.find_spec("deepspeed")
+    try:
+        spec = importlib.util.find_spec("deepspeed")
+    except (ImportError, ValueError):
+        return
     if spec is None or not spec.submodule_search_locations:
         return
     src = os.path.join(list(spec.submodule_search_locations)[0], "utils", "zero_to_fp32.py")
@@ -228,8 +267,9 @@ def _copy_zero_to_fp32(save_dir) -> None:
         shutil.copyfile(src, os.path.join(save_dir, "zero_to_fp32.py"))
 
 
-def write_ds_checkpoint(ckpt: DeepSpeedCheckpoint, save_dir, *, stage: int, world_size: int,
-                        tag=None, ds_config=None) -> list[str]:  # fmt: skip
+def write_ds_checkpoint(
+    ckpt: DeepSpeedCheckpoint, save_dir, *, stage: int, world_size: int, tag=None, ds_config=None
+) -> list[str]:
     """Write ``ckpt`` as DeepSpeed files; returns the paths written."""
     if stage not in (1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"stage={stage!r}: DeepSpeed ZeRO checkpoints are stage 1, 2 or 3")
@@ -251,25 +291,37 @@ def write_ds_checkpoint(ckpt: DeepSpeedCheckpoint, save_dir, *, stage: int, worl
         shapes, osds = _zero12_files(ckpt, cfg, world_size, stage, torch_opt)
     model = _model_states(ckpt, cfg, world_size, shapes, stage == 3)
     written = []
-    model_files = [ZERO3_MODEL_FILE.format(rank=r) for r in range(world_size)] if stage == 3 else [
-        MODEL_FILE]  # fmt: skip
+    model_files = (
+        [ZERO3_MODEL_FILE.format(rank=r) for r in range(world_size)] if stage == 3 else [MODEL_FILE]
+    )
     for name in model_files:
         written.append(os.path.join(tag_dir, name))
         _pickle.save(model, written[-1])
     prefix = "bf16_" if ckpt.dtype == "bf16" else ""
     for r, osd in enumerate(osds):
         written.append(os.path.join(tag_dir, OPTIM_FILE.format(prefix=prefix, rank=r)))
-        _pickle.save({"optimizer_state_dict": osd, "ds_config": cfg, "ds_version": DS_VERSION},
-                     written[-1])  # fmt: skip
+        _pickle.save(
+            {"optimizer_state_dict": osd, "ds_config": cfg, "ds_version": DS_VERSION}, written[-1]
+        )
     with open(os.path.join(os.fspath(save_dir), "latest"), "w") as f:
         f.write(tag)
     _copy_zero_to_fp32(os.fspath(save_dir))
     return written
 
 
-def write_checkpoint(save_dir, state_or_ckpt, *, stage: int, world_size: int, zero=None,
-                     name_map=None, tag=None, param_groups=None, buffers=None,
-                     ds_config=None) -> list[str]:  # fmt: skip
+def write_checkpoint(
+    save_dir,
+    state_or_ckpt,
+    *,
+    stage: int,
+    world_size: int,
+    zero=None,
+    name_map=None,
+    tag=None,
+    param_groups=None,
+    buffers=None,
+    ds_config=None,
+) -> list[str]:
     """Write a DeepSpeed 0.19.8 ZeRO checkpoint of a jaxzero state or a DeepSpeedCheckpoint.
 
     Args:
@@ -294,7 +346,9 @@ def write_checkpoint(save_dir, state_or_ckpt, *, stage: int, world_size: int, ze
     if isinstance(state_or_ckpt, DeepSpeedCheckpoint):
         ckpt = state_or_ckpt
     else:
-        ckpt = from_train_state(state_or_ckpt, zero, param_groups=param_groups,
-                                name_map=name_map, buffers=buffers)  # fmt: skip
-    return write_ds_checkpoint(ckpt, save_dir, stage=stage, world_size=world_size, tag=tag,
-                               ds_config=ds_config)  # fmt: skip
+        ckpt = from_train_state(
+            state_or_ckpt, zero, param_groups=param_groups, name_map=name_map, buffers=buffers
+        )
+    return write_ds_checkpoint(
+        ckpt, save_dir, stage=stage, world_size=world_size, tag=tag, ds_config=ds_config
+    )
