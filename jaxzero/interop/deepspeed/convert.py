@@ -108,6 +108,11 @@ def deepspeed_to_jax(
     from jaxzero.mesh import data_parallel_mesh
     from jaxzero.optimizer import ZeRO
 
+    if not dry_run:
+        if out is None:
+            raise ValueError("out is required (or dry_run=True)")
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+            raise ValueError(f"out {out!r} already exists and is not empty")
     ckpt = read_checkpoint(save_dir, tag)
     template, nm = _name_map(ckpt, name_map)
     n_dev = len(jax.devices())
@@ -142,11 +147,23 @@ def deepspeed_to_jax(
     )
     if dry_run:
         return res
-    if out is None:
-        raise ValueError("out is required (or dry_run=True)")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ValueError(f"out {out!r} already exists and is not empty")
-    record = {
+    record = _record(save_dir, tag, ckpt, nm, template)
+    checkpoint.save(
+        out,
+        ckpt.step,
+        state,
+        zero=zero,
+        metadata={META_KEY: record},
+        wait=True,
+        optimizer=f"jaxzero.interop.deepspeed.adamw({len(ckpt.param_groups)} groups)",
+    )
+    res.written = [os.path.join(out, str(ckpt.step))]
+    return res
+
+
+def _record(save_dir, tag, ckpt, nm, template) -> dict:
+    """The metadata ``deepspeed2jax`` stores (``user["deepspeed"]``) for the way back."""
+    return {
         "format": FORMAT,
         "source": {
             "save_dir": os.path.abspath(save_dir),
@@ -166,17 +183,6 @@ def deepspeed_to_jax(
         "dtype": ckpt.dtype,
         "step": ckpt.step,
     }
-    checkpoint.save(
-        out,
-        ckpt.step,
-        state,
-        zero=zero,
-        metadata={META_KEY: record},
-        wait=True,
-        optimizer=f"jaxzero.interop.deepspeed.adamw({len(ckpt.param_groups)} groups)",
-    )
-    res.written = [os.path.join(out, str(ckpt.step))]
-    return res
 
 
 def _params_meta(template) -> list:
