@@ -65,10 +65,12 @@ def run(spec, rank):
 
     torch.manual_seed(spec.get("seed", 0))
     model = MlpA() if spec["model"] == "mlp_a" else MlpB()
+    params = groups(model, spec["model"], spec.get("groups"))
+    optimizer = None
+    if spec.get("client_adamw"):  # a torch AdamW built by the user, not by the ds_config
+        optimizer = torch.optim.AdamW(params, **spec["client_adamw"])
     engine, *_ = deepspeed.initialize(
-        model=model,
-        model_parameters=groups(model, spec["model"], spec.get("groups")),
-        config=spec["config"],
+        model=model, model_parameters=params, optimizer=optimizer, config=spec["config"]
     )
     if spec.get("load"):
         path, _ = engine.load_checkpoint(spec["load"])

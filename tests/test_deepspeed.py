@@ -678,6 +678,7 @@ LAYOUTS = {  # name: (stage, zero_optimization extras, bf16, BF16_Optimizer, gro
         TINY,
     ),
     "bf16_optimizer": (1, {}, True, True, TINY),
+    "client_adamw_z3": (3, {}, False, False, TINY),
 }
 
 
@@ -707,7 +708,8 @@ def torch_reference(groups, data, world):
 def test_deepspeed_reads_more_real_layouts(fixtures_dir, tmp_path):
     """Real DeepSpeed at W=4 (torch AdamW inside ZeRO): round-robin order with parameter
     alignment, ranks that own only padding, ZeRO-3 sub-groups, bf16 and BF16_Optimizer. fp32
-    runs == torch.optim.AdamW (1e-6) and zero_to_fp32 (bitwise); bf16 runs: the bf16 module
+    runs (one with a client torch AdamW, no "optimizer" in the config) == torch.optim.AdamW
+    (1e-6) and zero_to_fp32 (bitwise); bf16 runs: the bf16 module
     == bf16(master) bitwise, zero_to_fp32 bitwise where it reads them, and within bf16 noise
     of the fp32 reference."""
     pytest.importorskip("deepspeed")
@@ -733,6 +735,10 @@ def test_deepspeed_reads_more_real_layouts(fixtures_dir, tmp_path):
         }
         if bf16_opt:
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+        client = {}
+        if name.startswith("client"):
+            client = {"client_adamw": {"lr": 1e-2, "betas": [0.9, 0.95]}}
+            del cfg["optimizer"]
         jobs.append(
             {
                 "model": "mlp_a",
@@ -742,6 +748,7 @@ def test_deepspeed_reads_more_real_layouts(fixtures_dir, tmp_path):
                 "out": str(tmp_path / name),
                 "tag": "t3",
                 **({"groups": groups} if groups else {}),
+                **client,
             }
         )
     jobs.sort(key=lambda j: j["config"]["zero_optimization"]["stage"])  # ZeRO 3 patches F.linear
