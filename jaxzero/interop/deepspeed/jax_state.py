@@ -69,9 +69,10 @@ def _label_tree(param_groups, nm: ti.NameMap, tree, label_of):
 
 
 def _key(path) -> tuple[str, ...]:
-    from jaxzero.torch_names import _key_str
-
-    return tuple(_key_str(k) for k in path)
+    """A jax key path as the str tuple :class:`NameMap` paths use."""
+    return tuple(
+        str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)) for k in path
+    )
 
 
 def adamw(param_groups, params_template, *, name_map=None) -> optax.GradientTransformation:
