@@ -389,7 +389,9 @@ def run_deepspeed(jobs, tmp_path, world=2, timeout=400):
 def test_deepspeed_export_then_continue_in_deepspeed(fixtures_dir, tmp_path):
     """jaxzero states written for ZeRO 1, 2 and 3 at W=2 load into real DeepSpeed (torch
     AdamW), whose next step == jaxzero's next step on the same data (1e-6); zero_to_fp32 on
-    the written checkpoints gives jaxzero's weights bitwise."""
+    the written checkpoints gives jaxzero's weights bitwise. The bf16 fixture written for
+    ZeRO 1, 2, 3 loads into a bf16 DeepSpeed job that saves back the same fp32 master, moments
+    and bf16 weights, bitwise."""
     pytest.importorskip("deepspeed")
     d, hp, _ = fixture(fixtures_dir, "z2_mlp_b_ws2_fp32")
     ckpt = read_checkpoint(os.path.join(d, "ckpt"))
@@ -424,11 +426,33 @@ def test_deepspeed_export_then_continue_in_deepspeed(fixtures_dir, tmp_path):
                 "tag": "after",
             }
         )
+    bf16 = read_checkpoint(os.path.join(fixture(fixtures_dir, "z2_mlp_a_ws2_bf16")[0], "ckpt"))
+    np.savez(tmp_path / "none.npz", x=np.zeros((1, 2, 4, 17), np.float32))
+    for stage in (1, 2, 3):
+        cfg = {**bf16.ds_config, "zero_optimization": {"stage": stage}}
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}
+        write_checkpoint(tmp_path / f"b{stage}", bf16, stage=stage, world_size=2, ds_config=cfg)
+        jobs.append(
+            {
+                "model": "mlp_a",
+                "config": cfg,
+                "load": str(tmp_path / f"b{stage}"),
+                "data": str(tmp_path / "none.npz"),
+                "steps": 0,
+                "out": str(tmp_path / f"bafter{stage}"),
+            }
+        )
     jobs.sort(key=lambda j: j["config"]["zero_optimization"]["stage"])
     run_deepspeed(jobs, str(tmp_path))
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    for stage in (1, 2, 3):
+        back = read_checkpoint(tmp_path / f"bafter{stage}")
+        assert (back.step, back.dtype) == (3, "bf16")
+        for f in ("params", "exp_avg", "exp_avg_sq", "module"):
+            for n, v in getattr(bf16, f).items():
+                np.testing.assert_array_equal(getattr(back, f)[n], v, err_msg=f"bf16 {f} {n}")
     for stage, (written, after, zero) in expected.items():
         fp32 = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"z{stage}"))
         for n in written.param_names:
