@@ -8,6 +8,7 @@ and step), ``ema/`` (the sharded EMA), ``checkpoint/``, ``interop/``, ``memory/`
 """
 
 from jaxzero import checkpoint as checkpoint
+from jaxzero import gpu as gpu
 from jaxzero import layouts as layouts
 from jaxzero import memory as memory
 from jaxzero import nnx as nnx
@@ -20,6 +21,7 @@ from jaxzero.ema.storage import unbucket as unbucket_ema
 from jaxzero.evaluation import ema_model_state as ema_model_state
 from jaxzero.evaluation import ema_params as ema_params
 from jaxzero.evaluation import gather as gather
+from jaxzero.interop import deepspeed as deepspeed
 from jaxzero.layouts import greedy_partition as greedy_partition
 from jaxzero.memory import estimate_memory as estimate_memory
 from jaxzero.memory import measure as measure
@@ -47,11 +49,13 @@ __all__ = [
     "ZeRO",
     "checkpoint",
     "data_parallel_mesh",
+    "deepspeed",
     "ema_model_state",
     "ema_params",
     "estimate_memory",
     "gather",
     "gather_layer",
+    "gpu",
     "greedy_partition",
     "layouts",
     "make_train_step",

@@ -67,3 +67,19 @@ def param_count(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"parameter count must be positive, got {text!r}")
     return value
+
+
+def run_conversion(convert, args: argparse.Namespace, parser, summary, errors=(ValueError,)):
+    """Run a ``jaxzero convert`` direction: ``convert()`` then print ``summary(result)``.
+
+    ``--out`` is required unless ``--dry-run``; ``errors`` (plus FileNotFoundError and
+    ImportError) become one stderr line naming the flags (exit status 2).
+    """
+    try:
+        if not args.dry_run and args.out is None:
+            raise ValueError("`out` is required (or `dry_run`)")
+        result = convert()
+    except (*errors, ValueError, FileNotFoundError, ImportError) as e:
+        parser.error(as_flags(str(e)))
+    print(summary(result))
+    return 0

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 
+import jaxzero.cli.convert_deepspeed as convert_deepspeed
 import jaxzero.cli.convert_torch as convert_torch
 from jaxzero.cli.command import Command, Parser
 
-CONVERTERS = (convert_torch,)
+CONVERTERS = (convert_torch, convert_deepspeed)
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 COMMAND = Command(
     "convert",
-    "Convert torch ZeRO(AdamW) checkpoints to jaxzero and back.",
+    "Convert torch ZeRO(AdamW) and DeepSpeed ZeRO checkpoints to jaxzero and back.",
     _configure,
     _run,
     "\n".join(c.DESCRIPTION for c in CONVERTERS),

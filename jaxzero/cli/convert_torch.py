@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxzero.cli.command import as_flags, pick, positive_int
+from jaxzero.cli.command import pick, positive_int, run_conversion
 from jaxzero.interop.torch.convert import (
     CONSOLIDATED_FILE,
     ConversionResult,
@@ -84,15 +84,7 @@ def _add_jax2torch(sub) -> None:
 
 
 def _run(convert, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Run ``convert()``; bad input is one line on stderr (exit status 2)."""
-    try:
-        if not args.dry_run and args.out is None:
-            raise ConvertError("`out` is required (or `dry_run`)")
-        result = convert()
-    except (ConvertError, FileNotFoundError, ImportError) as e:
-        parser.error(as_flags(str(e)))
-    print(format_summary(result))
-    return 0
+    return run_conversion(convert, args, parser, format_summary, (ConvertError,))
 
 
 def _run_torch2jax(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
