@@ -344,7 +344,29 @@ def main(argv=None):
             with open(path, "w") as f:
                 json.dump(results, f, indent=1)
             print(write(results, args.gpu, args.devices, args.out), flush=True)
+    with open(args.out) as f:
+        into_build_notes(f.read())
     return 0
+
+
+BEGIN, END = "<!-- gpu_scale.md: begin -->", "<!-- gpu_scale.md: end -->"
+
+
+NOTES = os.path.join(HERE, "..", "BUILD_NOTES.md")
+
+
+def into_build_notes(md: str, path: str = NOTES) -> None:
+    """Replace BUILD_NOTES.md's section between the gpu_scale markers with ``md`` (its headings
+    one level down), so the notes always hold the last run's table."""
+    with open(path) as f:
+        notes = f.read()
+    if BEGIN not in notes or END not in notes:
+        print(f"{path} has no {BEGIN} ... {END} section; table not copied there")
+        return
+    body = "\n".join("#" + line if line.startswith("#") else line for line in md.splitlines())
+    head, rest = notes.split(BEGIN, 1)
+    with open(path, "w") as f:
+        f.write(head + BEGIN + "\n" + body.strip() + "\n" + END + rest.split(END, 1)[1])
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/scale.py                 # N = 8 and 64, both models, stages 0-3, bf16
     python benchmarks/scale.py --devices 8 --models gpt2-xl     # a subset
+    python benchmarks/scale.py --gpu h100      # XLA:GPU, no GPU needed: benchmarks/gpu_scale.py
 
 Nothing is allocated: the state is ``zero.abstract_state(ShapeDtypeStruct params)`` and the
 step is ``step.jitted.lower(abstract_state, abstract_batch).compile()`` on N simulated CPU
@@ -441,6 +442,15 @@ def render(rows: list[dict], meta: dict) -> str:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--gpu" in argv or any(a.startswith("--gpu=") for a in argv):
+        # Deviceless XLA:GPU compiles (jax[cuda12]): benchmarks/gpu_scale.py, whose table also
+        # goes into BUILD_NOTES.md.
+        sys.path.insert(0, HERE)
+        import gpu_scale
+
+        gpu_scale.main(argv)
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--models", nargs="+", default=list(MODEL_NAMES), choices=MODEL_NAMES)
