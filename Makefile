@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d
 # 2 pytest workers on the 2-core CI machine; each worker simulates 8 CPU devices.
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-all lint bench clean
+.PHONY: demo test test-all test-loaded lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" tests
+
+test-loaded: $(STAMP)
+	bash tests/loaded.sh
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) tests

@@ -2,10 +2,7 @@
 over ~20M floats, per-leaf (replicated vs sharded over 8 simulated devices) and as one flat
 [8, L] buffer. Compare its ratios with benchmarks/ema.py (jaxzero's sharded EMA)."""
 
-import os
 import time
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxzero as jz
+from jaxzero.simulate import simulate_cpu_devices
+
+simulate_cpu_devices()  # before any jax backend starts: 8 simulated CPU devices (inert on GPUs)
 
 
 def median_ms(fn, e, x, reps=20):

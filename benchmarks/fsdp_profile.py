@@ -20,10 +20,9 @@ import statistics
 import sys
 import time
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+from jaxzero.simulate import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices()  # 8 simulated CPU devices unless XLA_FLAGS names a count
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))

@@ -43,9 +43,9 @@ from concurrent.futures import ThreadPoolExecutor
 # 8 simulated CPU devices, set before jax starts. --smoke also compiles with LLVM -O0
 # (`--xla_backend_optimization_level=0`): ~2.5x faster compiles, the same HLO (collectives,
 # buffer assignment, memory_analysis); only the machine code, hence step times, differ.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+from jaxzero.simulate import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices()  # 8 simulated CPU devices unless XLA_FLAGS names a count
 if "--smoke" in sys.argv[1:] and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

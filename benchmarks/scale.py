@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 
+from jaxzero.simulate import cpu_xla_flags
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_NAMES = ("gpt2-xl", "llama-7b")
 SEQ = {"gpt2-xl": 1024, "llama-7b": 2048}
@@ -500,14 +502,7 @@ def main(argv=None) -> None:
         if n == 8 and not args.no_part3:
             cmd.append("--part3")
         env = dict(os.environ)
-        env["XLA_FLAGS"] = (
-            " ".join(
-                f
-                for f in env.get("XLA_FLAGS", "").split()
-                if not f.startswith("--xla_force_host_platform_device_count")
-            )
-            + f" --xla_force_host_platform_device_count={n}"
-        ).strip()
+        env["XLA_FLAGS"] = cpu_xla_flags(n, env.get("XLA_FLAGS", ""))
         env["JAX_PLATFORMS"] = "cpu"
         print(f"N={n}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()

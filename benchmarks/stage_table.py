@@ -2,13 +2,15 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax
 import optax
 from models import make_problem
 
 import jaxzero as jz
 from jaxzero.memory import collective_bytes, device_bytes
+from jaxzero.simulate import simulate_cpu_devices
+
+simulate_cpu_devices(8)  # before any jax backend starts: 8 simulated CPU devices (inert on GPUs)
 
 params, loss_fn, batches = make_problem("transformer", steps=1)
 phi = sum(x.size for x in jax.tree.leaves(params))

@@ -46,9 +46,9 @@ def make_my_step(loss_fn, zero: jz.ZeRO, abstract_state):
 
 
 if __name__ == "__main__":
-    import os
+    from jaxzero.simulate import simulate_cpu_devices
 
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    simulate_cpu_devices()  # 8 simulated CPU devices on a CPU-only machine; inert on GPUs
     import jax.numpy as jnp
     import numpy as np
     import optax

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import os
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # Only affects the CPU platform: 8 simulated devices when there is no accelerator.
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+from jaxzero.simulate import simulate_cpu_devices
+
+# Only affects the CPU platform: 8 simulated devices when there is no accelerator.
+simulate_cpu_devices()
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402

@@ -3,14 +3,15 @@ jaxzero.nnx)."""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
 import jaxzero as jz
+from jaxzero.simulate import simulate_cpu_devices
+
+simulate_cpu_devices()  # before any jax backend starts: 8 simulated CPU devices (inert on GPUs)
 
 
 class MLP(nnx.Module):

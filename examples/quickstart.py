@@ -2,8 +2,6 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # CPU demo
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,6 +9,9 @@ import numpy as np
 import optax
 
 import jaxzero as jz
+from jaxzero.simulate import simulate_cpu_devices
+
+simulate_cpu_devices()  # before any jax backend starts: 8 simulated CPU devices (inert on GPUs)
 
 model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(10)])
 params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32)))["params"]

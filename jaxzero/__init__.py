@@ -30,6 +30,7 @@ from jaxzero.precision import DynamicLossScale as DynamicLossScale
 from jaxzero.precision import LossScaleState as LossScaleState
 from jaxzero.precision import Precision as Precision
 from jaxzero.precision import StaticLossScale as StaticLossScale
+from jaxzero.simulate import simulate_cpu_devices as simulate_cpu_devices
 from jaxzero.train.state import TrainState as TrainState
 from jaxzero.train.step import TrainStep as TrainStep
 from jaxzero.train.step import make_train_step as make_train_step
@@ -62,6 +63,7 @@ __all__ = [
     "measure",
     "memory",
     "nnx",
+    "simulate_cpu_devices",
     "torch_interop",
     "unbucket_ema",
 ]

@@ -9,10 +9,10 @@ import sys
 
 from jaxzero.cli.launch import main as main
 from jaxzero.cli.launch import parse_args as parse_args
-from jaxzero.distributed.launch import DEVICE_COUNT_FLAG as DEVICE_COUNT_FLAG
 from jaxzero.distributed.launch import free_port as free_port
 from jaxzero.distributed.launch import launch as launch
 from jaxzero.distributed.launch import process_env as process_env
+from jaxzero.simulate import DEVICE_COUNT_FLAG as DEVICE_COUNT_FLAG
 
 if __name__ == "__main__":
     sys.exit(main())

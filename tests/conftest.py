@@ -2,15 +2,14 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-    # On a loaded 2-core machine a simulated device can reach a collective long after the
-    # others; XLA:CPU would abort the process after its default rendezvous timeout.
-    + " --xla_cpu_collective_call_terminate_timeout_seconds=1200"
-    + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=300"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when jax is imported: set it first
+
+from jaxzero.simulate import cpu_xla_flags  # noqa: E402  (imports jax; no backend yet)
+
+# 8 simulated devices, and XLA:CPU's collective rendezvous timeouts raised: on a loaded 2-core
+# machine one simulated device can reach a collective long after the others, and XLA would
+# abort the process after its default timeout.
+os.environ["XLA_FLAGS"] = cpu_xla_flags(8, os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
 

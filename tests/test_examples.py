@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import jaxzero as jz
+from jaxzero.simulate import cpu_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -20,9 +21,7 @@ TIMEOUT = 600
 
 def _env(cache_dir):
     env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags:
-        env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    env["XLA_FLAGS"] = cpu_xla_flags(None, env.get("XLA_FLAGS", ""))
     env.setdefault("JAX_PLATFORMS", "cpu")
     # Later processes reuse every compilation of earlier ones (the step's, Orbax's slices, ...).
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxzero.simulate import cpu_xla_flags
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -22,7 +24,7 @@ def test_example_runs(script, env, tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script)],
         cwd=tmp_path,
-        env={**os.environ, **env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        env={**os.environ, **env, "XLA_FLAGS": cpu_xla_flags(8)},
         capture_output=True,
         text=True,
         timeout=300,

@@ -24,7 +24,6 @@ scheduler (``srun``) and let :func:`jaxzero.distributed.initialize` auto-detect 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -35,8 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from jaxzero.distributed.bind import join_host_port
-
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+from jaxzero.simulate import cpu_xla_flags
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,8 +63,7 @@ def process_env(
     env["PYTHONUNBUFFERED"] = "1"
     if devices_per_process is not None:
         k = devices_per_process
-        flags = re.sub(rf"{DEVICE_COUNT_FLAG}=\S*", "", env.get("XLA_FLAGS", "")).split()
-        env["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={k}"])
+        env["XLA_FLAGS"] = cpu_xla_flags(k, env.get("XLA_FLAGS", ""))
         env["JAXZERO_LOCAL_DEVICE_IDS"] = ",".join(
             str(d) for d in range(process_id * k, (process_id + 1) * k)
         )

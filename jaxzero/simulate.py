@@ -1,0 +1,56 @@
+"""Simulated CPU devices: the XLA flags every jaxzero program that simulates devices on a CPU
+(tests, examples, benchmarks, the one-machine launcher) sets before jax starts a backend.
+
+XLA:CPU runs the collectives of its simulated devices in-process; when one device thread
+reaches a collective long after the others (a loaded laptop or CI machine), XLA aborts the
+whole process once the rendezvous waits past its termination timeout ("Termination timeout
+... Exiting to ensure a consistent program state"). The timeouts below are raised far above
+anything a healthy run needs, so a slow machine is slow rather than dead.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+COLLECTIVE_TIMEOUT_FLAGS = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds=1200",
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300",
+)
+
+
+def cpu_xla_flags(devices: int | None, flags: str = "") -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) with the collective timeouts added (unless set) and,
+    when ``devices`` is given, exactly one device-count flag: ``devices`` replaces any there;
+    None keeps the one there, or adds 8 when there is none."""
+    parts = flags.split()
+    if devices is not None or not any(p.startswith(DEVICE_COUNT_FLAG) for p in parts):
+        parts = [p for p in parts if not p.startswith(DEVICE_COUNT_FLAG)]
+        parts.append(f"{DEVICE_COUNT_FLAG}={8 if devices is None else int(devices)}")
+    for flag in COLLECTIVE_TIMEOUT_FLAGS:
+        if not any(p.startswith(flag.split("=")[0] + "=") for p in parts):
+            parts.append(flag)
+    return " ".join(parts)
+
+
+def nvidia_driver_present() -> bool:
+    """Whether this machine has an NVIDIA driver loaded (a GPU jax could use)."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+
+
+def simulate_cpu_devices(devices: int | None = None) -> str:
+    """Set ``XLA_FLAGS`` for simulated CPU devices (see :func:`cpu_xla_flags`); call it before
+    anything starts a jax backend (``jax.devices()``, creating arrays). It only affects the CPU
+    platform: on GPUs the flags are inert. Returns the new value.
+
+    On a machine without an NVIDIA driver it also selects the CPU platform (unless
+    ``JAX_PLATFORMS`` says otherwise): ``jax[cuda12]`` is installed for deviceless GPU
+    compiles, and without a driver jax's probe of the CUDA plugin prints a traceback before
+    falling back to the CPU.
+    """
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(devices, os.environ.get("XLA_FLAGS", ""))
+    if "JAX_PLATFORMS" not in os.environ and not nvidia_driver_present():
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    return os.environ["XLA_FLAGS"]
