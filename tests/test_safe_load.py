@@ -83,10 +83,11 @@ def refuses(call, path, match=REFUSED):
 
 
 # --------------------------------------------------------------------------- the helper itself
-def test_load_torch_file_refuses_both_file_formats(tmp_path):
-    """A torch (zip) file and a raw pickle are both refused before anything runs; the raw
-    pickle's payload is live under plain ``pickle.loads``, the torch file's under an unsafe
-    ``torch.load``."""
+def test_load_torch_file_refuses_both_file_formats(tmp_path, monkeypatch):
+    """A torch (zip) file and a raw pickle are both refused before anything runs, even with
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` set; the raw pickle's payload is live under plain
+    ``pickle.loads``, the torch file's under an unsafe ``torch.load``."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     zipped, m1 = tmp_path / "zipped.pt", tmp_path / "m1"
     raw, m2 = tmp_path / "raw.pt", tmp_path / "m2"
     crafted(zipped, m1, lambda p: {"weights": torch.zeros(2), "x": p})
