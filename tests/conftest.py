@@ -1,5 +1,6 @@
 """Test configuration: 8 simulated CPU devices, set before jax starts any backend."""
 
+import json
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when jax is imported: set it first
@@ -26,3 +27,13 @@ def fixtures_dir():
     if not os.path.isdir(path):
         pytest.skip(f"shared fixtures not found at {path}")
     return path
+
+
+def fixture_case(fixtures_dir, *parts):
+    """``(directory, manifest)`` of the shared fixture case ``fixtures_dir/*parts``
+    (skips the test when the case is absent)."""
+    d = os.path.join(fixtures_dir, *parts)
+    if not os.path.isdir(d):
+        pytest.skip(f"fixture {d} not found")
+    with open(os.path.join(d, "manifest.json")) as f:
+        return d, json.load(f)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import fixture_case
 
 import jaxzero as jz
 from jaxzero import torch_interop as ti
@@ -35,11 +36,7 @@ def _cached(key, build):
 @pytest.fixture(scope="module")
 def fx(fixtures_dir):
     """The B_zero_trajectory/mlp_ws2 fixture: manifest, npz files and .pt paths."""
-    d = os.path.join(fixtures_dir, "B_zero_trajectory", "mlp_ws2")
-    if not os.path.isdir(d):
-        pytest.skip(f"fixture {d} not found")
-    with open(os.path.join(d, "manifest.json")) as f:
-        man = json.load(f)
+    d, man = fixture_case(fixtures_dir, "B_zero_trajectory", "mlp_ws2")
     load = lambda name: dict(np.load(os.path.join(d, name)))  # noqa: E731
     return {
         "dir": d,

@@ -63,9 +63,16 @@ STAND_INS = {
 }
 
 
+_HINT = (
+    "DeepSpeed's own checkpoint files need no other class, so this one was written by other "
+    "code or altered; if you trust it, load it with DeepSpeed where it was made and save it "
+    "again with engine.save_checkpoint"
+)
+
+
 def load(path, what: str):
     """A DeepSpeed ``.pt`` file, safely (see :mod:`jaxzero.interop.safe_pickle`)."""
-    return load_torch_file(path, stand_ins=STAND_INS, what=what)
+    return load_torch_file(path, stand_ins=STAND_INS, what=what, hint=_HINT)
 
 
 def save(obj, path) -> None:

@@ -1,26 +1,25 @@
-"""Reading torch objects: the optional torch import, ``.pt`` files and state-dict shapes."""
+"""Reading torch objects: the optional torch import, ``.pt`` files and state-dict shapes.
+
+Files are read only through :func:`jaxzero.interop.safe_pickle.load_torch_file` (weights only,
+no extra classes): a file whose pickle asks for code is refused with ``UnsafeFileError``.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 
+from jaxzero.interop.safe_pickle import RESAVE_HINT, load_torch_file, torch_module
 from jaxzero.interop.torch._common import join
 
-
-def torch_module():
-    """The ``torch`` module, or an ImportError saying how to install it."""
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("this needs PyTorch: pip install 'jaxzero[torch]' (torch==2.13.0)") from e
-    return torch
+__all__ = ["as_state_dict", "load", "optimizer_state_dict_problem", "torch_module"]
 
 
-def load(source):
-    """``source`` read with ``torch.load`` (CPU, weights only) if it is a path, else itself."""
+def load(source, what: str = "torch file", hint: str = RESAVE_HINT):
+    """``source`` read safely (:func:`load_torch_file`: CPU, weights only) if it is a path,
+    else ``source`` itself; ``what`` and ``hint`` as in :func:`load_torch_file`."""
     if isinstance(source, str | os.PathLike):
-        return torch_module().load(source, map_location="cpu", weights_only=True)
+        return load_torch_file(source, what=what, hint=hint)
     return source
 
 

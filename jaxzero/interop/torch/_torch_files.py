@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Mapping
 
+from jaxzero.interop.safe_pickle import UnsafeFileError
 from jaxzero.interop.torch._common import is_tensor, to_flax, to_host
 from jaxzero.interop.torch._convert_common import (
     ConvertError,
@@ -46,11 +47,17 @@ class TorchCheckpoint:
 
 
 def load_file(path: str, what: str):
-    """``torch.load`` of ``path`` (CPU, weights only); ConvertError if it cannot be read."""
+    """``path`` read safely (CPU, weights only: :mod:`jaxzero.interop.safe_pickle`).
+
+    Raises UnsafeFileError (a ValueError) for a file whose pickle asks for code, and
+    ConvertError for a missing or unreadable one.
+    """
     if not os.path.isfile(path):
         raise ConvertError(f"{what} {path!r}: no such file")
     try:
-        return load(path)
+        return load(path, what)
+    except UnsafeFileError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
         raise ConvertError(f"{what} {path!r} cannot be read by torch.load: {e}") from None
 

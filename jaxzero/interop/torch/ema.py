@@ -16,9 +16,19 @@ from jaxzero.interop.torch.names import flax_to_torch, torch_to_flax
 
 __all__ = ["import_ema", "export_ema"]
 
+# How to turn a checkpoint that pickles the model (ultralytics/YOLOv5 ``last.pt``) into one this
+# reader accepts; printed when such a file is refused.
+RESAVE_EMA_HINT = (
+    "An ultralytics/YOLOv5 checkpoint pickles its model objects ('ema', 'model'); if you trust "
+    "the file, re-save it as a plain state dict where ultralytics is installed: "
+    "ckpt = torch.load(path, weights_only=False); torch.save({'ema': "
+    "ckpt['ema'].state_dict(), 'updates': ckpt['updates']}, 'ema_state_dict.pt') "
+    "(ckpt['model'] when 'ema' is None), and read 'ema_state_dict.pt'"
+)
+
 
 def _ema_payload(ckpt):
-    ckpt = load(ckpt)
+    ckpt = load(ckpt, "EMA checkpoint file", hint=RESAVE_EMA_HINT)
     if not isinstance(ckpt, Mapping):
         raise TypeError(f"ckpt must be a dict or a path, got {type(ckpt).__name__}")
     if "param" in ckpt and "updates" in ckpt:
@@ -50,9 +60,11 @@ def import_ema(ema_state: EmaState, ckpt, *, name_map=None, strict: bool = True)
     """Load a torch EMA checkpoint into a copy of ``ema_state`` (same dtypes/shardings).
 
     ``ckpt`` is thb1314/distributed_modelema's ``ema.state_dict()`` (``{"param", "updates"}``),
-    an ultralytics/YOLOv5 checkpoint dict (``{"ema": model or state dict, "updates", ...}``;
-    load pickled modules yourself with ``torch.load(..., weights_only=False)``), or a path to
-    a weights-only file. Non-float entries (``num_batches_tracked``) are ignored; fp16 weights
+    an ultralytics/YOLOv5 checkpoint dict (``{"ema": model or state dict, "updates", ...}``),
+    or a path to a file holding one of these. A path is read safely
+    (:mod:`jaxzero.interop.safe_pickle`: tensors and plain values only): a file that pickles
+    model objects, as ultralytics' ``last.pt`` does, is refused with ``UnsafeFileError``,
+    which says how to re-save it as a state dict. Non-float entries (``num_batches_tracked``) are ignored; fp16 weights
     are cast to the EMA's dtype. ``updates`` becomes ``EmaState.updates``, so the next
     :meth:`ShardedEMA.update` uses ``updates + 1`` as torch does. A bucketed ``ema_state``
     (``ShardedEMA(bucket_leaves_up_to=...)``) gives a result stored the same way.

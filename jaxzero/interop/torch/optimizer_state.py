@@ -68,7 +68,7 @@ def import_optimizer_state(opt_state, torch_state, param_names, *, name_map=None
       ValueError: index/name mismatches, missing or extra entries, shapes, differing steps.
       TypeError: the torch state kind (Adam vs SGD) has no counterpart in ``opt_state``.
     """
-    sd = load(torch_state)
+    sd = load(torch_state, "torch optimizer state file")
     problem = optimizer_state_dict_problem(sd, "torch_state")
     if problem:
         raise ValueError(problem)
@@ -193,7 +193,7 @@ def import_zero_optimizer_state(
         if any(order):  # a rank that owns nothing is never read
             local = [names[i] for g in order for i in g]
             errors += _read_rank(
-                r, load(get(r)), order, local,
+                r, load(get(r), f"rank {r} optimizer state file"), order, local,
                 world_size=world_size, nm=nm, shapes=shapes, strict=strict, states=states,
             )  # fmt: skip
     if errors:
