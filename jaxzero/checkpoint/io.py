@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp

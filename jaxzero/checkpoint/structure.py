@@ -256,8 +256,10 @@ def _missing_parts(stored: dict, target: TrainState, *, step: int, directory) ->
             f"restore call passed ema=. To start a fresh EMA: {FRESH_EMA}."
         )
     if target.ema is None and "ema" in tops:
+        leaves = sorted((_name(p) for p in stored if p[0] == "ema"), key=len, reverse=True)
         raise ValueError(
-            f"{where} has an EMA and this restore call passed no ema=: pass "
+            f"{where} has an EMA ({len(leaves)} leaves, e.g. {leaves[0]}) and this restore "
+            f"call passed no ema=: pass "
             f"ema=jz.ShardedEMA(<the decay it was trained with>) to restore it."
         )
 
