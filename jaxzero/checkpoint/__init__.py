@@ -21,7 +21,7 @@ Every array's checksum is saved in the step's metadata and checked when it is re
 :class:`CheckpointDamagedError` naming the step and the leaf (``restore(..., fallback=True)``
 takes the newest step that verifies instead), and :func:`verify` reads every step and reports
 the damaged ones. A failed write (disk full) raises OSError from ``save`` (or, for an
-asynchronous save, from the next ``save`` / ``wait_until_finished``).
+asynchronous save, from the next ``save`` or :func:`wait`).
 
 A save is atomic: Orbax writes into a temporary directory and renames it when every item is
 committed, so a process killed mid-save leaves only a ``<step>.orbax-checkpoint-tmp-*``
@@ -41,7 +41,7 @@ Example::
 from jaxzero.checkpoint.export import export, load_export
 from jaxzero.checkpoint.inspect import inspect
 from jaxzero.checkpoint.integrity import CheckpointDamagedError
-from jaxzero.checkpoint.io import latest_step, load_metadata, manager, save
+from jaxzero.checkpoint.io import latest_step, load_metadata, manager, save, wait
 from jaxzero.checkpoint.reading import DamagedStepWarning, restore
 from jaxzero.checkpoint.structure import EXTRA as EXTRA
 from jaxzero.checkpoint.structure import FORMAT as FORMAT
@@ -69,4 +69,5 @@ __all__ = [
     "restore",
     "save",
     "verify",
+    "wait",
 ]

@@ -234,6 +234,17 @@ def save(
         return bool(started)
 
 
+def wait(mngr: ocp.CheckpointManager) -> None:
+    """Block until ``mngr``'s asynchronous save is committed. A failed write raises OSError
+    naming the step (``mngr.wait_until_finished()`` raises Orbax's own error instead)."""
+    try:
+        mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - a write error is re-raised with the step
+        if not integrity.is_write_error(e):
+            raise
+        raise _save_failed(mngr, None, e) from e
+
+
 def _checksums(state: TrainState, extra) -> dict:
     """The metadata's ``checksums`` entry: every leaf's hash (:mod:`integrity`), taken now,
     before an asynchronous save copies the same arrays."""
@@ -245,11 +256,14 @@ def _checksums(state: TrainState, extra) -> dict:
     return {"algorithm": integrity.ALGORITHM, "leaves": leaves}
 
 
-def _save_failed(mngr: ocp.CheckpointManager, step: int, error: Exception) -> OSError:
+def _save_failed(mngr: ocp.CheckpointManager, step: int | None, error: Exception) -> OSError:
     """A failed write (disk full, file too large, ...), possibly of an earlier asynchronous
     save: an OSError naming the step that failed and the newest complete step."""
     failed = integrity.failed_step(error)
-    which = f"step {failed}" if failed is not None else f"step {step} (or an earlier async save)"
+    if failed is not None:
+        which = f"step {failed}"
+    else:
+        which = "the last asynchronous save" if step is None else f"step {step} (or an earlier one)"
     leaf = integrity.leaf_of(error)
     try:
         latest = mngr.latest_step()
