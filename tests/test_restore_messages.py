@@ -30,7 +30,9 @@ def test_forgotten_model_state_and_rng_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"has an rng key .* pass rng=jax\.random\.key\(0\)"):
         ck.restore(tmp_path, zero, params, ema=ema, model_state=model_state)
     # What the messages say to pass restores the state, bit for bit.
-    got = ck.restore(tmp_path, zero, params, ema=ema, model_state=model_state, rng=jax.random.key(1))
+    got = ck.restore(
+        tmp_path, zero, params, ema=ema, model_state=model_state, rng=jax.random.key(1)
+    )
     assert sorted(host(got)) == sorted(want)
     for k, v in want.items():
         np.testing.assert_array_equal(host(got)[k], v, err_msg=k)
@@ -62,13 +64,17 @@ def test_ema_from_a_checkpoint_without_one_says_how_to_start_one(tmp_path):
             model_state=state.model_state,
         ).ema
     )
-    for e, p in zip(jax.tree.leaves(jz.gather(state.ema.ema)), jax.tree.leaves(host(state.params))):
+    for e, p in zip(
+        jax.tree.leaves(jz.gather(state.ema.ema)), jax.tree.leaves(host(state.params)), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(e), p)
     assert int(state.ema.updates) == 0
     # ...and training goes on with it: the params follow the uninterrupted run.
     with_ema = jz.make_train_step(loss_fn, zero, ema=ema)
     state, _ = with_ema(state, batches[2])
-    for a, b in zip(jax.tree.leaves(host(state.params)), jax.tree.leaves(host(reference.params))):
+    for a, b in zip(
+        jax.tree.leaves(host(state.params)), jax.tree.leaves(host(reference.params)), strict=True
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert int(state.ema.updates) == 1
 

@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxzero.checkpoint import integrity
+import jaxzero.checkpoint.integrity as integrity
 from jaxzero.checkpoint.structure import EXTRA, METADATA, STATE, _flat, _name, describe
 from jaxzero.ema import storage
 from jaxzero.train.state import TrainState

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxzero.checkpoint import integrity
+import jaxzero.checkpoint.integrity as integrity
 from jaxzero.checkpoint.integrity import CheckpointDamagedError
 from jaxzero.checkpoint.io import _has_item, _opened, _read_metadata, _resolve_step
 from jaxzero.checkpoint.structure import (
@@ -95,30 +95,36 @@ def restore(
             f"step={step!r}. Pass step=None, or fallback=False to restore exactly step {step}."
         )
     with _opened(manager_or_dir) as mngr:
-        first = _resolve_step(mngr, step)
-        candidates = sorted((s for s in mngr.all_steps() if s <= first), reverse=True)
         # Checkpoints hold the per-leaf EMA; a bucketed target is filled after the read.
         target, threshold = _target(zero, params_or_abstract_state, ema, model_state, rng)
-        passed: list[CheckpointDamagedError] = []
-        for s in candidates if fallback else [first]:
-            try:
-                state, extra = _restore_step(mngr, s, target, check_dtypes, with_extra)
-            except CheckpointDamagedError as e:
-                if not fallback:
-                    raise
-                passed.append(e)
-                continue
-            if passed:
-                warnings.warn(_passed_over(passed, s), DamagedStepWarning, stacklevel=2)
-            if threshold:
-                state = state.replace(ema=storage.store(state.ema, zero.mesh, zero.axis, threshold))
-            return (state, extra) if with_extra else state
-        raise CheckpointDamagedError(
-            f"no step of {os.fspath(mngr.directory)} verifies: {_passed_over(passed, None)}",
-            step=passed[0].step,
-            leaf=passed[0].leaf,
-            directory=os.fspath(mngr.directory),
-        )
+        state, extra = _first_that_verifies(mngr, step, target, check_dtypes, with_extra, fallback)
+        if threshold:
+            state = state.replace(ema=storage.store(state.ema, zero.mesh, zero.axis, threshold))
+        return (state, extra) if with_extra else state
+
+
+def _first_that_verifies(mngr, step, target, check_dtypes: bool, with_extra: bool, fallback: bool):
+    """``(state, extra)`` of ``step`` (None: the newest); with ``fallback``, of the newest step
+    that verifies, warning about the damaged steps passed over."""
+    first = _resolve_step(mngr, step)
+    if not fallback:
+        return _restore_step(mngr, first, target, check_dtypes, with_extra)
+    passed: list[CheckpointDamagedError] = []
+    for s in sorted((s for s in mngr.all_steps() if s <= first), reverse=True):
+        try:
+            out = _restore_step(mngr, s, target, check_dtypes, with_extra)
+        except CheckpointDamagedError as e:
+            passed.append(e)
+            continue
+        if passed:
+            warnings.warn(_passed_over(passed, s), DamagedStepWarning, stacklevel=4)
+        return out
+    raise CheckpointDamagedError(
+        f"no step of {os.fspath(mngr.directory)} verifies: {_passed_over(passed, None)}",
+        step=passed[0].step,
+        leaf=passed[0].leaf,
+        directory=os.fspath(mngr.directory),
+    )
 
 
 def _passed_over(passed: list[CheckpointDamagedError], restored: int | None) -> str:

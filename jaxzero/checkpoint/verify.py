@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.checkpoint import integrity
+import jaxzero.checkpoint.integrity as integrity
 from jaxzero.checkpoint.integrity import CheckpointDamagedError
 from jaxzero.checkpoint.io import _has_item, _opened, _partial_saves, _read_metadata, _resolve_step
 from jaxzero.checkpoint.structure import EXTRA, STATE, _flat, _name, _stored_tree
