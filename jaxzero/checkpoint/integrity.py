@@ -168,6 +168,33 @@ def check(flat: dict, stored: dict | None, *, step: int, directory) -> int:
     return len(got)
 
 
+def any_process_failed(error: BaseException | None) -> bool:
+    """Whether this process (``error`` is not None) or any other failed a read."""
+    failed = error is not None
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.asarray([failed], np.int32))
+        failed = bool(np.asarray(flags).any())
+    return failed
+
+
+def read_error(error: BaseException | None, *, step: int, directory) -> CheckpointDamagedError:
+    """The :class:`CheckpointDamagedError` of a failed read (``error`` None: another process's
+    read failed; that process names the leaf)."""
+    leaf = None if error is None else leaf_of(error)
+    where = f"leaf {leaf}" if leaf else "an array"
+    why = "on another process" if error is None else f"({first_line(error)})"
+    return CheckpointDamagedError(
+        f"checkpoint step {step} in {directory} is damaged: {where} could not be read {why}. "
+        f"Restore another step (restore(..., fallback=True) picks the newest step that "
+        f"verifies).",
+        step=step,
+        leaf=leaf,
+        directory=directory,
+    )
+
+
 _TS_KEY = re.compile(r"'path': '([^'/]+)/'")
 _WRITE_KEY = re.compile(r'Error (?:reading|writing) "([^"/]+)/')
 

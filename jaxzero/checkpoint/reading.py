@@ -144,21 +144,17 @@ def _restore_step(mngr, step: int, target: TrainState, check_dtypes: bool, with_
     context = "" if meta is None else _mismatch_hints(meta, target)
     _missing_parts(stored, read_target, step=step, directory=directory)
     check_compatible(stored, read_target, check_dtypes=True, context=context)
+    error = None
     try:
         state, extra = _read_state(mngr, step, read_target, with_extra=with_extra)
     except Exception as e:  # noqa: BLE001 - any read failure of a step that passed the checks
         if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
             raise
-        leaf = integrity.leaf_of(e)
-        where = f"leaf {leaf}" if leaf else "an array"
-        raise CheckpointDamagedError(
-            f"checkpoint step {step} in {directory} is damaged: {where} could not be read "
-            f"({integrity.first_line(e)}). Restore another step (restore(..., fallback=True) "
-            f"picks the newest step that verifies).",
-            step=step,
-            leaf=leaf,
-            directory=directory,
-        ) from e
+        error = e
+    # Every process reads other files: all learn whether any read failed, so that all raise
+    # (none waits in the checksum all-gather for one that gave up).
+    if integrity.any_process_failed(error):
+        raise integrity.read_error(error, step=step, directory=directory) from error
     sums = (meta or {}).get(integrity.KEY)
     integrity.check(_named(state), sums, step=step, directory=directory)
     if extra is not None and sums:

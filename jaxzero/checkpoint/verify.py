@@ -107,14 +107,13 @@ def _verify_step(mngr, step: int, mesh: Mesh) -> StepReport:
         items = {STATE: ocp.args.StandardRestore(_target_from(mngr, step, mesh))}
         if _has_item(mngr, step, EXTRA):
             items[EXTRA] = ocp.args.StandardRestore()
+        error = out = None
         try:
             out = mngr.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - reported
-            leaf = integrity.leaf_of(e)
-            where = f"leaf {leaf}" if leaf else "an array"
-            raise CheckpointDamagedError(
-                f"{where} could not be read ({integrity.first_line(e)})", step=step, leaf=leaf
-            ) from e
+            error = e
+        if integrity.any_process_failed(error):
+            raise integrity.read_error(error, step=step, directory=directory) from error
         sums = meta.get(integrity.KEY)
         named = {_name(k): v for k, v in _flat(out[STATE]).items()}
         if out.get(EXTRA) is not None:
