@@ -107,3 +107,24 @@ def test_fp32_checkpoint_restores_into_a_bf16_zero(tmp_path, n, stage, check_dty
     assert jax.tree.map(lambda x: x.sharding, got) == jax.tree.map(lambda x: x.sharding, fresh)
     got, _ = step16(got, batches[2])
     assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(got.master))
+
+
+def test_bf16_checkpoint_restores_into_an_fp32_zero(tmp_path):
+    """The other way: the checkpoint's fp32 master becomes the params."""
+    ema = jz.ShardedEMA(0.99)
+    zero16 = jz.ZeRO(optax.adam(1e-3), jz.data_parallel_mesh(8), stage=2, precision="bf16")
+    params, loss_fn, batches, _, state = run_digits(zero16, 2, ema=ema)
+    want = {"master": host(state.master), "opt": host(state.opt_state), "ema": host(state.ema)}
+    ck.save(tmp_path, 2, state, zero=zero16)
+    zero32 = jz.ZeRO(optax.adam(1e-3), jz.data_parallel_mesh(8), stage=3)
+    got = ck.restore(tmp_path, zero32, params, ema=ema)
+    assert got.master is None
+    for k, v in want["master"].items():
+        np.testing.assert_array_equal(host(got.params)[k], v, err_msg=k)
+    for k, v in want["opt"].items():
+        np.testing.assert_array_equal(host(got.opt_state)[k], v, err_msg=k)
+    for k, v in want["ema"].items():
+        np.testing.assert_array_equal(host(got.ema)[k], v, err_msg=k)
+    step32 = jz.make_train_step(loss_fn, zero32, ema=ema)
+    got, _ = step32(got, batches[2])
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(got.params))

@@ -68,9 +68,11 @@ def restore(
       model_state, rng: templates of those state fields, when the state has them.
       with_extra: also return the ``extra`` tree saved with the step (None if none was).
       check_dtypes: refuse leaves whose stored dtype differs from the target's; False casts
-        them. A checkpoint without a separate master (fp32) restores into a ``ZeRO`` that
-        keeps one (bf16/fp16 params): its fp32 params become the master and the compute
-        params are their cast.
+        them. Across precision policies the master carries the weights (no flag needed): a
+        checkpoint without a separate master (fp32) restores into a ``ZeRO`` that keeps one
+        (bf16/fp16 params) with its params as the master and their cast as the compute
+        params; a checkpoint with a master restores into an fp32 ``ZeRO`` with the master as
+        the params.
       fallback: with ``step=None``, a damaged newest step (unreadable, or its numbers differ
         from its checksums) is passed over for the newest step that verifies; a
         :class:`DamagedStepWarning` names the steps passed over and why.
@@ -140,7 +142,7 @@ def _restore_step(mngr, step: int, target: TrainState, check_dtypes: bool, with_
     directory = os.fspath(mngr.directory)
     meta = _damaged_if_raises(lambda: _read_metadata(mngr, step), step, directory, "metadata")
     stored = _damaged_if_raises(lambda: _stored_tree(mngr, step), step, directory, "state tree")
-    read_target, finish = _read_plan(stored, meta, target, check_dtypes)
+    read_target, finish = _read_plan(stored, target, check_dtypes)
     context = "" if meta is None else _mismatch_hints(meta, target)
     _missing_parts(stored, read_target, step=step, directory=directory)
     check_compatible(stored, read_target, check_dtypes=True, context=context)
@@ -180,25 +182,33 @@ def _named(tree, prefix: str = "") -> dict[str, Any]:
     return {prefix + _name(k): v for k, v in _flat(tree).items()}
 
 
-def _read_plan(stored: dict, meta: dict | None, target: TrainState, check_dtypes: bool):
+def _read_plan(stored: dict, target: TrainState, check_dtypes: bool):
     """``(read_target, finish)``: the tree to read (the stored dtypes, so that the checksums
-    compare what was saved) and the function that turns it into ``target``."""
-    master_from_params = (
-        target.master is not None
-        and not any(k[0] == "master" for k in stored)
-        and (meta is None or not meta.get("has_master"))
-    )
+    compare what was saved) and the function that turns it into ``target``.
+
+    Across precision policies the master carries the weights: an fp32 checkpoint (no separate
+    master) restored into a ZeRO that keeps one (bf16/fp16 params) reads its params as the
+    master, and the compute params are their cast; a checkpoint with a master restored into
+    a ZeRO without one (fp32) takes its master as the params."""
+    stored_master = any(k[0] == "master" for k in stored)
+    master_from_params = target.master is not None and not stored_master
+    params_from_master = target.master is None and stored_master
     read = target
     if master_from_params:
-        # An fp32 checkpoint without a master, restored into a ZeRO that keeps one: read the
-        # params in the master's shardings and dtype; they become the master.
         read = target.replace(params=target.master, master=None)
+    elif params_from_master:
+        # Read the stored 16-bit params as they are (they are dropped) and the master into
+        # the params' shardings.
+        read = target.replace(params=_with_stored_dtypes(target, stored).params)
+        read = read.replace(master=target.params)
     if not check_dtypes:
         read = _with_stored_dtypes(read, stored)
 
     def finish(state: TrainState) -> TrainState:
         if master_from_params:
             state = state.replace(master=state.params)
+        elif params_from_master:
+            state = state.replace(params=state.master, master=None)
         return jax.tree.map(_cast_to, state, target)
 
     return read, finish
