@@ -238,7 +238,7 @@ def _missing_parts(stored: dict, target: TrainState, *, step: int, directory) ->
     tops = {path[0] for path in stored if path}
     where = f"checkpoint step {step} in {directory}"
     for field, (what, how) in _PARTS.items():
-        has, wants = field in tops, getattr(target, field) is not None
+        has, wants = field in tops, bool(jax.tree.leaves(getattr(target, field)))
         if has and not wants:
             leaves = [_name(p) for p in stored if p and p[0] == field]
             raise ValueError(
