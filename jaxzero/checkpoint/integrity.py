@@ -4,12 +4,14 @@ Tensorstore stores no checksums: a truncated or deleted file fails to read, but 
 can decode into wrong numbers. :func:`checksums` therefore hashes every array leaf when it is
 saved, and :func:`check` hashes it again after it is read back; the two must agree bit for bit.
 
-The hash of a leaf is a sum over its elements, modulo 2**32, of a mix of each element's bits
-and its global position (two independent 32-bit sums: 64 bits per leaf). A sum does not depend
-on how the leaf is cut into shards, so
+The hash of a leaf is a sum over its elements, modulo 2**32, of murmur3's finaliser applied to
+a combination of each element's bits and its global position (two independent 32-bit sums:
+64 bits per leaf; the finaliser is a bijection, so changing any one element changes the
+sum), in blocks that stay in cache (~600 MB/s on one core of the 2-core CPU machine). A sum
+does not depend on how the leaf is cut into shards, so
 
-* every process hashes only its own shards (its addressable shards with ``replica_id == 0``,
-  in numpy: no compilation), and the partial sums are added across processes (an all-gather
+* every process hashes only its own shards (its addressable shards with ``replica_id == 0``;
+  a leaf the process holds whole, once; in numpy: no compilation), and the partial sums are added across processes (an all-gather
   of 16 bytes per leaf when there are several). Every process then holds every leaf's
   checksum, so process 0 writes them into the step's JSON ``metadata`` item: nothing else is
   gathered and there are no per-process files to commit. The metadata item is committed with
@@ -76,10 +78,37 @@ def _words(data: np.ndarray) -> np.ndarray:
     return data.view(np.uint32).reshape(*data.shape, size // 4)
 
 
+_BLOCK = 1 << 15  # elements per numpy pass: the temporaries stay in cache
+_C1, _C2, _C3 = np.uint32(0x9E3779B1), np.uint32(0x2545F491), np.uint32(0x7F4A7C15)
+
+
+def _mixed_sums(w: np.ndarray, index) -> np.ndarray:
+    """``[sum fmix(w + i*C1), sum fmix((w ^ i*C2) + C3)]`` mod 2**32 over the flat words
+    ``w``; ``index(lo, hi)`` gives the global positions of ``w[lo:hi]`` (uint32)."""
+    sa = sb = 0
+    for lo in range(0, w.size, _BLOCK):
+        hi = min(lo + _BLOCK, w.size)
+        i, x = index(lo, hi), w[lo:hi]
+        a = i * _C1
+        a += x
+        b = i * _C2
+        b ^= x
+        b += _C3
+        sa += int(np.sum(_fmix(a), dtype=np.uint64))
+        sb += int(np.sum(_fmix(b), dtype=np.uint64))
+    return np.asarray([sa % 2**32, sb % 2**32], np.uint64)
+
+
 def _shard_sums(data: np.ndarray, starts: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
     """The two 32-bit sums of one shard at ``starts`` of a leaf of global ``shape``."""
     w = _words(data)
     gshape = tuple(shape) + w.shape[len(shape) :]
+    if w.shape == gshape:  # the whole leaf: positions are 0, 1, 2, ...
+
+        def whole(lo, hi):
+            return (np.arange(lo, hi, dtype=np.uint64) % 2**32).astype(np.uint32)
+
+        return _mixed_sums(w.reshape(-1), whole)
     starts = tuple(starts) + (0,) * (w.ndim - len(starts))
     index = np.zeros(w.shape, np.uint32)
     stride = 1
@@ -89,28 +118,23 @@ def _shard_sums(data: np.ndarray, starts: tuple[int, ...], shape: tuple[int, ...
             (pos % 2**32).astype(np.uint32).reshape([-1 if e == d else 1 for e in range(w.ndim)])
         )
         stride *= gshape[d]
-    a = index * np.uint32(0x9E3779B1)
-    a += np.uint32(0x7F4A7C15)
-    a = _fmix(a)
-    a ^= w
-    b = _fmix(index ^ np.uint32(0x5BD1E995))
-    b += w * np.uint32(0x2545F491)
-    sums = [int(np.sum(_fmix(h), dtype=np.uint64)) % 2**32 for h in (a, b)]
-    return np.asarray(sums, np.uint64)
+    flat = index.reshape(-1)
+    return _mixed_sums(w.reshape(-1), lambda lo, hi: flat[lo:hi])
 
 
 def _pieces(x) -> list[tuple[tuple[int, ...], np.ndarray]]:
-    """``(starts, data)`` of the shards of ``x`` this process hashes: its addressable shards
-    with ``replica_id == 0`` (each element once across all processes); a host array on
-    process 0 only."""
+    """``(starts, data)`` of what this process hashes of ``x``: a leaf held whole by this
+    process (every leaf with one process) once, on process 0; otherwise its addressable
+    shards with ``replica_id == 0`` (each element once across all processes)."""
     if isinstance(x, jax.Array):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
-        return [
-            (tuple(s.start or 0 for s in shard.index), np.asarray(shard.data))
-            for shard in x.addressable_shards
-            if shard.replica_id == 0
-        ]
+        if not x.is_fully_addressable:
+            return [
+                (tuple(s.start or 0 for s in shard.index), np.asarray(shard.data))
+                for shard in x.addressable_shards
+                if shard.replica_id == 0
+            ]
     if jax.process_index() != 0:
         return []
     return [((0,) * np.ndim(x), np.asarray(x))]
