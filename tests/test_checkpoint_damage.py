@@ -18,6 +18,7 @@ import warnings
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from digits_problem import digits_problem, host
 
@@ -60,19 +61,21 @@ def data_files(directory, step):
     return sorted(files, key=os.path.getsize, reverse=True)
 
 
-def damage(directory, step, how):
-    """Damage the largest array file of ``step`` (it holds most leaves' chunks)."""
+def damage(directory, step, how, at=None):
+    """Damage the largest array file of ``step`` (it holds most leaves' chunks); ``flip``
+    inverts 16 bytes at ``at`` (default: the middle)."""
     path = data_files(directory, step)[0]
     size = os.path.getsize(path)
+    at = size // 2 if at is None else at
     if how == "truncate":
         os.truncate(path, size // 2)
     elif how == "delete":
         os.remove(path)
-    else:  # flip 16 bytes in the middle: zstd frames still decode, into other numbers
+    else:  # where the bytes are chunk data, the zstd frame still decodes, into other numbers
         with open(path, "r+b") as f:
-            f.seek(size // 2)
+            f.seek(at)
             chunk = bytearray(f.read(16))
-            f.seek(size // 2)
+            f.seek(at)
             f.write(bytes(b ^ 0xFF for b in chunk))
 
 
@@ -107,10 +110,38 @@ def test_damaged_step_fails_naming_step_and_leaf(run, copy, how):
     assert e.value.step == 3
     assert e.value.leaf in leaf_names(run)
     assert e.value.leaf in str(e.value)
-    if how == "flip":  # read without error: only the checksum shows the numbers are wrong
-        assert "reads back other numbers than were saved" in str(e.value)
     # The undamaged steps still restore, bit for bit.
     assert_bitwise(restore(run, copy, step=2), run["snaps"][2])
+
+
+def plain_orbax(directory, step):
+    """Every array of ``step`` as plain Orbax reads it (no jaxzero code), or None when it
+    fails to read."""
+    try:
+        tree = ocp.StandardCheckpointer().restore(os.path.join(directory, str(step), "state"))
+    except Exception:  # noqa: BLE001 - a read error: not the silent case
+        return None
+    return {k: np.asarray(v) for k, v in ocp.tree.to_flat_dict(tree).items()}
+
+
+def test_silently_altered_numbers_are_caught_by_the_checksum(run, tmp_path):
+    """Altered bytes that plain Orbax reads without any error, into other numbers, are
+    refused by the checksum."""
+    pristine = plain_orbax(run["dir"], 3)
+    size = os.path.getsize(data_files(run["dir"], 3)[0])
+    for attempt in range(24):
+        directory = tmp_path / f"try{attempt}"
+        shutil.copytree(run["dir"], directory)
+        damage(directory, 3, "flip", at=size // 4 + attempt * (size // 48))
+        got = plain_orbax(directory, 3)
+        if got is not None and any(not np.array_equal(got[k], pristine[k]) for k in pristine):
+            break
+    else:
+        pytest.fail("no flipped position read silently into other numbers")
+    with pytest.raises(ck.CheckpointDamagedError, match="reads back other numbers than") as e:
+        restore(run, directory)
+    differing = {".".join(k) for k in pristine if not np.array_equal(got[k], pristine[k])}
+    assert e.value.step == 3 and e.value.leaf in differing
 
 
 def test_fallback_takes_the_newest_step_that_verifies(run, copy):
