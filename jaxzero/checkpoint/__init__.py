@@ -16,6 +16,13 @@ configures it for jaxzero and adds the jaxzero-specific parts:
 * :func:`export` writes a gathered, unsharded tree (EMA or params) for inference.
 * :func:`inspect` renders a checkpoint directory as text (for ``jaxzero inspect``).
 
+Every array's checksum is saved in the step's metadata and checked when it is read back
+(:mod:`jaxzero.checkpoint.integrity`): a damaged step fails to restore with
+:class:`CheckpointDamagedError` naming the step and the leaf (``restore(..., fallback=True)``
+takes the newest step that verifies instead), and :func:`verify` reads every step and reports
+the damaged ones. A failed write (disk full) raises OSError from ``save`` (or, for an
+asynchronous save, from the next ``save`` or :func:`wait`).
+
 A save is atomic: Orbax writes into a temporary directory and renames it when every item is
 committed, so a process killed mid-save leaves only a ``<step>.orbax-checkpoint-tmp-*``
 directory that :func:`restore` never considers (and that :func:`manager` removes).
@@ -33,7 +40,9 @@ Example::
 
 from jaxzero.checkpoint.export import export, load_export
 from jaxzero.checkpoint.inspect import inspect
-from jaxzero.checkpoint.io import latest_step, load_metadata, manager, restore, save
+from jaxzero.checkpoint.integrity import CheckpointDamagedError
+from jaxzero.checkpoint.io import latest_step, load_metadata, manager, save, wait
+from jaxzero.checkpoint.reading import DamagedStepWarning, restore
 from jaxzero.checkpoint.structure import EXTRA as EXTRA
 from jaxzero.checkpoint.structure import FORMAT as FORMAT
 from jaxzero.checkpoint.structure import ITEMS as ITEMS
@@ -41,8 +50,13 @@ from jaxzero.checkpoint.structure import METADATA as METADATA
 from jaxzero.checkpoint.structure import STATE as STATE
 from jaxzero.checkpoint.structure import check_compatible, describe
 from jaxzero.checkpoint.structure import leaf_table as leaf_table
+from jaxzero.checkpoint.verify import StepReport, VerifyReport, verify
 
 __all__ = [
+    "CheckpointDamagedError",
+    "DamagedStepWarning",
+    "StepReport",
+    "VerifyReport",
     "check_compatible",
     "describe",
     "export",
@@ -53,4 +67,6 @@ __all__ = [
     "manager",
     "restore",
     "save",
+    "verify",
+    "wait",
 ]

@@ -7,25 +7,15 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxzero.checkpoint.structure import (
-    EXTRA,
-    METADATA,
-    STATE,
-    _mismatch_hints,
-    _stored_tree,
-    _target,
-    check_compatible,
-    describe,
-)
+import jaxzero.checkpoint.integrity as integrity
+from jaxzero.checkpoint.structure import EXTRA, METADATA, STATE, _flat, _name, describe
 from jaxzero.ema import storage
-from jaxzero.ema.ema import ShardedEMA
 from jaxzero.train.state import TrainState
 from jaxzero.zero.config import ZeRO
 
@@ -228,99 +218,66 @@ def save(
         meta = describe(state, zero=zero, optimizer=optimizer, metadata=metadata)
         meta["checkpoint_step"] = step
         meta["has_extra"] = extra is not None
+        extra = None if extra is None else _host_tree(extra)
+        meta[integrity.KEY] = _checksums(state, extra)
         items = {STATE: ocp.args.StandardSave(state), METADATA: ocp.args.JsonSave(meta)}
         if extra is not None:
-            items[EXTRA] = ocp.args.StandardSave(_host_tree(extra))
-        started = mngr.save(step, args=ocp.args.Composite(**items), force=force)
-        if wait:  # an opened directory's manager waits when it is closed
-            mngr.wait_until_finished()
+            items[EXTRA] = ocp.args.StandardSave(extra)
+        try:
+            started = mngr.save(step, args=ocp.args.Composite(**items), force=force)
+            if wait:  # an opened directory's manager waits when it is closed
+                mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - a write error is re-raised with the step
+            if not integrity.is_write_error(e):
+                raise
+            raise _save_failed(mngr, step, e) from e
         return bool(started)
 
 
-# --------------------------------------------------------------------------------- restore
-def restore(
-    manager_or_dir,
-    zero: ZeRO,
-    params_or_abstract_state,
-    *,
-    step: int | None = None,
-    ema: ShardedEMA | None = None,
-    model_state=None,
-    rng=None,
-    with_extra: bool = False,
-    check_dtypes: bool = True,
-):
-    """Restore a :class:`~jaxzero.TrainState` directly into ``zero``'s shardings.
-
-    The target is ``zero.abstract_state(params, ema=ema, model_state=..., rng=...)`` (or the
-    given abstract ``TrainState``, re-sharded for ``zero``); Orbax reads each array straight
-    into its target sharding, so each device only loads its own shard. A checkpoint written at
-    one device count / stage / mesh restores at any other.
-
-    Args:
-      manager_or_dir: a manager or a checkpoint directory (opened read-only).
-      zero: the ``ZeRO`` to restore for (its mesh and stage decide the shardings).
-      params_or_abstract_state: the model params (arrays or ShapeDtypeStructs; only shapes
-        and dtypes are used), or an (abstract) ``TrainState``.
-      step: the step to restore; None: the newest complete step.
-      ema: the ``ShardedEMA`` when the state carries an EMA (must match the checkpoint). Its
-        ``bucket_leaves_up_to`` decides the restored EMA's storage (given an abstract
-        ``TrainState``, its EMA's storage does); the checkpoint, always per-leaf on disk,
-        restores into either.
-      model_state, rng: templates of those state fields, when the state has them.
-      with_extra: also return the ``extra`` tree saved with the step (None if none was).
-      check_dtypes: refuse leaves whose stored dtype differs from the target's.
-
-    Returns:
-      The restored ``TrainState``, or ``(state, extra)`` with ``with_extra=True``.
-
-    Raises:
-      FileNotFoundError: no such directory, no complete step, or ``step`` not complete.
-      ValueError: the stored tree differs from the target (the first missing / mis-shaped /
-        extra leaf path is named); nothing is restored.
-    """
-    if not isinstance(zero, ZeRO):
-        raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}.")
-    if ema is not None and not isinstance(ema, ShardedEMA):
-        raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
-    with _opened(manager_or_dir) as mngr:
-        step = _resolve_step(mngr, step)
-        # Checkpoints hold the per-leaf EMA; a bucketed target is filled after the read.
-        target, threshold = _target(zero, params_or_abstract_state, ema, model_state, rng)
-        _check_stored(mngr, step, target, check_dtypes=check_dtypes)
-        state, extra = _read_state(mngr, step, target, with_extra=with_extra)
-        if threshold:
-            state = state.replace(ema=storage.store(state.ema, zero.mesh, zero.axis, threshold))
-        return (state, extra) if with_extra else state
-
-
-def _check_stored(
-    mngr: ocp.CheckpointManager, step: int, target: TrainState, *, check_dtypes: bool
-) -> None:
-    """:func:`check_compatible` of ``step``'s stored tree and ``target``; the step's metadata,
-    when it can be read, adds hints to the error (:func:`_mismatch_hints`)."""
-    stored = _stored_tree(mngr, step)
+def wait(mngr: ocp.CheckpointManager) -> None:
+    """Block until ``mngr``'s asynchronous save is committed. A failed write raises OSError
+    naming the step (``mngr.wait_until_finished()`` raises Orbax's own error instead)."""
     try:
-        meta = _read_metadata(mngr, step)
-    except Exception:  # noqa: BLE001 - metadata is optional for the check
-        meta = None
-    context = "" if meta is None else _mismatch_hints(meta, target)
-    check_compatible(stored, target, check_dtypes=check_dtypes, context=context)
+        mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - a write error is re-raised with the step
+        if not integrity.is_write_error(e):
+            raise
+        raise _save_failed(mngr, None, e) from e
 
 
-def _read_state(
-    mngr: ocp.CheckpointManager, step: int, target: TrainState, *, with_extra: bool
-) -> tuple[TrainState, Any]:
-    """``(state, extra)``: ``step``'s state read straight into ``target``'s shardings, and its
-    ``extra`` tree (None unless asked for and saved)."""
-    items = {STATE: ocp.args.StandardRestore(target)}
-    has_extra = with_extra and _has_item(mngr, step, EXTRA)
-    if has_extra:
-        items[EXTRA] = ocp.args.StandardRestore()
-    out = mngr.restore(step, args=ocp.args.Composite(**items))
-    return out[STATE], (out[EXTRA] if has_extra else None)
+def _checksums(state: TrainState, extra) -> dict:
+    """The metadata's ``checksums`` entry: every leaf's hash (:mod:`integrity`), taken now,
+    before an asynchronous save copies the same arrays."""
+    leaves = integrity.checksums({_name(k): v for k, v in _flat(state).items()})
+    if extra is not None:
+        leaves.update(
+            integrity.checksums({"extra." + _name(k): v for k, v in _flat(extra).items()})
+        )
+    return {"algorithm": integrity.ALGORITHM, "leaves": leaves}
 
 
+def _save_failed(mngr: ocp.CheckpointManager, step: int | None, error: Exception) -> OSError:
+    """A failed write (disk full, file too large, ...), possibly of an earlier asynchronous
+    save: an OSError naming the step that failed and the newest complete step."""
+    failed = integrity.failed_step(error)
+    if failed is not None:
+        which = f"step {failed}"
+    else:
+        which = "the last asynchronous save" if step is None else f"step {step} (or an earlier one)"
+    leaf = integrity.leaf_of(error)
+    try:
+        latest = mngr.latest_step()
+    except Exception:  # noqa: BLE001 - the report must not hide the original error
+        latest = None
+    return OSError(
+        f"saving checkpoint {which} in {os.fspath(mngr.directory)} failed"
+        f"{f' writing leaf {leaf}' if leaf else ''}: {integrity.first_line(error)}. The "
+        f"incomplete step is never restored; the newest complete step is {latest}. Free "
+        f"space (or raise the file-size limit) and save again."
+    )
+
+
+# --------------------------------------------------------------------------------- read
 def _has_item(mngr: ocp.CheckpointManager, step: int, item: str) -> bool:
     step_dir = epath.Path(os.fspath(mngr.directory)) / str(step)
     if step_dir.is_dir():

@@ -191,6 +191,58 @@ def _mismatch_hints(meta: dict, target: TrainState) -> str:
     return hints
 
 
+_PARTS = {
+    "model_state": (
+        "model state",
+        "model_state=<the model's non-trainable collections, e.g. variables['batch_stats']> "
+        "(a template: only shapes and dtypes are used; the saved values are restored)",
+    ),
+    "rng": (
+        "an rng key",
+        "rng=jax.random.key(0) (a template: any key; the saved key is restored)",
+    ),
+}
+
+FRESH_EMA = (
+    "restore without ema=, then start the EMA from the restored weights: "
+    "`state = state.replace(ema=zero.init(jz.gather(state.master if state.master is not None "
+    "else state.params), ema=jz.ShardedEMA(...), model_state=state.model_state).ema)`"
+)
+
+
+def _missing_parts(stored: dict, target: TrainState, *, step: int, directory) -> None:
+    """Raise ValueError when the checkpoint has a part of the state (model state, rng, EMA)
+    that the restore call did not ask for, or lacks one it asked for: naming the part and
+    the argument to pass or drop (instead of the first differing leaf)."""
+    tops = {path[0] for path in stored if path}
+    where = f"checkpoint step {step} in {directory}"
+    for field, (what, how) in _PARTS.items():
+        has, wants = field in tops, bool(jax.tree.leaves(getattr(target, field)))
+        if has and not wants:
+            leaves = [_name(p) for p in stored if p and p[0] == field]
+            raise ValueError(
+                f"{where} has {what} ({len(leaves)} leaves, e.g. {leaves[0]}) and this restore "
+                f"call gave none: pass {how}."
+            )
+        if wants and not has:
+            raise ValueError(
+                f"{where} has no {what}, but this restore call passed {field}=: drop it (the "
+                f"checkpoint was saved from a state without {what})."
+            )
+    if target.ema is not None and "ema" not in tops:
+        raise ValueError(
+            f"{where} has no EMA (it was saved from a state without ShardedEMA), but this "
+            f"restore call passed ema=. To start a fresh EMA: {FRESH_EMA}."
+        )
+    if target.ema is None and "ema" in tops:
+        leaves = sorted((_name(p) for p in stored if p[0] == "ema"), key=len, reverse=True)
+        raise ValueError(
+            f"{where} has an EMA ({len(leaves)} leaves, e.g. {leaves[0]}) and this restore "
+            f"call passed no ema=: pass "
+            f"ema=jz.ShardedEMA(<the decay it was trained with>) to restore it."
+        )
+
+
 def _shape_dtype(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
