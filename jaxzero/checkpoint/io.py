@@ -15,6 +15,7 @@ from etils import epath
 
 import jaxzero.checkpoint.integrity as integrity
 from jaxzero.checkpoint.structure import EXTRA, METADATA, STATE, _flat, _name, describe
+from jaxzero.checkpoint.trust import check_metadata
 from jaxzero.ema import storage
 from jaxzero.train.state import TrainState
 from jaxzero.zero.config import ZeRO
@@ -290,7 +291,8 @@ def _read_metadata(mngr: ocp.CheckpointManager, step: int) -> dict | None:
     if not _has_item(mngr, step, METADATA):
         return None
     out = mngr.restore(step, args=ocp.args.Composite(**{METADATA: ocp.args.JsonRestore()}))
-    return out[METADATA]
+    where = f"step {step} in {os.fspath(mngr.directory)}"
+    return check_metadata(out[METADATA], where)
 
 
 def load_metadata(manager_or_dir, step: int | None = None) -> dict:
