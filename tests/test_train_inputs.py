@@ -114,3 +114,19 @@ def test_a_second_mesh_axis_not_named_as_a_replica_axis_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8, replicas=2), stage=2)
+
+
+def test_stateful_step_needs_no_rng_when_the_model_draws_none():
+    """A BatchNorm model without dropout: ``stateful=True`` with no ``rng=`` (issue 17, 6);
+    the numbers equal a run that passes a key the model never uses."""
+    params, model_state, loss, batch = _bn_problem()
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8, axis="batch"), stage=2, axis="batch")
+    step = jz.make_train_step(loss, zero, stateful=True)
+    no_rng = step.init(params, model_state=model_state)
+    with_rng = step.init(params, model_state=model_state, rng=jax.random.key(0))
+    for _ in range(2):
+        no_rng, _ = step(no_rng, batch)
+        with_rng, _ = step(with_rng, batch)
+    assert no_rng.rng is None
+    for a, b in zip(jax.tree.leaves(_host(no_rng)), jax.tree.leaves(_host(with_rng)), strict=True):
+        np.testing.assert_array_equal(a, b)
