@@ -251,6 +251,7 @@ def test_gpu_plan_cli_prints_compiled_bytes_and_verdict(capsys):
     assert f"{SHAPE.num_params:,} params; 8 x H100" in out
     row = next(line for line in out.splitlines() if line.startswith("1 "))
     assert "fits in 84.93 GB with" in row and "all-gather bf16" in row
+    assert "hidden AG+RS" in out and "kernels" in out and "(all-gather " in row
 
 
 @pytest.mark.parametrize(
@@ -307,3 +308,79 @@ def test_gpu_ema_kernels_per_update_one_per_leaf_or_one_bucket():
         counts[bucket] = gpu.kernels_per_step(hlo)
     assert counts[0] == leaves + 1
     assert counts[4096] == len(big) + 2, counts  # big leaves, the bucket loop, the counter
+
+
+OVERLAP_HLO = """HloModule m, is_scheduled=true
+
+%dot_comp (p0: bf16[8,8], p1: bf16[8,8]) -> bf16[8,8] {
+  %p0 = bf16[8,8]{1,0} parameter(0)
+  %p1 = bf16[8,8]{1,0} parameter(1)
+  ROOT %d = bf16[8,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%neg_comp (p0: bf16[8,8]) -> bf16[8,8] {
+  %p0 = bf16[8,8]{1,0} parameter(0)
+  ROOT %n = bf16[8,8]{1,0} negate(%p0)
+}
+
+%body (a: bf16[8,8]) -> bf16[8,8] {
+  %a = bf16[8,8]{1,0} parameter(0)
+  %ag-start = (bf16[1,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(%a), replica_groups=[1,8]<=[8], dimensions={0}
+  %g = bf16[8,8]{1,0} fusion(%a, %a), kind=kCustom, calls=%dot_comp
+  %ag-done = bf16[8,8]{1,0} all-gather-done(%ag-start)
+  %rs-start = (bf16[8,8]{1,0}, bf16[1,8]{1,0}) reduce-scatter-start(%g), replica_groups=[1,8]<=[8], dimensions={0}
+  %e = bf16[8,8]{1,0} fusion(%g), kind=kLoop, calls=%neg_comp
+  %rs-done = bf16[1,8]{1,0} reduce-scatter-done(%rs-start)
+  ROOT %r = bf16[8,8]{1,0} add(%ag-done, %e)
+}
+
+%cond (c: bf16[8,8]) -> pred[] {
+  %c = bf16[8,8]{1,0} parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+ENTRY %main (x: bf16[8,8]) -> bf16[8,8] {
+  %x = bf16[8,8]{1,0} parameter(0)
+  %ar-start = bf16[8,8]{1,0} all-reduce-start(%x), replica_groups=[1,8]<=[8], to_apply=%neg_comp
+  %w = bf16[8,8]{1,0} while(%x), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %ar-done = bf16[8,8]{1,0} all-reduce-done(%ar-start)
+  %ag2-start = (bf16[1,8]{1,0}, bf16[8,8]{1,0}) all-gather-start(%x), replica_groups=[1,8]<=[8], dimensions={0}
+  %c1 = bf16[8,8]{1,0} custom-call(%x), custom_call_target="__cublas$gemm"
+  %ag2-done = bf16[8,8]{1,0} all-gather-done(%ag2-start)
+  %ag3 = bf16[8,8]{1,0} all-gather(%x), replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %o = bf16[8,8]{1,0} add(%ar-done, %ag2-done)
+}
+"""
+
+
+def test_gpu_overlap_counts_a_pair_hidden_only_with_a_gemm_between():
+    """The hidden share's definition on a hand-written schedule: a dot fusion, a cuBLAS call or
+    a loop with a gemm between start and done hides a collective; an element-wise fusion or
+    nothing (a synchronous collective) does not; bytes are weighted by trip counts."""
+    from jaxzero.gpu.overlap import overlap_per_step
+
+    got = {o.kind: (o.bytes, o.hidden_bytes) for o in overlap_per_step(OVERLAP_HLO, 8)}
+    # all-gather: 5 x 128 B in the loop (dot fusion between: hidden), 128 B around the cuBLAS
+    # call (hidden), 128 B synchronous (exposed).
+    assert got["all-gather"] == (7 * 128, 6 * 128)
+    # reduce-scatter: 5 x (16 B x group 8) with only a negate fusion between: exposed.
+    assert got["reduce-scatter"] == (5 * 128, 0)
+    # all-reduce: in flight across the whole loop, whose body runs a gemm: hidden.
+    assert got["all-reduce"] == (128, 128)
+
+
+def test_gpu_report_reads_the_hidden_share_per_kind():
+    """Stage 3 per layer, default XLA flags, on the test decoder: the backward's per-layer
+    reduce-scatter is started before the remat'd layer's attention and gemms (hidden), every
+    all-gather waits right after its start (exposed), and the reduce-scatter of the leaves
+    outside the stack after the whole backward is exposed."""
+    rep = compiled(3, True, "bf16")
+    by_kind = {o.kind: o for o in rep.overlap}
+    assert by_kind["all-gather"].bytes == rep.payload("all-gather")
+    assert by_kind["reduce-scatter"].bytes == rep.payload("reduce-scatter")
+    assert by_kind["all-gather"].hidden_bytes == 0
+    exposed = rep.payload("reduce-scatter") - by_kind["reduce-scatter"].hidden_bytes
+    assert by_kind["reduce-scatter"].hidden_bytes == 2 * 131328  # both layers' gradients
+    assert exposed == 2 * (2 * 128 * 64 + 64)  # embedding, head and final norm, in bf16
+    assert rep.hidden_share("all-gather", "reduce-scatter") == pytest.approx(262656 / 853760)
+    assert "reduce-scatter 89%" in rep.overlap_summary()

@@ -144,7 +144,8 @@ def _progress(total_hint: int):
 def _table(rows) -> str:
     from jaxzero.memory import format_bytes
 
-    header = ["stage", "GPU-compiled", "estimate", "state", "verdict", "collectives per step"]
+    header = ["stage", "GPU-compiled", "estimate", "state", "verdict", "hidden AG+RS", "kernels"]
+    header.append("collectives per step (hidden share)")
     body = [
         [
             r.label,
@@ -152,7 +153,9 @@ def _table(rows) -> str:
             format_bytes(r.estimate.total),
             format_bytes(r.state_bytes),
             r.verdict,
-            r.report.collective_summary(),
+            f"{r.report.hidden_share('all-gather', 'reduce-scatter'):.0%}",
+            str(r.report.kernels_per_step),
+            f"{r.report.collective_summary()} ({r.report.overlap_summary()})",
         ]
         for r in rows
     ]
@@ -198,7 +201,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     print(
         "GPU-compiled: arguments + outputs - donated aliases + temporaries per device "
         "(XLA:GPU memory_analysis); estimate: jaxzero.estimate_memory with activations "
-        "(ckpt_every=1) and f32 logits; state: persistent arguments less the batch."
+        "(ckpt_every=1) and f32 logits; state: persistent arguments less the batch; hidden: "
+        "the share of collective bytes per step whose start and done the GPU schedule "
+        "separates by a gemm/conv/attention kernel (jaxzero.gpu.overlap); kernels: device "
+        "launches per step."
     )
     return 0
 
