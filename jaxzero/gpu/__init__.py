@@ -26,6 +26,7 @@ from jaxzero.gpu.topology import (
     compile_only_mesh,
     recommended_xla_flags,
     topology_string,
+    xla_options,
 )
 
 __all__ = [
@@ -51,4 +52,5 @@ __all__ = [
     "recommended_xla_flags",
     "target_config",
     "topology_string",
+    "xla_options",
 ]
