@@ -249,8 +249,9 @@ def test_gpu_plan_cli_prints_compiled_bytes_and_verdict(capsys):
     from jaxzero import cli
 
     argv = ["plan", "--devices", "8", "--layers", "2", "--hidden", "64", "--heads", "2"]
-    assert cli.main([*argv, "--vocab", "128", "--seq", "16", "--stage", "1"]) == 0
+    assert cli.main([*argv, "--vocab", "128", "--seq", "16", "--stage", "1", "--xla-flags"]) == 0
     out = capsys.readouterr().out
+    assert "XLA flags --xla_gpu_enable_pipelined_all_gather=true" in out
     assert f"{SHAPE.num_params:,} params; 8 x H100" in out
     row = next(line for line in out.splitlines() if line.startswith("1 "))
     assert "fits in 84.93 GB with" in row and "all-gather bf16" in row
