@@ -1,4 +1,5 @@
-"""Stage 3 per layer: ``ZeRO(layers=...)`` + ``jaxzero.gather_layer`` in a scanned model.
+"""Stages 3 and 2 per layer: ``ZeRO(layers=...)`` + ``jaxzero.gather_layer`` in a scanned model
+(stage 3 gathers each layer; stage 2 reduce-scatters each layer's gradient in the backward).
 
 Checked against plain single-device optax (same data, same seed), against today's
 whole-model stage 3, and on the compiled HLO / memory analysis: the parameter all-gathers and
@@ -41,14 +42,20 @@ def _run(zero, loss_fn, params, batches, **kw):
 
 
 @pytest.mark.parametrize(
-    "chain,n,accum",
-    [("sgd_nesterov_cosine", 8, 1), ("clip_adamw", 8, 1), ("clip_adamw", 2, 4)],
+    "chain,n,accum,stage",
+    [
+        ("sgd_nesterov_cosine", 8, 1, 3),
+        ("clip_adamw", 8, 1, 3),
+        ("clip_adamw", 2, 4, 3),
+        ("clip_adamw", 8, 1, 2),
+        ("sgd_nesterov_cosine", 2, 4, 2),
+    ],
 )
-def test_per_layer_stage3_matches_single_device(chain, n, accum):
+def test_per_layer_matches_single_device(chain, n, accum, stage):
     params, loss_fn, batches = make_problem("scanned", gather_layer=jz.gather_layer)
     tx = CHAINS[chain]()
     ref_params, ref_opt = reference_run(tx, params, loss_fn, batches)
-    zero = jz.ZeRO(tx, jz.data_parallel_mesh(n), stage=3, layers="layers")
+    zero = jz.ZeRO(tx, jz.data_parallel_mesh(n), stage=stage, layers="layers")
     state = _run(zero, loss_fn, params, batches, accum_steps=accum)
     chex.assert_trees_all_close(jz.gather(state), ref_params, atol=1e-5)
     chex.assert_trees_all_close(jz.gather(state.opt_state), ref_opt, atol=1e-5)
@@ -147,6 +154,31 @@ def test_layer_collectives_sit_in_the_scanned_loop():
         if op.kind == "all-gather" and op.computation == whole_entry
     )
     assert entry_ag >= 4 * layer_bytes, (entry_ag, layer_bytes)
+
+
+def test_stage2_reduce_scatters_each_layer_in_the_backward_loop():
+    """Stage 2 with layers=: the stack's gradient is reduce-scattered inside the scanned
+    backward loop (layer by layer, as many bytes as the whole-gradient reduction), with no
+    all-gather of parameters in the loop; without gather_layer in the model stage 2 falls back
+    to the reduction after the backward."""
+    params, loss_fn, batches = make_problem("scanned", gather_layer=jz.gather_layer, steps=1)
+    plain_params, plain_loss, _ = make_problem("scanned", steps=1)
+    n, hlos = 8, {}
+    for name, p, fn in (("per_layer", params, loss_fn), ("plain", plain_params, plain_loss)):
+        zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(n), stage=2, layers="layers")
+        step = jz.make_train_step(fn, zero)
+        x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches[0])
+        hlos[name] = step.jitted.lower(zero.abstract_state(p), x).compile().as_text()
+    hlo = hlos["per_layer"]
+    entry = _entry(hlo)
+    ops = collective_ops(hlo)
+    loop_rs = [op for op in ops if op.kind == "reduce-scatter" and op.computation != entry]
+    assert loop_rs, [(op.kind, op.computation) for op in ops]
+    assert not [op for op in ops if op.kind == "all-gather" and op.computation != entry]
+    layer_bytes = _layer_param_bytes(params, 4)
+    assert sum(op.bytes for op in loop_rs) == layer_bytes // n
+    plain = collective_ops(hlos["plain"])
+    assert all(op.computation == _entry(hlos["plain"]) for op in plain)
 
 
 def test_temp_memory_grows_by_checkpoints_not_weights():

@@ -12,7 +12,9 @@ Starts ``--processes`` copies of ``python -u train.py args...``, each with the e
 * with ``--devices-per-process K``: ``XLA_FLAGS=... --xla_force_host_platform_device_count=K``
   (K simulated CPU devices per process) and ``JAXZERO_LOCAL_DEVICE_IDS`` (process ``i`` gets
   accelerators ``i*K .. i*K+K-1``: the node's GPUs split between the processes);
-* ``JAXZERO_HEARTBEAT_TIMEOUT`` with ``--heartbeat-timeout``.
+* ``JAXZERO_HEARTBEAT_TIMEOUT`` with ``--heartbeat-timeout``;
+* on a machine with NVIDIA GPUs, jaxzero's recommended XLA GPU flags in ``XLA_FLAGS`` (those
+  not already set there; ``--no-xla-flags`` or ``JAXZERO_NO_XLA_FLAGS=1`` opts out), printed.
 
 Every line a process prints is forwarded with a ``[p<i>]`` prefix (stdout to stdout, stderr
 to stderr). When a process fails (non-zero exit or killed by a signal) the launcher waits up
@@ -64,6 +66,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="after a process fails, wait this long for the others to exit before stopping them",
     )
+    ap.add_argument(
+        "--no-xla-flags",
+        dest="xla_flags",
+        action="store_false",
+        help="do not add jaxzero's recommended XLA GPU flags (only added on GPU machines)",
+    )
     ap.add_argument("-m", dest="module", action="store_true", help="run a module (python -m)")
     ap.add_argument("script", help="the script (or with -m, the module) to run")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
@@ -79,4 +87,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     names = ("processes", "devices_per_process", "host", "port", "timeout", "heartbeat_timeout")
+    names += ("xla_flags",)
     return launch(run, grace=a.grace, **pick(a, *names))

@@ -94,6 +94,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--replicas", type=positive_int, default=1, help="HSDP replica groups (default: 1)"
     )
+    train.add_argument(
+        "--xla-flags",
+        action="store_true",
+        help="compile with jaxzero's recommended XLA GPU flags (jaxzero.gpu.recommended_xla_flags; "
+        "what jaxzero.distributed.initialize applies on GPUs) instead of XLA's defaults",
+    )
 
 
 def _shape(args, parser):
@@ -144,7 +150,8 @@ def _progress(total_hint: int):
 def _table(rows) -> str:
     from jaxzero.memory import format_bytes
 
-    header = ["stage", "GPU-compiled", "estimate", "state", "verdict", "collectives per step"]
+    header = ["stage", "GPU-compiled", "estimate", "state", "verdict", "hidden AG+RS", "kernels"]
+    header.append("collectives per step (hidden share)")
     body = [
         [
             r.label,
@@ -152,7 +159,9 @@ def _table(rows) -> str:
             format_bytes(r.estimate.total),
             format_bytes(r.state_bytes),
             r.verdict,
-            r.report.collective_summary(),
+            f"{r.report.hidden_share('all-gather', 'reduce-scatter'):.0%}",
+            str(r.report.kernels_per_step),
+            f"{r.report.collective_summary()} ({r.report.overlap_summary()})",
         ]
         for r in rows
     ]
@@ -168,7 +177,7 @@ def _table(rows) -> str:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     """Compile every requested stage and print the table; returns the exit code."""
     shape = _shape(args, parser)
-    from jaxzero.gpu import PluginMissingError, plan, plan_cases
+    from jaxzero.gpu import PluginMissingError, plan, plan_cases, recommended_xla_flags, xla_options
 
     if args.params is not None and abs(shape.num_params - args.params) > 0.1 * args.params:
         print(
@@ -182,13 +191,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         f"{shape.num_params:,} params; {args.devices} x {args.gpu.upper()}"
         + (f" ({args.replicas} replicas)" if args.replicas > 1 else "")
         + f", {args.precision}, Adam, accum {args.accum}"
-        + (", EMA" if args.ema else ""),
+        + (", EMA" if args.ema else "")
+        + (f"; XLA flags {' '.join(recommended_xla_flags())}" if args.xla_flags else ""),
         flush=True,
     )
     on_case, close = _progress(len(plan_cases(args.stage, args.stage3)))
     try:
         options = pick(args, "gpu", "devices", "replicas", "stage3", "precision", "accum", "ema")
-        rows = plan(shape, stages=args.stage, on_case=on_case, **options)
+        flags = xla_options() if args.xla_flags else None
+        rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
     except PluginMissingError as e:
         close()
         print(f"jaxzero plan: error: {e}", file=sys.stderr)
@@ -198,7 +209,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     print(
         "GPU-compiled: arguments + outputs - donated aliases + temporaries per device "
         "(XLA:GPU memory_analysis); estimate: jaxzero.estimate_memory with activations "
-        "(ckpt_every=1) and f32 logits; state: persistent arguments less the batch."
+        "(ckpt_every=1) and f32 logits; state: persistent arguments less the batch; hidden: "
+        "the share of collective bytes per step whose start and done the GPU schedule "
+        "separates by a gemm/conv/attention kernel (jaxzero.gpu.overlap); kernels: device "
+        "launches per step."
     )
     return 0
 

@@ -9,7 +9,10 @@
 * with ``devices_per_process=K``: ``XLA_FLAGS=... --xla_force_host_platform_device_count=K``
   (K simulated CPU devices per process) and ``JAXZERO_LOCAL_DEVICE_IDS`` (process ``i`` gets
   accelerators ``i*K .. i*K+K-1``: the node's GPUs split between the processes);
-* ``JAXZERO_HEARTBEAT_TIMEOUT`` with ``heartbeat_timeout``.
+* ``JAXZERO_HEARTBEAT_TIMEOUT`` with ``heartbeat_timeout``;
+* on a machine with NVIDIA GPUs (:func:`jaxzero.xla_flags.gpu_present`), jaxzero's recommended
+  XLA GPU flags appended to ``XLA_FLAGS`` (those the user has not set; ``xla_flags=False`` or
+  ``JAXZERO_NO_XLA_FLAGS=1`` opts out), announced on stderr. Never on a CPU-only run.
 
 Every line a process prints is forwarded with a ``[p<i>]`` prefix (stdout to stdout, stderr
 to stderr). When a process fails (non-zero exit or killed by a signal) the launcher waits up
@@ -35,6 +38,7 @@ from typing import TextIO
 
 from jaxzero.distributed.bind import join_host_port
 from jaxzero.simulate import cpu_xla_flags
+from jaxzero.xla_flags import gpu_present, with_xla_flags
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -194,6 +198,16 @@ def _wait(
     return code
 
 
+def launch_base_env(env: dict | None, xla_flags: bool, gpu: bool | None = None):
+    """``(environment, applied flags)``: ``env`` (default ``os.environ``) with the recommended
+    XLA GPU flags when ``xla_flags`` and the processes will run on GPUs (``gpu``: default
+    :func:`jaxzero.xla_flags.gpu_present` of that environment)."""
+    base = dict(os.environ if env is None else env)
+    if not xla_flags or not (gpu_present(base) if gpu is None else gpu):
+        return base, []
+    return with_xla_flags(base)
+
+
 def launch(
     argv: Sequence[str],
     *,
@@ -208,6 +222,7 @@ def launch(
     python: str | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
+    xla_flags: bool = True,
 ) -> int:
     """Run ``python -u *argv`` in ``processes`` local processes; return the exit code.
 
@@ -228,6 +243,9 @@ def launch(
             stderr.flush()
 
     coordinator = join_host_port(host, port or free_port(host))
+    env, applied = launch_base_env(env, xla_flags)
+    if applied:
+        note(f"applied XLA GPU flags {' '.join(applied)} (opt out: JAXZERO_NO_XLA_FLAGS=1)")
     cmd = [python or sys.executable, "-u", *argv]
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []

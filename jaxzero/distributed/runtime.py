@@ -19,6 +19,7 @@ from jaxzero.distributed.bind import (
     pin_gloo,
     split_host_port,
 )
+from jaxzero.xla_flags import apply_xla_flags
 
 ENV_COORDINATOR = "JAXZERO_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXZERO_NUM_PROCESSES"
@@ -84,6 +85,7 @@ def initialize(
     shutdown_timeout_seconds: int | None = None,
     cluster_detection_method: str | None = None,
     bind_address: str | None = None,
+    xla_flags: bool = True,
 ) -> bool:
     """Connect this process to the others: a thin wrapper over ``jax.distributed.initialize``.
 
@@ -116,14 +118,14 @@ def initialize(
         service listens on. Default: ``JAXZERO_BIND_ADDRESS``; else, when the coordinator is a
         loopback address (one machine), that address only, and gloo's listeners too; else
         jax's default (``JAX_COORDINATOR_BIND_ADDRESS``, or every interface).
+      xla_flags: first :func:`jaxzero.xla_flags.apply_xla_flags` (GPU runs only; any count).
 
-    Returns:
-      True when the process is (now, or already was) part of a distributed run.
-
+    Returns: True when the process is (now, or already was) part of a distributed run.
     Raises:
       RuntimeError: a jax backend was already started (from ``jax.distributed.initialize``).
       ValueError: a malformed ``JAXZERO_*`` variable or ``bind_address``.
     """
+    _ = xla_flags and apply_xla_flags()
     if jax.distributed.is_initialized():
         return True
     given = (coordinator_address, num_processes, process_id, local_device_ids)

@@ -16,6 +16,7 @@ from jaxzero.gpu.hlo import (
     kernels_per_step,
 )
 from jaxzero.gpu.models import ModelShape, model_shape
+from jaxzero.gpu.overlap import OverlapTotal, overlap_per_step
 from jaxzero.gpu.plan import PlanRow, plan, plan_cases
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.targets import GPU_KINDS, GpuSpec, gpu_spec, target_config
@@ -25,6 +26,7 @@ from jaxzero.gpu.topology import (
     compile_only_mesh,
     recommended_xla_flags,
     topology_string,
+    xla_options,
 )
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "CompileReport",
     "GpuSpec",
     "ModelShape",
+    "OverlapTotal",
     "PlanRow",
     "PluginMissingError",
     "collectives_per_step",
@@ -43,9 +46,11 @@ __all__ = [
     "gpu_spec",
     "kernels_per_step",
     "model_shape",
+    "overlap_per_step",
     "plan",
     "plan_cases",
     "recommended_xla_flags",
     "target_config",
     "topology_string",
+    "xla_options",
 ]

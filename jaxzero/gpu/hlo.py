@@ -203,6 +203,19 @@ def _group_size(groups: str | None, default: int) -> int:
     return int(m.group(1).split(",")[-1]) if m else default
 
 
+def collective_payloads(hlo: str, group_size: int, mult: dict[str, int] | None = None):
+    """``[(CollectiveOp, {dtype: payload bytes per step}), ...]``: each collective's payload
+    (see :class:`CollectiveTotal`) times how often its computation runs (``mult``, default
+    :func:`computation_multipliers`)."""
+    mult = computation_multipliers(hlo)[0] if mult is None else mult
+    out = []
+    for op in collective_ops(hlo):
+        k = mult.get(op.computation, 1)
+        scale = _group_size(op.replica_groups, group_size) if op.kind == "reduce-scatter" else 1
+        out.append((op, {dt: b * scale * k for dt, b in _dtype_bytes(op.shape).items()}))
+    return out
+
+
 def collectives_per_step(hlo: str, group_size: int) -> tuple[CollectiveTotal, ...]:
     """Collectives by (kind, dtype), with payload bytes multiplied by loop trip counts.
 
@@ -211,12 +224,10 @@ def collectives_per_step(hlo: str, group_size: int) -> tuple[CollectiveTotal, ..
     """
     mult, _ = computation_multipliers(hlo)
     acc: dict[tuple[str, str], list[int]] = {}
-    for op in collective_ops(hlo):
-        k = mult.get(op.computation, 1)
-        scale = _group_size(op.replica_groups, group_size) if op.kind == "reduce-scatter" else 1
-        for dtype, nbytes in _dtype_bytes(op.shape).items():
+    for op, payload in collective_payloads(hlo, group_size, mult):
+        for dtype, nbytes in payload.items():
             entry = acc.setdefault((op.kind, dtype), [0, 0, 0])
             entry[0] += 1
-            entry[1] += k
-            entry[2] += nbytes * scale * k
+            entry[1] += mult.get(op.computation, 1)
+            entry[2] += nbytes
     return tuple(CollectiveTotal(kd, dt, *v) for (kd, dt), v in sorted(acc.items()))

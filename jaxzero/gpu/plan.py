@@ -112,6 +112,7 @@ def plan(
     accum: int = 1,
     ema: bool = False,
     on_case: Callable[[str, int, int], None] | None = None,
+    compiler_options: dict | None = None,
 ) -> list[PlanRow]:
     """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
 
@@ -119,6 +120,8 @@ def plan(
     from ``jax.eval_shape``), the global batch ``shape.batch x devices x accum`` sequences, the
     optimizer ``optax.adam`` with ZeRO's ``precision`` policy, plus an fp32 ``ShardedEMA`` with
     ``ema=True``. ``on_case(label, i, total)`` is called before each compile (progress).
+    ``compiler_options``: XLA options for every compile (e.g. ``jaxzero.gpu.xla_options()``,
+    the recommended GPU flags).
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -148,7 +151,7 @@ def plan(
             layers="layers" if per_layer else None,
         )
         step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
-        report = compile_report(step, params, batch, kind=gpu)
+        report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
         rows.append(
             PlanRow(
                 stage=stage,

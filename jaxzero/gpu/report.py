@@ -16,6 +16,7 @@ from jaxzero.gpu.hlo import (
     computation_multipliers,
     kernels_per_step,
 )
+from jaxzero.gpu.overlap import OverlapTotal, overlap_per_step
 from jaxzero.gpu.targets import gpu_spec
 from jaxzero.gpu.topology import gpu_kind_of
 from jaxzero.memory import format_bytes
@@ -38,7 +39,10 @@ class CompileReport:
     ``hbm_bytes`` is the GPU's memory (None when the mesh is not a bundled GPU kind), and
     ``headroom_bytes = hbm_bytes - peak_bytes``. ``collectives`` are per (kind, dtype) with loop
     trip counts applied; ``kernels_per_step`` counts device launches (see
-    :func:`jaxzero.gpu.hlo.kernels_per_step`); ``hlo_text`` is the scheduled HLO.
+    :func:`jaxzero.gpu.hlo.kernels_per_step`); ``overlap`` is per collective kind the payload
+    bytes and those the schedule hides behind compute (:mod:`jaxzero.gpu.overlap`; read with
+    :meth:`hidden_share`); ``compiler_options`` the XLA options the step was compiled with;
+    ``hlo_text`` is the scheduled HLO.
 
     The verdict compares with the whole HBM; a JAX process gets 75% of it unless
     ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (e.g. ``.95``) or ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
@@ -57,6 +61,8 @@ class CompileReport:
     trip_counts_known: bool
     compile_seconds: float
     hlo_text: str = dataclasses.field(repr=False, compare=False)
+    overlap: tuple[OverlapTotal, ...] = ()
+    compiler_options: tuple[tuple[str, str], ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -73,6 +79,19 @@ class CompileReport:
     def payload(self, kind: str, dtype: str | None = None) -> int:
         """Payload bytes per device per step of one collective kind (optionally one dtype)."""
         return sum(c.bytes for c in self.collectives if c.kind == kind and dtype in (None, c.dtype))
+
+    def hidden_share(self, *kinds: str) -> float:
+        """Hidden bytes over payload bytes of those collective kinds (default: all), byte-
+        weighted with loop trip counts (see :mod:`jaxzero.gpu.overlap`); 1.0 when none move."""
+        rows = [o for o in self.overlap if not kinds or o.kind in kinds]
+        total = sum(o.bytes for o in rows)
+        return sum(o.hidden_bytes for o in rows) / total if total else 1.0
+
+    def overlap_summary(self) -> str:
+        """``"all-gather 52%, reduce-scatter 90%"``: the hidden share per kind moving 1 KiB or
+        more per step (``"none"`` when nothing does)."""
+        parts = [f"{o.kind} {o.share:.0%}" for o in self.overlap if o.bytes >= 1024]
+        return ", ".join(parts) or "none"
 
     def dtypes(self, kind: str) -> set[str]:
         """The element types the collectives of ``kind`` move."""
@@ -142,7 +161,14 @@ def _memory(compiled) -> dict[str, int]:
 
 
 def compile_report(
-    step, state_or_shapes, batch_shapes, *, kind: str | None = None, model_state=None, rng=None
+    step,
+    state_or_shapes,
+    batch_shapes,
+    *,
+    kind: str | None = None,
+    model_state=None,
+    rng=None,
+    compiler_options: dict | None = None,
 ) -> CompileReport:
     """Compile ``step`` for its mesh (e.g. :func:`compile_only_mesh`) and report per device.
 
@@ -154,9 +180,13 @@ def compile_report(
         ``zero.abstract_state(shapes, ema=step.ema, model_state=, rng=)`` is built.
       batch_shapes: the GLOBAL batch as arrays or ``ShapeDtypeStruct``s.
       kind: the GPU kind for the memory verdict; default: read from the mesh's devices.
+      compiler_options: XLA debug options for this compile only, e.g.
+        ``jaxzero.gpu.xla_options(jaxzero.gpu.recommended_xla_flags())``
+        (``{"xla_gpu_enable_pipelined_all_gather": True, ...}``); unlike ``XLA_FLAGS`` they
+        may differ between compiles of one process.
 
     Nothing is allocated or run: ``step.jitted.lower(abstract state, abstract batch)
-    .compile()``.
+    .compile(compiler_options)``.
     """
     if not hasattr(step, "jitted") or not hasattr(step, "zero"):
         raise TypeError(
@@ -168,7 +198,7 @@ def compile_report(
     state = _abstract_state(step, state_or_shapes, model_state, rng)
     batch = _abstract_batch(step, batch_shapes)
     t0 = time.perf_counter()
-    compiled = step.jitted.lower(state, batch).compile()
+    compiled = step.jitted.lower(state, batch).compile(compiler_options or None)
     seconds = time.perf_counter() - t0
     hlo = compiled.as_text()
     mem = _memory(compiled)
@@ -185,4 +215,6 @@ def compile_report(
         trip_counts_known=computation_multipliers(hlo)[1],
         compile_seconds=seconds,
         hlo_text=hlo,
+        overlap=overlap_per_step(hlo, step.zero.num_shards),
+        compiler_options=tuple(sorted((k, str(v)) for k, v in (compiler_options or {}).items())),
     )

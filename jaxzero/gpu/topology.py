@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxzero.gpu.targets import gpu_spec, target_config
+from jaxzero.xla_flags import recommended_xla_flags, xla_options
 
 __all__ = [
     "INSTALL_HINT",
@@ -34,6 +35,7 @@ __all__ = [
     "gpu_kind_of",
     "recommended_xla_flags",
     "topology_string",
+    "xla_options",
 ]
 
 INSTALL_HINT = (
@@ -45,11 +47,6 @@ GPUS_PER_HOST = 8
 
 class PluginMissingError(RuntimeError):
     """jax's CUDA plugin is absent or refused the topology (the message says how to fix it)."""
-
-
-def recommended_xla_flags() -> list[str]:
-    """XLA flags jaxzero recommends for GPU training (none yet; the overlap work fills it)."""
-    return []
 
 
 def topology_string(devices: int) -> str:

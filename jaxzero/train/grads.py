@@ -116,15 +116,15 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
                     raise
                 raise ValueError(_axis_hint(zero, e)) from e
             except Exception as e:
-                if plan is None or plan.calls:
+                if plan is None or plan.calls or not plan.gather:
                     raise
                 raise ValueError(_NO_LAYER_GATHER.format(zero.layers)) from e
-        if plan is not None and not plan.calls:
+        if plan is not None and plan.gather and not plan.calls:
             raise ValueError(_NO_LAYER_GATHER.format(zero.layers))
         if reduce_each:
             # reduce_gradients casts to reduce_dtype for the collective and to output_dtype
             # after it: no full-size upcast of the local gradient before a 16-bit scatter.
-            g = zero.reduce_gradients(g)
+            g = zero.reduce_gradients(g, plan)
         else:
             # stages 0/1 accumulate the local gradient in output_dtype, reduce once at the end
             g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)

@@ -51,6 +51,25 @@ def to_varying(x, axes):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def scatter_leaf(comm: Comm, g, d: int | None):
+    """The communicating half of :func:`reduce_leaf`: ``g`` in ``reduce_dtype``,
+    reduce-scattered along ``d`` over the data axis (then summed over replica axes), or
+    all-reduced over every batch axis when ``d`` is None. Returns the sum, in ``reduce_dtype``."""
+    g = g.astype(comm.reduce_dtype)
+    if d is None:
+        return jax.lax.psum(g, comm.batch_axes)
+    g = jax.lax.psum_scatter(g, comm.axis, scatter_dimension=d, tiled=True)
+    if comm.replica_axes:
+        g = jax.lax.psum(g, comm.replica_axes)
+    return g
+
+
+def finish_leaf(comm: Comm, g):
+    """The local half of :func:`reduce_leaf`: the summed gradient in ``output_dtype``, divided
+    by the number of batch shards."""
+    return g.astype(comm.output_dtype) / comm.num_batch_shards
+
+
 def reduce_leaf(comm: Comm, g, d: int | None):
     """Average one local gradient leaf over every batch axis.
 
@@ -58,14 +77,15 @@ def reduce_leaf(comm: Comm, g, d: int | None):
     or all-reduce when ``d`` is None; communicated in ``reduce_dtype``, returned in
     ``output_dtype`` and divided by the number of batch shards.
     """
-    g = g.astype(comm.reduce_dtype)
+    return finish_leaf(comm, scatter_leaf(comm, g, d))
+
+
+def front_tile(comm: Comm, g, d: int | None):
+    """The first of ``g``'s N tiles along ``d`` (N: the data axis size; ``g`` when None):
+    where a stage-2 :func:`jaxzero.gather_layer` put this device's reduced tile."""
     if d is None:
-        g = jax.lax.psum(g, comm.batch_axes)
-    else:
-        g = jax.lax.psum_scatter(g, comm.axis, scatter_dimension=d, tiled=True)
-        if comm.replica_axes:
-            g = jax.lax.psum(g, comm.replica_axes)
-    return g.astype(comm.output_dtype) / comm.num_batch_shards
+        return g
+    return jax.lax.slice_in_dim(g, 0, g.shape[d] // jax.lax.axis_size(comm.axis), axis=d)
 
 
 def _keep(stacked_mask, tree):
@@ -106,16 +126,23 @@ def params_for_loss(comm: Comm, local_params, specs, stacked_mask=None):
     return jax.tree.map(prepare, _keep(stacked_mask, full), full)
 
 
-def reduce_gradients(comm: Comm, grads, grad_specs, stacked_mask=None):
+def reduce_gradients(comm: Comm, grads, grad_specs, stacked_mask=None, scattered_mask=None):
     """Average local gradients over every batch axis, one :func:`reduce_leaf` per leaf along
     its ``grad_specs`` dimension. Leaves where ``stacked_mask`` is True were already reduced
-    layer by layer (by :func:`jaxzero.gather_layer`'s backward) and pass through."""
+    layer by layer (by :func:`jaxzero.gather_layer`'s backward, stage 3) and pass through;
+    leaves where ``scattered_mask`` is True were reduce-scattered layer by layer into the front
+    tile of a full-size gradient (stage 2): that tile is cut out and finished."""
 
-    def one(stacked, g, spec):
-        return g if stacked else reduce_leaf(comm, g, spec_dim(spec))
+    def one(stacked, scattered, g, spec):
+        if stacked:
+            return g
+        if scattered:
+            return finish_leaf(comm, front_tile(comm, g, spec_dim(spec)))
+        return reduce_leaf(comm, g, spec_dim(spec))
 
+    masks = (_keep(stacked_mask, grads), _keep(scattered_mask, grads))
     with jax.named_scope("reduce_gradients"):
-        return jax.tree.map(one, _keep(stacked_mask, grads), grads, grad_specs)
+        return jax.tree.map(one, *masks, grads, grad_specs)
 
 
 def all_gather(mesh: Mesh, axis: str, tree, specs):

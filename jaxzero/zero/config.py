@@ -235,16 +235,21 @@ class ZeRO:
         )
 
     def layer_plan(self, local_params, specs):
-        """The per-layer gather plan of a per-layer stage-3 step (None otherwise)."""
-        if not self.per_layer:
+        """The per-layer plan of a per-layer stage-3 step (gather), or of a stage-2 step with
+        ``layers=`` (reduce in the backward, where :func:`jaxzero.zero.layers.reduces_exactly`
+        allows; ``specs`` of the gradients); None otherwise."""
+        gather = self.per_layer
+        stage2 = self.stage == 2 and self.layers and layers.reduces_exactly(self.precision)
+        if not (gather or stage2):
             return None
-        return layers.build_plan(self.comm, self.layers, local_params, specs)
+        specs = specs if gather else self.grad_specs(local_params)
+        return layers.build_plan(self.comm, self.layers, local_params, specs, gather=gather)
 
-    def reduce_gradients(self, grads):
-        """Average local gradients over every batch axis (all-reduce or reduce-scatter)."""
-        return collectives.reduce_gradients(
-            self.comm, grads, self.grad_specs(grads), self._stacked_mask(grads)
-        )
+    def reduce_gradients(self, grads, plan=None):
+        """Average local gradients over every batch axis (all-reduce or reduce-scatter);
+        ``plan``: the step's :meth:`layer_plan` (stage 2: the leaves it reduced per layer)."""
+        masks = (self._stacked_mask(grads), layers.scattered_mask(plan, grads))
+        return collectives.reduce_gradients(self.comm, grads, self.grad_specs(grads), *masks)
 
     def reduce_leaf(self, g, d):
         """One leaf of :meth:`reduce_gradients` (reduce-scatter along ``d``, or all-reduce)."""

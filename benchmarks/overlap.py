@@ -1,0 +1,155 @@
+"""Communication hidden behind compute in the compiled GPU step (issue 15): jaxzero stages 2/3
+per layer against GSPMD-annotation FSDP and plain DP, with XLA's default flags and with
+``jaxzero.gpu.recommended_xla_flags()``, compiled for H100s without a GPU.
+
+    python benchmarks/overlap.py                  # 8-layer GPT, width 1024, bf16, N=8 and 64
+    python benchmarks/overlap.py --quick          # 4 layers, width 256, N=8 (about 3 min)
+    python benchmarks/overlap.py --out benchmarks/results/overlap.md
+
+Per row, per device per step: collective payload bytes (loop trip counts applied), the share
+of all-gather and of reduce-scatter bytes hidden (a gemm/conv/attention kernel scheduled
+between the collective's start and done: :mod:`jaxzero.gpu.overlap`; "-" when none move), arguments + temporaries
+(``memory_analysis``), and kernels launched. The peer is MaxText-style: fp32 params and Adam
+state sharded by ``NamedSharding`` on the same dimension rule as jaxzero, the loss computing in
+bf16, plain ``optax`` under ``jax.jit`` (GSPMD inserts the collectives); plain DP replicates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxzero as jz  # noqa: E402
+from jaxzero import gpu  # noqa: E402
+from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape  # noqa: E402
+from jaxzero.zero import specs as sh  # noqa: E402
+
+KINDS = ("all-gather", "reduce-scatter")
+
+
+def _figures(hlo: str, mem, n: int) -> dict:
+    moved = gpu.collectives_per_step(hlo, n)
+    over = gpu.overlap_per_step(hlo, n)
+    share = {o.kind: o.share for o in over if o.bytes}
+    return {
+        "bytes": sum(c.bytes for c in moved),
+        **{k: share.get(k) for k in KINDS},
+        "args_temp": mem.argument_size_in_bytes + mem.temp_size_in_bytes,
+        "kernels": gpu.kernels_per_step(hlo),
+    }
+
+
+def jaxzero_row(shape, mesh, stage, per_layer, options):
+    zero = jz.ZeRO(
+        optax.adam(1e-4),
+        mesh,
+        stage=stage,
+        precision="bf16",
+        layers="layers" if per_layer else None,
+    )
+    step = jz.make_train_step(make_loss(shape), zero)
+    n = mesh.shape["data"]
+    rep = gpu.compile_report(
+        step, abstract_params(shape), batch_shapes(shape, n), compiler_options=options
+    )
+    return {
+        "bytes": sum(c.bytes for c in rep.collectives),
+        **{k: rep.hidden_share(k) if rep.payload(k) else None for k in KINDS},
+        "args_temp": rep.argument_bytes + rep.temp_bytes,
+        "kernels": rep.kernels_per_step,
+    }
+
+
+def peer_row(shape, mesh, shard: bool, options):
+    """GSPMD FSDP (``shard``) or plain DP: fp32 params and Adam, bf16 compute, jit."""
+    n = mesh.shape["data"]
+    params = abstract_params(shape)
+    tx = optax.adam(1e-4)
+    opt = jax.eval_shape(tx.init, params)
+    place = lambda t: sh.named(mesh, sh.tree_specs(t, n, "data", shard=shard, stacked=("layers",)))
+    p_sh, o_sh = place(params), place(opt)
+    b_sh = NamedSharding(mesh, P("data"))
+    loss_fn = make_loss(shape)
+
+    def step(p, o, batch):
+        bf16 = lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+        loss, g = jax.value_and_grad(lambda p: loss_fn(bf16(p), batch))(p)
+        updates, o = tx.update(g, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    jitted = jax.jit(
+        step,
+        in_shardings=(p_sh, o_sh, {"x": b_sh, "y": b_sh}),
+        out_shardings=(p_sh, o_sh, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1),
+    )
+    batch = batch_shapes(shape, n)
+    compiled = jitted.lower(params, opt, batch).compile(options or None)
+    return _figures(compiled.as_text(), compiled.memory_analysis(), n)
+
+
+VARIANTS = (
+    ("jaxzero stage 2 (whole-gradient reduction)", lambda s, m, o: jaxzero_row(s, m, 2, False, o)),
+    ("jaxzero stage 2 per layer", lambda s, m, o: jaxzero_row(s, m, 2, True, o)),
+    ("jaxzero stage 3 per layer", lambda s, m, o: jaxzero_row(s, m, 3, True, o)),
+    ("GSPMD-annotation FSDP (peer)", lambda s, m, o: peer_row(s, m, True, o)),
+    ("plain DP (jit, replicated)", lambda s, m, o: peer_row(s, m, False, o)),
+)
+
+
+def table(shape, n: int) -> list[str]:
+    mesh = gpu.compile_only_mesh("h100", n)
+    lines = [
+        f"N = {n} H100, {shape.arch} {shape.layers} layers x width {shape.hidden}, "
+        f"{shape.num_params:,} params, bf16, Adam, {shape.seq} tokens per device",
+        "",
+        "| variant | XLA flags | collective bytes | hidden AG | hidden RS | args+temp | kernels |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, row in VARIANTS:
+        for flags in ("default", "recommended"):
+            options = gpu.xla_options() if flags == "recommended" else None
+            f = row(shape, mesh, options)
+            ag, rs = ("-" if f[k] is None else f"{f[k]:.2f}" for k in KINDS)
+            lines.append(
+                f"| {label} | {flags} | {f['bytes'] / 1e6:.1f} MB | {ag} | {rs} | "
+                f"{f['args_temp'] / 1e6:.1f} MB | {f['kernels']} |"
+            )
+            print(lines[-1], file=sys.stderr, flush=True)
+    return lines
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4 layers, width 256, N=8 only")
+    ap.add_argument("--devices", type=int, action="append", help="default: 8 and 64")
+    ap.add_argument("--out", help="also write the markdown here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        shape = model_shape(layers=4, hidden=256, heads=2, vocab=1024, seq=256, arch="gpt")
+    else:
+        shape = model_shape(layers=8, hidden=1024, heads=8, vocab=32000, seq=2048, arch="gpt")
+    devices = args.devices or ([8] if args.quick else [8, 64])
+    flags = " ".join(gpu.recommended_xla_flags())
+    out = [f"Recommended flags: `{flags}`", ""]
+    for n in devices:
+        out += [*table(shape, n), ""]
+    text = "\n".join(out)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

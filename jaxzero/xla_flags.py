@@ -1,0 +1,120 @@
+"""The XLA GPU flags jaxzero recommends, and applying them before a GPU backend starts.
+
+Each flag is kept because it measurably changes the compiled GPU step (the hidden share of
+collective bytes or the memory; BUILD_NOTES "XLA GPU flags" records the before/after, regenerated
+by ``python benchmarks/overlap.py``). ``XLA_FLAGS`` is read once, when the first backend starts:
+:func:`apply_xla_flags` must run before that (``jaxzero.distributed.initialize()`` calls it
+first; the launcher puts the flags in each process's environment). For one compile, pass
+:func:`xla_options` to ``jax.jit(f).lower(...).compile(compiler_options=...)`` instead
+(``jaxzero.gpu.compile_report(..., compiler_options=)``).
+
+Only a process that will run on NVIDIA GPUs gets them: a CPU run is never given GPU flags.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import sys
+
+__all__ = [
+    "OPT_OUT_ENV",
+    "apply_xla_flags",
+    "gpu_present",
+    "recommended_xla_flags",
+    "with_xla_flags",
+    "xla_options",
+]
+
+OPT_OUT_ENV = "JAXZERO_NO_XLA_FLAGS"
+
+# name -> value. Kept flags only (see the module docstring); BUILD_NOTES has the figures.
+# Measured and left out: xla_gpu_enable_while_loop_double_buffering (hides 6-12% more all-gather
+# bytes of stage 3 per layer, but at N = 8 on the 8-layer GPT it halves the hidden share of the
+# per-layer reduce-scatters of stage 2, 74% -> 37%, and adds 5% memory);
+# xla_gpu_enable_pipelined_reduce_scatter (already XLA's default; the per-layer reduce-scatters
+# of stages 2/3 rely on it: off, their hidden share drops from 94% to 0%);
+# xla_gpu_enable_pipelined_all_reduce (moves nothing: jaxzero all-reduces outside loops).
+_RECOMMENDED = {
+    # Start layer i+1's all-gather in layer i's loop iteration (per-layer stage 3): hidden
+    # share of all-gather bytes 0% -> 36-37% (4-layer test decoder; 8-layer GPT, width 1024).
+    "xla_gpu_enable_pipelined_all_gather": "true",
+}
+
+
+def recommended_xla_flags() -> list[str]:
+    """``["--xla_gpu_enable_pipelined_all_gather=true", ...]``: XLA GPU flags jaxzero
+    recommends for training (see the module docstring for why each is kept)."""
+    return [f"--{k}={v}" for k, v in _RECOMMENDED.items()]
+
+
+def xla_options(flags: list[str] | None = None) -> dict[str, object]:
+    """``{"xla_gpu_enable_pipelined_all_gather": True, ...}``: ``flags`` (default
+    :func:`recommended_xla_flags`) as ``compile(compiler_options=...)`` takes them."""
+    out: dict[str, object] = {}
+    for flag in recommended_xla_flags() if flags is None else flags:
+        name, _, value = flag.lstrip("-").partition("=")
+        out[name] = {"true": True, "false": False}.get(value.lower(), value)
+    return out
+
+
+def gpu_present(environ=None) -> bool:
+    """Whether jax would start its CUDA backend in this process, decided without starting it:
+    jax's CUDA plugin is installed, ``JAX_PLATFORMS`` (when set) allows cuda/gpu,
+    ``CUDA_VISIBLE_DEVICES`` (when set) names a device, and an NVIDIA device node exists."""
+    env = os.environ if environ is None else environ
+    platforms = env.get("JAX_PLATFORMS", "").lower()
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return False
+    if env.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def with_xla_flags(environ: dict, flags: list[str] | None = None) -> tuple[dict, list[str]]:
+    """``(environment, applied)``: ``environ`` with ``flags`` (default the recommended ones)
+    appended to ``XLA_FLAGS``, except those whose name ``XLA_FLAGS`` already sets (the user's
+    value wins); nothing when ``JAXZERO_NO_XLA_FLAGS`` is set to a non-empty value."""
+    env = dict(environ)
+    if env.get(OPT_OUT_ENV, "") not in ("", "0"):
+        return env, []
+    current = env.get("XLA_FLAGS", "")
+    named = {f.lstrip("-").partition("=")[0] for f in current.split()}
+    applied = [
+        f
+        for f in (recommended_xla_flags() if flags is None else flags)
+        if f.lstrip("-").partition("=")[0] not in named
+    ]
+    if applied:
+        env["XLA_FLAGS"] = " ".join([*current.split(), *applied])
+    return env, applied
+
+
+def apply_xla_flags(flags: list[str] | None = None, *, gpu: bool | None = None) -> list[str]:
+    """Add the recommended XLA GPU flags to this process's ``XLA_FLAGS`` when it will run on
+    GPUs (``gpu``: default :func:`gpu_present`) and no backend has started yet; prints what
+    it applied to stderr and returns it ([] when nothing was: CPU run, opt-out, already set,
+    or a backend already running)."""
+    if not (gpu_present() if gpu is None else gpu):
+        return []
+    if _backend_started():
+        return []
+    env, applied = with_xla_flags(dict(os.environ), flags)
+    if applied:
+        os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
+        print(
+            f"jaxzero: applied XLA GPU flags {' '.join(applied)} (opt out: {OPT_OUT_ENV}=1)",
+            file=sys.stderr,
+        )
+    return applied
+
+
+def _backend_started() -> bool:
+    """Whether jax has started a backend (XLA_FLAGS would no longer be read)."""
+    xb = sys.modules.get("jax._src.xla_bridge")
+    return bool(xb is not None and getattr(xb, "_backends", None))

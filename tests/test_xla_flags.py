@@ -1,0 +1,69 @@
+"""jaxzero's recommended XLA GPU flags: what they are, and who applies them when (GPU runs
+only, never over the user's own setting or opt-out). Their effect on the compiled GPU step is
+pinned in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import jaxzero
+from jaxzero import xla_flags
+from jaxzero.distributed.launch import launch_base_env
+
+FLAGS = ["--xla_gpu_enable_pipelined_all_gather=true"]
+
+
+def test_recommended_flags_and_their_compile_options():
+    assert xla_flags.recommended_xla_flags() == FLAGS
+    assert jaxzero.gpu.recommended_xla_flags() == FLAGS
+    assert xla_flags.xla_options() == {"xla_gpu_enable_pipelined_all_gather": True}
+    assert xla_flags.xla_options(["--xla_gpu_foo=3"]) == {"xla_gpu_foo": "3"}
+
+
+def test_user_setting_and_opt_out_win():
+    env = {"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false --xla_dump_to=/tmp/d"}
+    out, applied = xla_flags.with_xla_flags(env, [*FLAGS, "--xla_gpu_foo=1"])
+    assert applied == ["--xla_gpu_foo=1"]
+    assert out["XLA_FLAGS"].split() == [*env["XLA_FLAGS"].split(), "--xla_gpu_foo=1"]
+    assert xla_flags.with_xla_flags({**env, "JAXZERO_NO_XLA_FLAGS": "1"}) == (
+        env | {"JAXZERO_NO_XLA_FLAGS": "1"},
+        [],
+    )
+    assert xla_flags.with_xla_flags({})[0]["XLA_FLAGS"] == " ".join(FLAGS)
+
+
+def test_a_cpu_run_never_gets_gpu_flags(monkeypatch, capsys):
+    assert not xla_flags.gpu_present({"JAX_PLATFORMS": "cpu"})
+    assert not xla_flags.gpu_present({"CUDA_VISIBLE_DEVICES": ""})
+    before = os.environ.get("XLA_FLAGS")
+    assert xla_flags.apply_xla_flags(gpu=False) == []
+    assert launch_base_env({"A": "1"}, True, gpu=False) == ({"A": "1"}, [])
+    # This test process runs on CPU: initialize() adds nothing to XLA_FLAGS.
+    assert jaxzero.distributed.initialize() is False
+    assert os.environ.get("XLA_FLAGS") == before
+    assert "XLA GPU flags" not in capsys.readouterr().err
+
+
+def test_gpu_runs_get_them_from_initialize_and_the_launcher(monkeypatch, capsys):
+    monkeypatch.setattr(xla_flags, "gpu_present", lambda environ=None: True)
+    monkeypatch.setattr(xla_flags, "_backend_started", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    assert jaxzero.distributed.initialize() is False  # a single process: flags still applied
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", *FLAGS]
+    assert "applied XLA GPU flags --xla_gpu_enable_pipelined_all_gather" in capsys.readouterr().err
+    assert xla_flags.apply_xla_flags() == []  # already set: nothing twice
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert jaxzero.distributed.initialize(xla_flags=False) is False
+    assert os.environ["XLA_FLAGS"] == ""
+    env, applied = launch_base_env({"XLA_FLAGS": ""}, True, gpu=True)
+    assert applied == FLAGS and env["XLA_FLAGS"] == " ".join(FLAGS)
+    assert launch_base_env({}, False, gpu=True) == ({}, [])
+
+
+@pytest.mark.parametrize("argv,expected", [([], True), (["--no-xla-flags"], False)])
+def test_launch_cli_opt_out(argv, expected):
+    from jaxzero.cli.launch import parse_args
+
+    assert parse_args(["-n", "2", *argv, "train.py"]).xla_flags is expected
