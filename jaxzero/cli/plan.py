@@ -147,6 +147,14 @@ def _progress(total_hint: int):
     return on_case, close
 
 
+def _hidden(report) -> str:
+    """The hidden share of all-gather + reduce-scatter bytes, or "-" when neither moves any
+    (stage 0 only all-reduces)."""
+    if not report.payload("all-gather") + report.payload("reduce-scatter"):
+        return "-"
+    return f"{report.hidden_share('all-gather', 'reduce-scatter'):.0%}"
+
+
 def _table(rows) -> str:
     from jaxzero.memory import format_bytes
 
@@ -159,7 +167,7 @@ def _table(rows) -> str:
             format_bytes(r.estimate.total),
             format_bytes(r.state_bytes),
             r.verdict,
-            f"{r.report.hidden_share('all-gather', 'reduce-scatter'):.0%}",
+            _hidden(r.report),
             str(r.report.kernels_per_step),
             f"{r.report.collective_summary()} ({r.report.overlap_summary()})",
         ]
