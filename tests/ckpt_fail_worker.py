@@ -16,10 +16,9 @@ import resource
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+from jaxzero.simulate import simulate_cpu_devices  # noqa: E402  (no jax backend yet)
+
+simulate_cpu_devices()  # 8 simulated CPU devices unless XLA_FLAGS names a count
 
 import jax  # noqa: E402
 
