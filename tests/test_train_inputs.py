@@ -130,3 +130,31 @@ def test_stateful_step_needs_no_rng_when_the_model_draws_none():
     assert no_rng.rng is None
     for a, b in zip(jax.tree.leaves(_host(no_rng)), jax.tree.leaves(_host(with_rng)), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_step_keeps_few_calls_in_flight_on_simulated_cpu_devices():
+    """XLA:CPU admits 32 programs in flight per simulated device and launches each device's
+    share from a thread pool in no set order; a loop that ran >32 multi-device steps ahead
+    deadlocked under load (issue 17: 7 devices waited in an all-reduce for the 8th, whose launch
+    waited for a slot held by later steps). The step waits for older calls so that at most
+    CPU_MAX_IN_FLIGHT are pending when it returns."""
+    import time
+
+    from jaxzero.train.step import CPU_MAX_IN_FLIGHT
+
+    params, loss_fn, batches = make_problem("mlp", steps=40, batch=16)
+
+    def slow_loss(p, b):  # each device sleeps 20 ms per step: the host runs far ahead
+        jax.debug.callback(lambda: time.sleep(0.02))
+        return loss_fn(p, b)
+
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=2)
+    step = jz.make_train_step(slow_loss, zero)
+    state = step.init(params)
+    seen = []
+    for b in batches:
+        state, m = step(state, b)
+        seen.append(m["grad_norm"])
+        pending = sum(not x.is_ready() for x in seen)
+        assert pending <= CPU_MAX_IN_FLIGHT, (len(seen), pending)
+    assert CPU_MAX_IN_FLIGHT < 32

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -29,6 +30,20 @@ def _deleted(x) -> bool:
     return isinstance(x, jax.Array) and x.is_deleted()
 
 
+# XLA:CPU (simulated devices) admits at most 32 programs in flight per device and launches each
+# device's share of a program from a shared thread pool, in no guaranteed order. A host loop
+# that dispatches more than 32 multi-device steps ahead can therefore fill one device's slots
+# with later steps that wait for an earlier step, whose launch on that device waits for a slot,
+# while the other devices wait for it in a collective: a deadlock (seen under load, issue 17).
+# On CPU meshes the step keeps at most this many calls in flight; GPUs launch in stream order.
+CPU_MAX_IN_FLIGHT = 4
+
+
+def _paces(mesh) -> bool:
+    devices = mesh.devices.flat
+    return mesh.size > 1 and all(d.platform == "cpu" for d in devices)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
     """A compiled-once ZeRO train step: ``state, metrics = step(state, batch)``.
@@ -44,6 +59,9 @@ class TrainStep:
     accum_steps: int
     jitted: Any
     stateful: bool = False
+    _in_flight: collections.deque = dataclasses.field(
+        default_factory=collections.deque, repr=False, compare=False
+    )
 
     def init(self, params, **kwargs) -> TrainState:
         """``zero.init(params, ema=self.ema, ...)``."""
@@ -122,9 +140,18 @@ class TrainStep:
     def __call__(self, state: TrainState, batch):
         self.check_state(state)
         state, metrics = self.jitted(state, self._checked_and_placed(batch))
+        self._pace(metrics)
         if "loss_scale_at_min" in metrics and self.zero.loss_scale.on_min != "ignore":
             self._check_min_scale(state, metrics)
         return state, metrics
+
+    def _pace(self, metrics):
+        # Bound the calls in flight on simulated CPU devices (see CPU_MAX_IN_FLIGHT).
+        if not _paces(self.zero.mesh):
+            return
+        self._in_flight.append(metrics["grad_norm"])  # never aliases the state
+        while len(self._in_flight) > CPU_MAX_IN_FLIGHT:
+            self._in_flight.popleft().block_until_ready()
 
     def _check_min_scale(self, state, metrics):
         # One scalar device-to-host read per step, only under a dynamic loss scale.
