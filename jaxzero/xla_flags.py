@@ -59,6 +59,17 @@ def xla_options(flags: list[str] | None = None) -> dict[str, object]:
     return out
 
 
+CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether jax's CUDA plugin is importable: ``jax[cuda12]`` (what jaxzero installs) or
+    ``jax[cuda13]`` (a CUDA 13 machine's jax); either carries XLA's GPU compiler."""
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    return any(importlib.util.find_spec(p) is not None for p in CUDA_PLUGINS)
+
+
 def gpu_present(environ=None) -> bool:
     """Whether jax would start its CUDA backend in this process, decided without starting it:
     jax's CUDA plugin is installed, ``JAX_PLATFORMS`` (when set) allows cuda/gpu,
@@ -69,9 +80,7 @@ def gpu_present(environ=None) -> bool:
         return False
     if env.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return False
-    if importlib.util.find_spec("jax_plugins") is None:
-        return False
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not cuda_plugin_installed():
         return False
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 

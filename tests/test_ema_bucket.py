@@ -69,13 +69,12 @@ def expected_local_size(shape, n):
 
 
 def expected_rows(per_leaf_host, n, k):
-    """The bucket's rows built from a per-leaf host EMA: row i = device i's blocks of the
-    float leaves with at most k elements per device, in tree order."""
+    """The bucket's (single) row built from a per-leaf host EMA: row i = device i's blocks of
+    the float leaves with at most k elements per device, smallest first (ties: tree order)."""
     rows = [[] for _ in range(n)]
-    for x in jax.tree.leaves(per_leaf_host):
-        x = np.asarray(x)
-        if expected_local_size(x.shape, n) > k:
-            continue
+    leaves = [np.asarray(x) for x in jax.tree.leaves(per_leaf_host)]
+    small = [x for x in leaves if expected_local_size(x.shape, n) <= k]
+    for x in sorted(small, key=lambda x: expected_local_size(x.shape, n)):
         spec = base.expected_spec(x.shape, n)
         d = None if spec == P() else len(spec) - 1
         for i in range(n):
@@ -100,8 +99,9 @@ def test_bucketed_matches_numpy_ema_over_50_steps(stage, n, schedule):
         for x in jax.tree.leaves(params)
         if expected_local_size(x.shape, n) <= K
     )
-    assert state.ema.ema.bucket.shape == (n, want_len)
-    assert state.ema.ema.bucket.sharding == NamedSharding(step.zero.mesh, P("data"))
+    (row,) = state.ema.ema.bucket  # fewer than LEAVES_PER_ROW small leaves: one row
+    assert row.shape == (n, want_len)
+    assert row.sharding == NamedSharding(step.zero.mesh, P("data"))
     big = [x for x in jax.tree.leaves(params) if expected_local_size(x.shape, n) > K]
     assert [x.shape for x in jax.tree.leaves(state.ema.ema.rest)] == [x.shape for x in big]
     checked = (1, 2, 25, base.STEPS)
@@ -111,7 +111,7 @@ def test_bucketed_matches_numpy_ema_over_50_steps(stage, n, schedule):
         trajectory.append(base.np64(state.params))
         if t in checked:  # host copies: the next step donates these buffers
             emas[t] = (
-                np.asarray(jax.device_get(state.ema.ema.bucket), np.float64),
+                np.asarray(jax.device_get(state.ema.ema.bucket[0]), np.float64),
                 jax.device_get(jz.unbucket_ema(state.ema)),
             )
     want = base.reference_ema(params, trajectory, base.DECAYS[schedule])
@@ -164,7 +164,7 @@ def test_bucketed_equals_per_leaf_bitwise(torch_compatible):
     assert isinstance(b.ema.ema, jz.BucketedTree) and not isinstance(a.ema.ema, jz.BucketedTree)
     host_a = jax.device_get(a.ema.ema)
     assert_same(jax.device_get(jz.gather(b.ema)), host_a, exact=torch_compatible)
-    rows = jax.device_get(b.ema.ema.bucket)
+    (rows,) = jax.device_get(b.ema.ema.bucket)
     assert_same(rows, expected_rows(host_a, 8, K).astype(np.float32), exact=torch_compatible)
 
 
@@ -246,7 +246,7 @@ def test_bucketed_bytes_per_device_transformer(stage):
     exact = 4 * (phi - r) // n + 4 * r
     per_device = device_bytes(state.ema.ema)
     assert len(per_device) == n and set(per_device.values()) == {exact}
-    bucket = state.ema.ema.bucket
+    (bucket,) = state.ema.ema.bucket
     length = sum(expected_local_size(s, n) for s in small)
     assert bucket.shape == (n, length)
     assert all(s.data.shape == (1, length) for s in bucket.addressable_shards)
@@ -266,7 +266,7 @@ def test_bucketed_ema_survives_donation_and_compiles_once():
         old = state
         state, _ = step(state, b)
         if i == 0:
-            assert old.ema.ema.bucket.is_deleted()
+            assert old.ema.ema.bucket[0].is_deleted()
         assert signature(state) == sig0
     if hasattr(step.jitted, "_cache_size"):
         assert step.jitted._cache_size() == 1
@@ -339,14 +339,14 @@ def test_checkpoint_round_trip_any_mode_any_n(tmp_path):
     abstract = zero2.abstract_state(params, ema=jz.ShardedEMA(0.95, bucket_leaves_up_to=K))
     restored = ck.restore(tmp_path / "b", zero2, abstract)
     assert restored.ema.ema.layout == abstract.ema.ema.layout
-    assert restored.ema.ema.bucket.sharding == abstract.ema.ema.bucket.sharding
+    assert restored.ema.ema.bucket[0].sharding == abstract.ema.ema.bucket[0].sharding
     assert_same(jax.device_get(jz.gather(restored.ema)), want, exact=True)
     # A per-leaf checkpoint restores into the bucketed form, too.
     per_leaf = ck.restore(tmp_path / "b", step.zero, params, ema=jz.ShardedEMA(0.95))
     ck.save(tmp_path / "p", 3, per_leaf, zero=step.zero)
     again = ck.restore(tmp_path / "p", step.zero, params, ema=step.ema)
-    rows = np.asarray(jax.device_get(again.ema.ema.bucket))
-    assert rows.tobytes() == np.asarray(jax.device_get(state.ema.ema.bucket)).tobytes()
+    rows = np.asarray(jax.device_get(again.ema.ema.bucket[0]))
+    assert rows.tobytes() == np.asarray(jax.device_get(state.ema.ema.bucket[0])).tobytes()
 
 
 def test_torch_export_import_match_per_leaf():
@@ -364,7 +364,7 @@ def test_torch_export_import_match_per_leaf():
     ckpt = {"param": {k: v * 2 + 1 for k, v in out_p["param"].items()}, "updates": 7}
     got = ti.import_ema(bucketed, ckpt)
     assert isinstance(got.ema, jz.BucketedTree) and got.ema.layout == bucketed.ema.layout
-    assert got.ema.bucket.sharding == bucketed.ema.bucket.sharding
+    assert got.ema.bucket[0].sharding == bucketed.ema.bucket[0].sharding
     want = ti.import_ema(per_leaf, ckpt)
     assert int(got.updates) == 7
     for x, y in zip(
@@ -383,7 +383,7 @@ def test_bucket_ema_converts_both_ways():
     b = zero.bucket_ema(ema, per_leaf)
     assert isinstance(b.ema, jz.BucketedTree)
     assert zero.bucket_ema(ema, b) is b
-    rows = np.asarray(jax.device_get(b.ema.bucket))
+    rows = np.asarray(jax.device_get(b.ema.bucket[0]))
     assert rows.tobytes() == expected_rows(params, 8, K).tobytes()
     back = jz.unbucket_ema(b)
     # Leaves outside the bucket are handed on, not copied (a checkpoint save unbuckets the
@@ -398,10 +398,31 @@ def test_bucket_ema_converts_both_ways():
 # --------------------------------------------------------------------------- 5. errors
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, "64", True, None])
+@pytest.mark.parametrize("bad", [-1, 1.5, "64", True, "ALL"])
 def test_bad_threshold_names_the_value(bad):
-    with pytest.raises(ValueError, match=rf"bucket_leaves_up_to={bad!r} must be an int >= 0"):
+    with pytest.raises(
+        ValueError,
+        match=rf"bucket_leaves_up_to={bad!r} must be None \(automatic\), 'all' or an int",
+    ):
         jz.ShardedEMA(0.9, bucket_leaves_up_to=bad)
+
+
+def test_default_threshold_is_per_leaf_on_cpu_and_all_means_every_float_leaf():
+    """None (the default) keeps a CPU mesh's EMA per leaf; "all" puts every float leaf in
+    rows of at most LEAVES_PER_ROW leaves (on GPU meshes None means "all": tests/test_gpu.py)."""
+    from jaxzero.ema.storage import LEAVES_PER_ROW
+
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=2)
+    params = {f"w{i:03d}": jnp.full((8 * (1 + i % 3),), float(i)) for i in range(200)}
+    assert jz.ShardedEMA(0.9).bucket_leaves_up_to is None
+    state = zero.init(params, ema=jz.ShardedEMA(0.9))
+    assert not isinstance(state.ema.ema, jz.BucketedTree)
+    state = zero.init(params, ema=jz.ShardedEMA(0.9, bucket_leaves_up_to="all"))
+    rows = state.ema.ema.bucket
+    assert len(rows) == -(-200 // LEAVES_PER_ROW) == 3
+    assert sum(r.shape[1] for r in rows) == sum(x.size // 8 for x in params.values())
+    back = jax.device_get(jz.unbucket_ema(state.ema).ema)
+    assert all(np.array_equal(back[k], np.asarray(v)) for k, v in params.items())
 
 
 def test_numpy_int_threshold_accepted():
@@ -415,3 +436,33 @@ def test_standalone_update_of_bucketed_state_says_what_to_do():
     state = zero.init(params, ema=ema)
     with pytest.raises(ValueError, match="zero.update_ema"):
         ema.update(state.ema, params)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_several_rows_equal_per_leaf_bitwise(stage):
+    """A 200-leaf tree in 3 rows ("all"), trained 3 steps: the EMA equals the per-leaf EMA
+    bit for bit (torch_compatible rounds both products, so XLA's fusion choices cannot
+    contract them differently), leaf for leaf, with the same counter."""
+    params = {f"w{i:03d}": jnp.full((8 * (1 + i % 3), 3), 0.1 * i) for i in range(200)}
+    batches = [jnp.linspace(-1.0, 1.0, 16).reshape(16, 1) * (t + 1) for t in range(3)]
+
+    def loss_fn(p, x):
+        return sum(jnp.mean((v * x[: v.shape[0] % 16 + 1].mean()) ** 2) for v in p.values())
+
+    states = []
+    for k in (0, "all"):
+        zero = jz.ZeRO(optax.adam(1e-2), jz.data_parallel_mesh(8), stage=stage)
+        ema = jz.ShardedEMA(0.9, torch_compatible=True, bucket_leaves_up_to=k)
+        step = jz.make_train_step(loss_fn, zero, ema=ema)
+        state = step.init(params)
+        for x in batches:
+            state, _ = step(state, x)
+        states.append(state)
+    per_leaf, rows = states
+    assert len(rows.ema.ema.bucket) == 3
+    a, b = jax.device_get(per_leaf.ema), jax.device_get(jz.unbucket_ema(rows.ema))
+    assert int(a.updates) == int(b.updates) == 3
+    for k in params:
+        assert np.asarray(a.ema[k]).tobytes() == np.asarray(b.ema[k]).tobytes(), k
+    moved = max(float(np.abs(np.asarray(a.ema[k]) - np.asarray(params[k])).max()) for k in params)
+    assert moved > 1e-4

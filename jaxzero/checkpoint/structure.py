@@ -263,4 +263,5 @@ def _target(zero: ZeRO, params_or_abstract_state, ema, model_state, rng) -> tupl
         return target, threshold
     shapes = jax.tree.map(_shape_dtype, params_or_abstract_state)
     target = zero.abstract_state(shapes, ema=ema, model_state=model_state, rng=rng)
-    return storage.to_per_leaf(target), 0 if ema is None else ema.bucket_leaves_up_to
+    threshold = 0 if ema is None else storage.resolve(ema.bucket_leaves_up_to, zero.mesh)
+    return storage.to_per_leaf(target), threshold

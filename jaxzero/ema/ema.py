@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero._tree import check_same_structure
-from jaxzero.ema.storage import is_bucketed
+from jaxzero.ema.storage import ALL, is_bucketed
 
 SCHEDULES = ("constant", "yolov5", "tf")
 
@@ -78,16 +78,16 @@ class ShardedEMA:
         (``d`` and ``1 - d`` computed in float64 on the host and rounded to float32).
       bucket_leaves_up_to: when the EMA is placed by :class:`jaxzero.ZeRO` (``ZeRO.init``,
         ``make_train_step``), store the EMA of every float leaf whose per-device shard has at
-        most this many elements in one flat ``[N, L]`` bucket sharded by rows (``P(axis)``),
-        updated in one elementwise loop per device (see :mod:`jaxzero.ema.storage`). 0 (the
-        default) keeps one array per leaf. Same numbers as per-leaf storage (bit for bit with
+        most this many elements in a few flat ``[N, L_g]`` rows sharded ``P(axis)``, each
+        updated by one kernel per device (see :mod:`jaxzero.ema.storage`). ``"all"``: every
+        float leaf; 0 keeps one array per leaf; None (the default): ``"all"`` on GPU meshes
+        (a 350-leaf tree: 5 kernels instead of 351, the same 12 bytes per element), 0 on CPU
+        meshes. Same numbers as per-leaf storage (bit for bit with
         ``torch_compatible``; otherwise XLA may contract ``d * e + (1 - d) * x`` into an FMA
         in one and not the other: an ulp), same bytes per device, no collective. Why: on
         XLA:CPU every leaf is its own kernel per device (~5 us each); the 37 small leaves
         (biases, norm scales: 45K floats) of ``benchmarks/ema.py``'s 20M-float, 54-leaf tree
-        cost 1.2-1.6 ms of a ~9 ms sharded update. 4096 buckets exactly those there; big
-        leaves are better left alone (their master piece would be copied into the row every
-        step).
+        cost 1.2-1.6 ms of a ~9 ms sharded update; 4096 buckets exactly those there.
         :func:`jaxzero.gather`, :func:`jaxzero.ema_params`, checkpoints (per-leaf on disk)
         and the torch interop see the per-leaf tree (:func:`jaxzero.unbucket_ema`);
         ``init``/``update`` on plain trees stay per-leaf.
@@ -106,7 +106,7 @@ class ShardedEMA:
     dtype: Any = jnp.float32
     updates0: int = 0
     torch_compatible: bool = False
-    bucket_leaves_up_to: int = 0
+    bucket_leaves_up_to: int | str | None = None
 
     def __post_init__(self):
         if not _real(self.decay) or not 0.0 < self.decay < 1.0:
@@ -127,12 +127,15 @@ class ShardedEMA:
             raise ValueError(f"ShardedEMA start_step={self.start_step!r} must be an int >= 0.")
         if not _integral(self.updates0) or self.updates0 < 0:
             raise ValueError(f"ShardedEMA updates0={self.updates0!r} must be an int >= 0.")
-        if not _integral(self.bucket_leaves_up_to) or self.bucket_leaves_up_to < 0:
+        k = self.bucket_leaves_up_to
+        if k == "all":
+            k = ALL
+        elif k is not None and (not _integral(k) or k < 0):
             raise ValueError(
-                f"ShardedEMA bucket_leaves_up_to={self.bucket_leaves_up_to!r} must be an int "
-                f">= 0 (elements per device; 0 keeps every leaf separate, e.g. 65536)."
+                f"ShardedEMA bucket_leaves_up_to={k!r} must be None (automatic), 'all' or an "
+                f"int >= 0 (elements per device; 0 keeps every leaf separate, e.g. 65536)."
             )
-        object.__setattr__(self, "bucket_leaves_up_to", int(self.bucket_leaves_up_to))
+        object.__setattr__(self, "bucket_leaves_up_to", None if k is None else int(k))
         if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
             raise ValueError(f"ShardedEMA dtype={self.dtype!r} must be a floating dtype.")
 

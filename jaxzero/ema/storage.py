@@ -1,18 +1,22 @@
-"""One flat per-device bucket for the EMA of small float leaves.
+"""Flat per-device rows for the EMA of float leaves: a handful of kernels per update.
 
-On XLA:CPU every leaf's EMA update is its own kernel on every device, at a fixed cost of
-about 5 us per device-kernel. A transformer's biases and layer-norm scales (37 of the 54
-leaves of ``benchmarks/ema.py``, 45K of its 20M floats) then cost 1.2-1.6 ms of a ~9 ms
-sharded update while doing no real work, and packing them into one array *inside* the jitted
-update does not help (XLA splits the pack/update/unpack back into per-leaf kernels). Storing
-their EMA in one persistent buffer does: ``ShardedEMA(bucket_leaves_up_to=K)`` keeps every
-float EMA leaf whose per-device shard has at most ``K`` elements in one ``[N, L]`` array
-sharded ``P(axis)`` (by rows). Row ``i`` (device ``i``'s block) is the concatenation, in tree
-order, of device ``i``'s local pieces of those leaves: its block of a sharded leaf, a full
-copy of a leaf the sharding rule replicates. The per-step update packs the matching master
-pieces (one concatenate) and updates the whole row in one elementwise loop.
+Stored one array per leaf, the EMA update is one kernel per leaf per device: on a GPU a launch
+each (a 350-leaf detector: 351 kernels, where the bytes alone take microseconds), on XLA:CPU
+about 5 us each. ``ShardedEMA(bucket_leaves_up_to=K)`` stores the EMA of every float leaf
+whose per-device shard has at most ``K`` elements in a few flat ``[N, L_g]`` rows, sharded
+``P(axis)`` (row ``i`` of each is device ``i``'s block): the concatenation, smallest leaf first, of
+device ``i``'s local pieces of up to :data:`LEAVES_PER_ROW` leaves (its block of a sharded
+leaf, a full copy of a leaf the sharding rule replicates).
 
-The bucket holds exactly what the per-leaf leaves it replaces held on each device, so the
+The per-step update concatenates the matching master pieces and updates the row in one
+elementwise expression; XLA fuses the concatenate into it, so each row is ONE kernel that
+reads every master piece and the row and writes the row in place: 12 bytes per float32
+element, as per-leaf storage, and no intermediate. The row size is what XLA:GPU agrees to
+fuse: at most 96 operands and outputs per kernel; a row's update takes its master pieces, the
+row, the decay and the gating predicates. (One concatenate of more pieces is split into
+several fusions whose outputs are written and read again: 20 bytes per element.)
+
+The rows hold exactly what the per-leaf leaves they replace held on each device, so the
 bytes per device do not change. Conversions are local ``shard_map`` slices (no
 communication): :func:`unbucket` gives back the ordinary per-leaf sharded tree (what
 :func:`jaxzero.gather`, checkpoints and the torch interop see), :func:`bucket` goes the other
@@ -35,6 +39,25 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero.zero import specs as sh
 
+# Leaves per row: XLA:GPU fuses at most 96 operands and outputs into one kernel; a row's
+# update has its master pieces, the row, its output, the decay, 1 - decay and the gating
+# predicates. 88 keeps every row one kernel (checked on the compiled HLO in tests/test_gpu.py).
+LEAVES_PER_ROW = 88
+
+# ``bucket_leaves_up_to="all"``: every float leaf goes into the rows.
+ALL = 2**62
+
+
+def resolve(max_elements: int | None, mesh: Mesh) -> int:
+    """The threshold ``ShardedEMA(bucket_leaves_up_to=...)`` means on ``mesh``: None (the
+    default) is every float leaf (:data:`ALL`) on GPUs, where each leaf would be a kernel
+    launch, and per-leaf (0) on CPUs, where benchmarks/ema.py measured per-leaf big leaves as
+    fast and every storage is tested."""
+    if max_elements is not None:
+        return int(max_elements)
+    gpu = all(d.platform in ("gpu", "cuda", "rocm") for d in mesh.devices.flat)
+    return ALL if gpu else 0
+
 
 @dataclasses.dataclass(frozen=True)
 class BucketLayout:
@@ -45,9 +68,10 @@ class BucketLayout:
       max_elements: the threshold the layout was planned with (per-device elements).
       treedef: the per-leaf tree's structure.
       shapes, dtypes: every leaf's global shape and dtype, in flatten order.
-      offsets: every leaf's offset in a bucket row, or None for a leaf kept per-leaf.
-      dtype: the bucket's dtype.
-      length: ``L``, the elements in one row.
+      offsets: every leaf's offset in its row, or None for a leaf kept per-leaf.
+      rows: every leaf's row index, or None for a leaf kept per-leaf.
+      dtype: the rows' dtype.
+      lengths: ``L_g``, the elements in one device's block of each row.
     """
 
     mesh: Mesh
@@ -57,8 +81,20 @@ class BucketLayout:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[Any, ...]
     offsets: tuple[int | None, ...]
+    rows: tuple[int | None, ...]
     dtype: Any
-    length: int
+    lengths: tuple[int, ...]
+
+    @property
+    def length(self) -> int:
+        """Elements of all rows on one device."""
+        return sum(self.lengths)
+
+    def in_row(self, g: int) -> tuple[int, ...]:
+        """Flatten indices of the leaves in row ``g``, in row order (by offset)."""
+        return tuple(
+            sorted((i for i, r in enumerate(self.rows) if r == g), key=self.offsets.__getitem__)
+        )
 
     @property
     def num_shards(self) -> int:
@@ -96,11 +132,11 @@ class BucketLayout:
 )
 @dataclasses.dataclass(frozen=True, eq=False)
 class BucketedTree:
-    """A per-leaf EMA tree with its small float leaves moved into one bucket.
+    """A per-leaf EMA tree with its small float leaves moved into flat rows.
 
     Attributes:
       rest: the per-leaf tree with every bucketed leaf replaced by None.
-      bucket: the ``[N, L]`` bucket, sharded by rows (``P(axis)``; ``[1, L]`` inside
+      bucket: a tuple of ``[N, L_g]`` rows, each sharded ``P(axis)`` (``[1, L_g]`` inside
         ``shard_map``).
       layout: the static :class:`BucketLayout`.
     """
@@ -119,28 +155,34 @@ def plan(tree, mesh: Mesh, axis: str, max_elements: int) -> BucketLayout | None:
     """The bucket layout of a per-leaf EMA ``tree`` (arrays or ShapeDtypeStructs).
 
     Float leaves whose per-device block (per :func:`jaxzero.zero.specs.shard_dim`) has at most
-    ``max_elements`` elements go into the bucket, in flatten order, if they share the first
-    such leaf's dtype (the EMA casts every float leaf to ``ShardedEMA.dtype``). Returns None
+    ``max_elements`` elements go into rows, smallest first (ties in flatten order), at most
+    :data:`LEAVES_PER_ROW` per row, if they share the first such leaf's dtype (the EMA casts
+    every float leaf to ``ShardedEMA.dtype``). Returns None
     when ``max_elements`` is 0 or no leaf qualifies (the tree then stays per-leaf).
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if max_elements <= 0:
         return None
     n = mesh.shape[axis]
-    dtype, offsets, length = None, [], 0
-    for x in leaves:
-        shape = tuple(int(d) for d in np.shape(x))
-        small = (
+    dtype, small = None, []
+    for i, x in enumerate(leaves):
+        size = _local_size(tuple(int(d) for d in np.shape(x)), n)
+        if (
             jnp.issubdtype(x.dtype, jnp.floating)
-            and _local_size(shape, n) <= max_elements
+            and size <= max_elements
             and (dtype is None or jnp.dtype(x.dtype) == dtype)
-        )
-        if small:
+        ):
             dtype = jnp.dtype(x.dtype)
-            offsets.append(length)
-            length += _local_size(shape, n)
-        else:
-            offsets.append(None)
+            small.append((size, i))
+    # Rows of leaves of like size: XLA:GPU runs a row's concatenate with a thread per element
+    # of its largest piece, each visiting every piece, so a row mixing a 2M-element kernel with
+    # 32-element biases does 88x the work (measured on an H100: benchmarks/gpu_real.py).
+    offsets, rows, lengths = [None] * len(leaves), [None] * len(leaves), []
+    for k, (size, i) in enumerate(sorted(small)):
+        if k % LEAVES_PER_ROW == 0:
+            lengths.append(0)
+        offsets[i], rows[i] = lengths[-1], len(lengths) - 1
+        lengths[-1] += size
     if dtype is None:
         return None
     return BucketLayout(
@@ -151,8 +193,9 @@ def plan(tree, mesh: Mesh, axis: str, max_elements: int) -> BucketLayout | None:
         shapes=tuple(tuple(int(d) for d in np.shape(x)) for x in leaves),
         dtypes=tuple(jnp.dtype(x.dtype) for x in leaves),
         offsets=tuple(offsets),
+        rows=tuple(rows),
         dtype=dtype,
-        length=length,
+        lengths=tuple(lengths),
     )
 
 
@@ -166,34 +209,45 @@ def split(tree, layout: BucketLayout):
 
 
 def pack_local(pieces, layout: BucketLayout):
-    """Inside ``shard_map``: this device's ``[1, L]`` row from its local pieces (one concat)."""
-    row = jnp.concatenate([p.astype(layout.dtype).reshape(-1) for p in pieces])
-    missing = tuple(a for a in (layout.axis,) if a not in jax.typeof(row).manual_axis_type.varying)
-    if missing:  # every bucketed leaf is replicated: the row is still per-device data
-        row = jax.lax.pcast(row, missing, to="varying")
-    return row[None]
+    """Inside ``shard_map``: this device's ``[1, L_g]`` rows from its local pieces of the
+    bucketed leaves (in flatten order; one concatenate per row)."""
+    by_index = dict(zip(layout.bucketed, pieces, strict=True))
+
+    def row(g):
+        r = jnp.concatenate(
+            [by_index[i].astype(layout.dtype).reshape(-1) for i in layout.in_row(g)]
+        )
+        missing = tuple(
+            a for a in (layout.axis,) if a not in jax.typeof(r).manual_axis_type.varying
+        )
+        if missing:  # every leaf of the row is replicated: the row is still per-device data
+            r = jax.lax.pcast(r, missing, to="varying")
+        return r[None]
+
+    return tuple(row(g) for g in range(len(layout.lengths)))
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _pack(small, layout: BucketLayout):
-    """The ``[N, L]`` bucket from the bucketed leaves (each device packs its own pieces)."""
+    """The ``[N, L_g]`` rows from the bucketed leaves (each device packs its own pieces)."""
     return jax.shard_map(
         lambda *pieces: pack_local(pieces, layout),
         mesh=layout.mesh,
         in_specs=tuple(layout.spec(i) for i in layout.bucketed),
-        out_specs=P(layout.axis),
+        out_specs=tuple(P(layout.axis) for _ in layout.lengths),
     )(*small)
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _slice(bucket_array, layout: BucketLayout):
-    """The bucketed leaves, in their per-leaf shardings, from the ``[N, L]`` bucket."""
+def _slice(rows, layout: BucketLayout):
+    """The bucketed leaves, in their per-leaf shardings, from the ``[N, L_g]`` rows."""
     idx = layout.bucketed
 
-    def local(row):
-        row = row[0]
+    def local(rows):
         return tuple(
-            row[layout.offsets[i] : layout.offsets[i] + math.prod(layout.local_shape(i))]
+            rows[layout.rows[i]][
+                0, layout.offsets[i] : layout.offsets[i] + math.prod(layout.local_shape(i))
+            ]
             .reshape(layout.local_shape(i))
             .astype(layout.dtypes[i])
             for i in idx
@@ -204,10 +258,10 @@ def _slice(bucket_array, layout: BucketLayout):
     return jax.shard_map(
         local,
         mesh=layout.mesh,
-        in_specs=P(layout.axis),
+        in_specs=(tuple(P(layout.axis) for _ in layout.lengths),),
         out_specs=tuple(layout.spec(i) for i in idx),
         check_vma=False,
-    )(bucket_array)
+    )(tuple(rows))
 
 
 def _unbucket_tree(tree: BucketedTree):
@@ -270,7 +324,7 @@ def to_per_leaf(tree, *, abstract: bool = False):
     def one(x):
         if not _is_bucketed(x):
             return x
-        if abstract or isinstance(x.bucket, jax.ShapeDtypeStruct):
+        if abstract or any(isinstance(r, jax.ShapeDtypeStruct) for r in x.bucket):
             return x.layout.abstract()
         return _unbucket_tree(x)
 
@@ -285,14 +339,14 @@ def threshold(tree) -> int:
     return 0
 
 
-def store(ema_state, mesh: Mesh, axis: str, max_elements: int):
+def store(ema_state, mesh: Mesh, axis: str, max_elements: int | None):
     """``ema_state`` (an EmaState in either storage) in the storage planned for ``mesh`` with
-    ``bucket_leaves_up_to=max_elements``: small float leaves bucketed when > 0, per-leaf
-    otherwise. A local slice/concatenate per device, no communication; returned as is when
+    ``bucket_leaves_up_to=max_elements`` (None: :func:`resolve`): small float leaves in rows
+    when > 0, per-leaf otherwise. A local slice/concatenate per device, no communication; returned as is when
     it is already stored that way."""
     current = ema_state.ema
     per_leaf = current.layout.abstract() if _is_bucketed(current) else current
-    layout = plan(per_leaf, mesh, axis, max_elements)
+    layout = plan(per_leaf, mesh, axis, resolve(max_elements, mesh))
     if _is_bucketed(current) and current.layout == layout:
         return ema_state
     if layout is None and not _is_bucketed(current):
@@ -308,10 +362,11 @@ def like(per_leaf_tree, reference):
 
 def specs(tree, per_leaf_specs: Callable, axis: str):
     """The PartitionSpecs of an EMA tree in its storage: ``per_leaf_specs(tree)`` for a
-    per-leaf tree; for a bucketed one the per-leaf rule for the rest and ``P(axis)`` (rows)
-    for the ``[N, L]`` bucket."""
+    per-leaf tree; for a bucketed one the per-leaf rule for the rest and ``P(axis)`` for each
+    ``[N, L_g]`` row."""
     if _is_bucketed(tree):
-        return BucketedTree(per_leaf_specs(tree.rest), P(axis), tree.layout)
+        rows = tuple(P(axis) for _ in tree.layout.lengths)
+        return BucketedTree(per_leaf_specs(tree.rest), rows, tree.layout)
     return per_leaf_specs(tree)
 
 

@@ -13,6 +13,7 @@ from jaxzero.gpu.hlo import (
     CollectiveTotal,
     collectives_per_step,
     computation_multipliers,
+    kernel_bytes_per_step,
     kernels_per_step,
 )
 from jaxzero.gpu.models import ModelShape, model_shape
@@ -44,6 +45,7 @@ __all__ = [
     "compile_report",
     "computation_multipliers",
     "gpu_spec",
+    "kernel_bytes_per_step",
     "kernels_per_step",
     "model_shape",
     "overlap_per_step",

@@ -159,6 +159,37 @@ def kernels_per_step(hlo: str) -> int:
     return total
 
 
+def _result_type(line: str) -> str:
+    """The result type text of an instruction line (``%x = <type> opcode(...)``)."""
+    rest = INSTR_RE.match(line).group(2).strip()
+    if not rest.startswith("("):
+        return rest.partition(" ")[0]
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            return rest[: i + 1]
+    return rest
+
+
+def kernel_bytes_per_step(hlo: str, computation: str | None = None) -> int:
+    """Bytes the kernels of the ENTRY computation (or ``computation``) read and write: for
+    every counted instruction (as :func:`kernels_per_step` counts them) its result plus each
+    operand's result, once per operand. An upper bound for a kernel that updates a buffer in
+    place or reads only a slice of an operand; exact for element-wise kernels."""
+    comps, entry = parse_computations(hlo)
+    ops = comps.get(computation or entry, [])
+    size = {name: sum(_dtype_bytes(_result_type(line)).values()) for name, _, line in ops}
+    total = 0
+    for name, op, line in ops:
+        if not op or op in _FREE or op.endswith("-done"):
+            continue
+        args = line.partition(f" {op}(")[2]
+        operands = re.findall(r"%([\w.\-]+)", args.split("), ")[0])
+        total += size[name] + sum(size.get(o, 0) for o in operands)
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveTotal:
     """One (kind, dtype) of collectives per step.

@@ -25,6 +25,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxzero.zero.layers import gather_layer
@@ -203,3 +204,22 @@ def batch_shapes(shape: ModelShape, global_batch: int):
     """The global token batch ``{"x", "y"}`` as int32 ``ShapeDtypeStruct``s."""
     s = jax.ShapeDtypeStruct((global_batch, shape.seq), jnp.int32)
     return {"x": s, "y": s}
+
+
+def detector_tree(convs: int = 116, seed: int = 0):
+    """A YOLOv5s-shaped float32 parameter tree as ShapeDtypeStructs: ``convs`` conv kernels
+    ``(k, k, cin, cout)`` (k 1 or 3, channels 32..512) each with a BatchNorm scale and bias,
+    and a detection head: 350 leaves, 31.6M floats with the defaults."""
+    rng = np.random.default_rng(seed)
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    tree = {}
+    for i in range(convs):
+        cin, cout = (int(c) for c in rng.choice([32, 64, 128, 256, 512], 2))
+        k = int(rng.choice([1, 3]))
+        tree[f"conv{i:03d}"] = {
+            "kernel": f32(k, k, cin, cout),
+            "scale": f32(cout),
+            "bias": f32(cout),
+        }
+    tree["head"] = {"kernel": f32(255, 512), "bias": f32(255)}
+    return tree

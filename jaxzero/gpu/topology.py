@@ -18,7 +18,6 @@ not touch the default backend.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import jax
@@ -26,7 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxzero.gpu.targets import gpu_spec, target_config
-from jaxzero.xla_flags import recommended_xla_flags, xla_options
+from jaxzero.xla_flags import cuda_plugin_installed, recommended_xla_flags, xla_options
 
 __all__ = [
     "INSTALL_HINT",
@@ -75,7 +74,7 @@ def _topology_devices(kind: str, devices: int):
     # step 1, env: must precede the plugin's initialisation (a no-op once it has initialised).
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     # step 2, plugin: jax's CUDA plugin carries XLA:GPU.
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not cuda_plugin_installed():
         raise PluginMissingError(
             f"compiling for {kind} GPUs needs jax's CUDA plugin (jax_plugins.xla_cuda12), which "
             f"is not installed; {INSTALL_HINT}."

@@ -172,7 +172,7 @@ class ZeRO:
         return self._specs(tree, True)
 
     def ema_specs(self, ema_tree):
-        """Specs of an EMA tree in its storage (per leaf, or bucketed ``[N, L]`` rows)."""
+        """Specs of an EMA tree in its storage (per leaf, or bucketed ``[N, L_g]`` rows)."""
         return ema_storage.specs(ema_tree, self.ema_leaf_specs, self.axis)
 
     def state_specs(self, state: TrainState) -> TrainState:
