@@ -7,6 +7,7 @@ Expected numbers come from numpy (test_ema.py's reference EMA), from the per-lea
 from the sharding rule written out here; never from the bucket code under test.
 """
 
+import functools
 import math
 
 import jax
@@ -438,11 +439,9 @@ def test_standalone_update_of_bucketed_state_says_what_to_do():
         ema.update(state.ema, params)
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_several_rows_equal_per_leaf_bitwise(stage):
-    """A 200-leaf tree in 3 rows ("all"), trained 3 steps: the EMA equals the per-leaf EMA
-    bit for bit (torch_compatible rounds both products, so XLA's fusion choices cannot
-    contract them differently), leaf for leaf, with the same counter."""
+@functools.cache
+def _several_rows(stage):
+    """A 200-leaf tree trained 3 steps with its EMA per leaf and in rows ("all")."""
     params = {f"w{i:03d}": jnp.full((8 * (1 + i % 3), 3), 0.1 * i) for i in range(200)}
     batches = [jnp.linspace(-1.0, 1.0, 16).reshape(16, 1) * (t + 1) for t in range(3)]
 
@@ -458,7 +457,15 @@ def test_several_rows_equal_per_leaf_bitwise(stage):
         for x in batches:
             state, _ = step(state, x)
         states.append(state)
-    per_leaf, rows = states
+    return params, states[0], states[1]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_several_rows_equal_per_leaf_bitwise(stage):
+    """A 200-leaf tree in 3 rows ("all"), trained 3 steps: the EMA equals the per-leaf EMA
+    bit for bit (torch_compatible rounds both products, so XLA's fusion choices cannot
+    contract them differently), leaf for leaf, with the same counter."""
+    params, per_leaf, rows = _several_rows(stage)
     assert len(rows.ema.ema.bucket) == 3
     a, b = jax.device_get(per_leaf.ema), jax.device_get(jz.unbucket_ema(rows.ema))
     assert int(a.updates) == int(b.updates) == 3
@@ -466,3 +473,21 @@ def test_several_rows_equal_per_leaf_bitwise(stage):
         assert np.asarray(a.ema[k]).tobytes() == np.asarray(b.ema[k]).tobytes(), k
     moved = max(float(np.abs(np.asarray(a.ema[k]) - np.asarray(params[k])).max()) for k in params)
     assert moved > 1e-4
+
+
+def test_several_rows_checkpoint_to_other_n_and_storage(tmp_path):
+    """A 3-row EMA saved at N=8 restores at N=4 (rows re-planned for 4) and per leaf, with
+    the per-leaf EMA's bytes."""
+    params, per_leaf, rows = _several_rows(2)
+    want = jax.device_get(per_leaf.ema)
+    ck.save(tmp_path / "r", 3, rows, zero=jz.ZeRO(optax.adam(1e-2), jz.data_parallel_mesh(8)))
+    for n, k in ((4, "all"), (8, 0)):
+        zero = jz.ZeRO(optax.adam(1e-2), jz.data_parallel_mesh(n), stage=2)
+        restored = ck.restore(
+            tmp_path / "r", zero, params, ema=jz.ShardedEMA(0.9, bucket_leaves_up_to=k)
+        )
+        assert isinstance(restored.ema.ema, jz.BucketedTree) == (k == "all")
+        got = jax.device_get(jz.unbucket_ema(restored.ema))
+        assert int(got.updates) == 3
+        for name in params:
+            assert np.asarray(got.ema[name]).tobytes() == np.asarray(want.ema[name]).tobytes()
