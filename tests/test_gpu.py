@@ -468,3 +468,22 @@ def test_gpu_ema_of_350_leaves_is_a_handful_of_kernels_at_12_bytes_per_element(s
     assert got["rows"][0] == math.ceil(350 / 88) + 1 == 5
     assert got["rows"][1] == pytest.approx(12 * local, rel=0.10)
     assert got["rows"][1] <= got["per_leaf"][1] * 1.001
+
+
+def test_gpu_plan_cli_prints_stage2_per_layer_hidden_share(capsys):
+    """`jaxzero plan --stage2 both` prints stage 2's whole-gradient row (its one reduce-scatter
+    after the backward: 0% hidden) and its per-layer row (>= 90% of reduce-scatter bytes
+    hidden, the same figure test_gpu_stage2_per_layer_hides_the_layers_reduce_scatters
+    derives), moving the same reduce-scatter bytes."""
+    from jaxzero import cli
+
+    argv = ["plan", "--devices", "8", "--layers", "4", "--hidden", "64", "--heads", "2"]
+    argv += ["--vocab", "128", "--seq", "16", "--stage", "2", "--stage2", "both", "--xla-flags"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0]: line for line in out.splitlines() if line.startswith("2")}
+    assert set(rows) == {"2", "2 per layer"}, rows
+    assert "reduce-scatter 0%)" in rows["2"]
+    share = int(rows["2 per layer"].split("reduce-scatter ")[-1].split("%")[0])
+    phi, s, _, s_stack = sizes(abstract_params(SHAPE4), N, True)
+    assert share == round(100 * s_stack / s) and share >= 90

@@ -24,6 +24,7 @@ examples:
   jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
       --batch 1 --gpu h100 --devices 64
   jaxzero plan --params 1.3B --gpu a100 --devices 16 --stage 3 --stage3 per-layer --ema
+  jaxzero plan --params 1.3B --devices 8 --stage 2 --stage2 both --xla-flags
 """
 
 
@@ -71,6 +72,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         default="both",
         help="stage 3 gathers the whole model up front, one layer at a time (ZeRO(layers=...) + "
         "jaxzero.gather_layer), or both rows (default: %(default)s)",
+    )
+    train.add_argument(
+        "--stage2",
+        choices=["whole", "per-layer", "both"],
+        default="whole",
+        help="stage 2 reduce-scatters the whole gradient after the backward, or each layer's in "
+        "the backward loop (ZeRO(layers=...) + jaxzero.gather_layer: hidden behind the next "
+        "layer's backward), or both rows (default: %(default)s)",
     )
     train.add_argument(
         "--precision",
@@ -203,9 +212,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         + (f"; XLA flags {' '.join(recommended_xla_flags())}" if args.xla_flags else ""),
         flush=True,
     )
-    on_case, close = _progress(len(plan_cases(args.stage, args.stage3)))
+    on_case, close = _progress(len(plan_cases(args.stage, args.stage3, args.stage2)))
     try:
-        options = pick(args, "gpu", "devices", "replicas", "stage3", "precision", "accum", "ema")
+        options = pick(
+            args, "gpu", "devices", "replicas", "stage3", "stage2", "precision", "accum", "ema"
+        )
         flags = xla_options() if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
     except PluginMissingError as e:

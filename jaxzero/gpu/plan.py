@@ -52,24 +52,27 @@ class PlanRow:
         return self.report.verdict()
 
 
-def plan_cases(stages: Sequence[int] | None, stage3: str) -> list[tuple[int, bool]]:
+def plan_cases(
+    stages: Sequence[int] | None, stage3: str, stage2: str = "whole"
+) -> list[tuple[int, bool]]:
     """``[(stage, per_layer), ...]``: ``stages`` (default all four); stage 3 as ``stage3`` says:
-    ``"whole"`` (gather the whole model up front), ``"per-layer"`` or ``"both"``."""
-    if stage3 not in ("whole", "per-layer", "both"):
-        raise ValueError(f"stage3={stage3!r} must be 'whole', 'per-layer' or 'both'.")
+    ``"whole"`` (gather the whole model up front), ``"per-layer"`` or ``"both"``; stage 2 as
+    ``stage2`` says: ``"whole"`` (one reduce-scatter after the backward), ``"per-layer"``
+    (each layer's gradient reduce-scattered in the backward loop) or ``"both"``."""
+    for name, v in (("stage3", stage3), ("stage2", stage2)):
+        if v not in ("whole", "per-layer", "both"):
+            raise ValueError(f"{name}={v!r} must be 'whole', 'per-layer' or 'both'.")
     stages = (0, 1, 2, 3) if stages is None else tuple(stages)
     bad = [s for s in stages if isinstance(s, bool) or s not in (0, 1, 2, 3)]
     if bad or not stages:
         raise ValueError(f"stages={stages!r} must be a non-empty subset of 0, 1, 2, 3.")
     out = []
     for s in sorted(set(stages)):
-        if s < 3:
+        how = {2: stage2, 3: stage3}.get(s, "whole")
+        if how in ("whole", "both"):
             out.append((s, False))
-            continue
-        if stage3 in ("whole", "both"):
-            out.append((3, False))
-        if stage3 in ("per-layer", "both"):
-            out.append((3, True))
+        if how in ("per-layer", "both"):
+            out.append((s, True))
     return out
 
 
@@ -84,7 +87,7 @@ def _estimate(shape: ModelShape, n: int, stage: int, per_layer: bool, precision,
         precision=precision,
         ema=ema,
         ckpt_every=1,
-        layer_params=shape.layer_params if per_layer else None,
+        layer_params=shape.layer_params if per_layer and stage == 3 else None,
         gather_model=stage == 3 and not per_layer,
         **dims,
     )
@@ -108,6 +111,7 @@ def plan(
     replicas: int = 1,
     stages: Sequence[int] | None = None,
     stage3: str = "both",
+    stage2: str = "whole",
     precision: str = "bf16",
     accum: int = 1,
     ema: bool = False,
@@ -130,7 +134,7 @@ def plan(
       ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
     """
     _check_plan_args(precision, accum, devices, replicas)
-    cases = plan_cases(stages, stage3)
+    cases = plan_cases(stages, stage3, stage2)
     mesh = compile_only_mesh(gpu, devices, replicas=replicas)
     params = abstract_params(shape)
     loss_fn = make_loss(shape)
