@@ -28,6 +28,25 @@ examples:
 """
 
 
+def _add_per_layer_choices(group) -> None:
+    """``--stage3`` and ``--stage2``: whole, per-layer or both rows."""
+    for stage, what in (
+        (3, "gathers the whole model up front, or one layer at a time"),
+        (
+            2,
+            "reduce-scatters the whole gradient after the backward, or each layer's in the "
+            "backward loop (hidden behind the next layer's backward)",
+        ),
+    ):
+        group.add_argument(
+            f"--stage{stage}",
+            choices=["whole", "per-layer", "both"],
+            default="both" if stage == 3 else "whole",
+            help=f"stage {stage} {what} (per layer: ZeRO(layers=...) + jaxzero.gather_layer), "
+            "or both rows (default: %(default)s)",
+        )
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     """Add ``jaxzero plan``'s arguments to ``p``."""
     size = p.add_argument_group("model shape (give --params, or --layers and --hidden)")
@@ -66,21 +85,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         action="append",
         help="ZeRO stage (repeatable; default: all four)",
     )
-    train.add_argument(
-        "--stage3",
-        choices=["whole", "per-layer", "both"],
-        default="both",
-        help="stage 3 gathers the whole model up front, one layer at a time (ZeRO(layers=...) + "
-        "jaxzero.gather_layer), or both rows (default: %(default)s)",
-    )
-    train.add_argument(
-        "--stage2",
-        choices=["whole", "per-layer", "both"],
-        default="whole",
-        help="stage 2 reduce-scatters the whole gradient after the backward, or each layer's in "
-        "the backward loop (ZeRO(layers=...) + jaxzero.gather_layer: hidden behind the next "
-        "layer's backward), or both rows (default: %(default)s)",
-    )
+    _add_per_layer_choices(train)
     train.add_argument(
         "--precision",
         choices=["bf16", "fp16", "fp32"],
