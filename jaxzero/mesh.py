@@ -105,3 +105,13 @@ def warn_unnamed_replica_axes(mesh: Mesh, axis: str) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def mesh_platform(mesh: Mesh) -> str:
+    """``"cpu"`` or ``"gpu"`` when every device of ``mesh`` is one (CUDA and ROCm devices, and
+    compile-only GPU devices, are ``"gpu"``), else ``"mixed"``: what the EMA's default storage
+    and the train step's CPU pacing depend on."""
+    kinds = {
+        "gpu" if d.platform in ("gpu", "cuda", "rocm") else d.platform for d in mesh.devices.flat
+    }
+    return kinds.pop() if len(kinds) == 1 else "mixed"

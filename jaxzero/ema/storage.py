@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxzero.mesh import mesh_platform
 from jaxzero.zero import specs as sh
 
 # Leaves per row: XLA:GPU fuses at most 96 operands and outputs into one kernel; a row's
@@ -55,8 +56,7 @@ def resolve(max_elements: int | None, mesh: Mesh) -> int:
     fast and every storage is tested."""
     if max_elements is not None:
         return int(max_elements)
-    gpu = all(d.platform in ("gpu", "cuda", "rocm") for d in mesh.devices.flat)
-    return ALL if gpu else 0
+    return ALL if mesh_platform(mesh) == "gpu" else 0
 
 
 @dataclasses.dataclass(frozen=True)

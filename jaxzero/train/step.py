@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jaxzero._tree import batch_rows, leaves_by_keystr
 from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
+from jaxzero.mesh import mesh_platform
 from jaxzero.train.grads import local_gradients
 from jaxzero.train.state import TrainState
 from jaxzero.zero.config import ZeRO
@@ -37,11 +39,6 @@ def _deleted(x) -> bool:
 # while the other devices wait for it in a collective: a deadlock (seen under load, issue 17).
 # On CPU meshes the step keeps at most this many calls in flight; GPUs launch in stream order.
 CPU_MAX_IN_FLIGHT = 4
-
-
-def _paces(mesh) -> bool:
-    devices = mesh.devices.flat
-    return mesh.size > 1 and all(d.platform == "cpu" for d in devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +142,14 @@ class TrainStep:
             self._check_min_scale(state, metrics)
         return state, metrics
 
+    @functools.cached_property
+    def _paces(self) -> bool:
+        """Whether calls are paced: a mesh of several CPU devices (decided once)."""
+        return self.zero.mesh.size > 1 and mesh_platform(self.zero.mesh) == "cpu"
+
     def _pace(self, metrics):
         # Bound the calls in flight on simulated CPU devices (see CPU_MAX_IN_FLIGHT).
-        if not _paces(self.zero.mesh):
+        if not self._paces:
             return
         self._in_flight.append(metrics["grad_norm"])  # never aliases the state
         while len(self._in_flight) > CPU_MAX_IN_FLIGHT:
