@@ -6,6 +6,10 @@ per layer against GSPMD-annotation FSDP and plain DP, with XLA's default flags a
     python benchmarks/overlap.py --quick          # 4 layers, width 256, N=8 (about 3 min)
     python benchmarks/overlap.py --out benchmarks/results/overlap.md
 
+jaxzero's rows use :func:`jaxzero.scan_layers` for the layer stack (the models' default,
+``ModelShape.loop="prefetch"``); one stage-3 row runs the same model as ``nn.scan`` over an
+``nn.remat``'d block that calls :func:`jaxzero.gather_layer` (``loop="gather_layer"``).
+
 Per row, per device per step: collective payload bytes (loop trip counts applied), the share
 of all-gather and of reduce-scatter bytes hidden (a gemm/conv/attention kernel scheduled
 between the collective's start and done: :mod:`jaxzero.gpu.overlap`; "-" when none move), arguments + temporaries
@@ -17,6 +21,7 @@ bf16, plain ``optax`` under ``jax.jit`` (GSPMD inserts the collectives); plain D
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -101,7 +106,14 @@ def peer_row(shape, mesh, shard: bool, options):
 VARIANTS = (
     ("jaxzero stage 2 (whole-gradient reduction)", lambda s, m, o: jaxzero_row(s, m, 2, False, o)),
     ("jaxzero stage 2 per layer", lambda s, m, o: jaxzero_row(s, m, 2, True, o)),
-    ("jaxzero stage 3 per layer", lambda s, m, o: jaxzero_row(s, m, 3, True, o)),
+    (
+        "jaxzero stage 3 per layer (scan_layers: prefetch)",
+        lambda s, m, o: jaxzero_row(s, m, 3, True, o),
+    ),
+    (
+        "jaxzero stage 3 per layer (gather_layer in nn.scan)",
+        lambda s, m, o: jaxzero_row(dataclasses.replace(s, loop="gather_layer"), m, 3, True, o),
+    ),
     ("GSPMD-annotation FSDP (peer)", lambda s, m, o: peer_row(s, m, True, o)),
     ("plain DP (jit, replicated)", lambda s, m, o: peer_row(s, m, False, o)),
 )

@@ -10,12 +10,13 @@ where a distribution leaves it out, a few standard-library sources concatenated.
 of the text is held out for validation.
 
 The model: token + learned position embeddings, ``--layers`` pre-norm decoder blocks under
-``flax.linen.scan`` (one set of stacked parameters with a leading layer axis; each leaf is then
-sharded 1/N on its largest dimension divisible by N, never the layer axis), a final LayerNorm
-and an output head tied to the token embedding. With stage 3 every device holds 1/N of the
-parameters, gradients, optimizer state and EMA; ``ZeRO(layers=("blocks",))`` and
-``jaxzero.gather_layer`` inside the scanned block gather one block at a time (its backward
-reduce-scatters that block's gradient), so the step never holds the whole model.
+``jaxzero.scan_layers`` (one set of stacked parameters with a leading layer axis, as
+``flax.linen.scan`` builds; each leaf is then sharded 1/N on its largest dimension divisible
+by N, never the layer axis), a final LayerNorm and an output head tied to the token
+embedding. With stage 3 every device holds 1/N of the parameters, gradients, optimizer state
+and EMA; ``ZeRO(layers=("blocks",))`` makes ``scan_layers`` gather one block at a time, the
+next block's all-gather in flight while this one computes (its backward reduce-scatters that
+block's gradient), so the step never holds the whole model.
 
 Progress bar, per-epoch validation loss of the raw vs the EMA weights, per-epoch Orbax
 checkpoints with ``--resume``, the summary table, ``runs/<name>/summary.json`` and
@@ -98,17 +99,13 @@ class GPT(nn.Module):
         )
         wpe = self.param("wpe", nn.initializers.normal(0.02), (self.seq, self.d_model))
         x = wte(idx) + wpe[: idx.shape[1]].astype(wte.embedding.dtype)
-        # Stage 3 gathers one block at a time: jz.gather_layer all-gathers a block's shards
-        # inside the scanned loop (the identity outside a stage-3 step), nn.remat drops the
-        # gathered copy after the forward and gathers again for the backward.
-        block = nn.remat(nn.map_variables(Block, "params", trans_in_fn=jz.gather_layer, init=True))
-        blocks = nn.scan(
-            block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=self.layers,
-        )(self.d_model, self.heads, name="blocks")
-        x, _ = blocks(x, None)
+        # Stage 3 gathers one block at a time: params["blocks"] stacks every block on a
+        # leading axis (as nn.scan would), and jz.scan_layers runs them, each rematerialised;
+        # in a per-layer stage-3 step it all-gathers block i+1 while block i computes (forward
+        # and backward) and reduce-scatters each block's gradient under the next one.
+        block = Block(self.d_model, self.heads, parent=None)
+        stack = jz.stacked_params(self, "blocks", block, self.layers, x, None)
+        x = jz.scan_layers(lambda w, h: block.apply({"params": w}, h, None)[0], stack, x)
         x = nn.LayerNorm(name="ln_f")(x)
         return wte.attend(x)  # tied output head
 

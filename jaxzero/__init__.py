@@ -36,6 +36,9 @@ from jaxzero.train.step import TrainStep as TrainStep
 from jaxzero.train.step import make_train_step as make_train_step
 from jaxzero.zero.config import ZeRO as ZeRO
 from jaxzero.zero.layers import gather_layer as gather_layer
+from jaxzero.zero.scan import scan_layers as scan_layers
+from jaxzero.zero.scan import stacked_init as stacked_init
+from jaxzero.zero.scan import stacked_params as stacked_params
 
 __all__ = [
     "BucketedTree",
@@ -56,6 +59,9 @@ __all__ = [
     "estimate_memory",
     "gather",
     "gather_layer",
+    "scan_layers",
+    "stacked_init",
+    "stacked_params",
     "gpu",
     "greedy_partition",
     "layouts",

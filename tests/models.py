@@ -86,11 +86,35 @@ class ScannedTransformer(nn.Module):
         return nn.Dense(self.out, name="head")(x)
 
 
+class StackTransformer(nn.Module):
+    """:class:`ScannedTransformer` written with ``scan_layers``/``stacked_params`` (e.g.
+    ``jaxzero.scan_layers``, ``jaxzero.stacked_params``): the same ``params["layers"]``
+    stack, run by a function of (layer params, carry). Each layer also multiplies its output
+    by a ``gain`` parameter kept outside the stack, which the layer function closes over."""
+
+    layers: int = 3
+    d_model: int = 32
+    ff: int = 64
+    out: int = 3
+    scan_layers: object = None
+    stacked_params: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        block = ScanBlock(d_model=self.d_model, ff=self.ff, parent=None)
+        stack = self.stacked_params(self, "layers", block, self.layers, x, None)
+        gain = self.param("gain", nn.initializers.constant(1.1), (self.d_model,))
+        layer = lambda w, h: block.apply({"params": w}, h, None)[0] * gain.astype(h.dtype)
+        x = self.scan_layers(layer, stack, x)
+        return nn.Dense(self.out, name="head")(x)
+
+
 def make_problem(
     name: str, *, batch: int = 32, steps: int = 10, seed: int = 0, gather_layer=None, **kw
 ):
     """(params, loss_fn, batches) for ``name`` in {"mlp", "wide_mlp", "transformer",
-    "scanned"} ("scanned": :class:`ScannedTransformer`, ``gather_layer`` and ``kw`` passed on)."""
+    "scanned", "stack"} ("scanned": :class:`ScannedTransformer`, ``gather_layer`` and ``kw``
+    passed on; "stack": :class:`StackTransformer`, ``kw`` passed on)."""
     rng = np.random.default_rng(seed)
     if name == "mlp":
         model, x_shape, y_shape = MLP(), (17,), (5,)
@@ -100,6 +124,9 @@ def make_problem(
         model, x_shape, y_shape = Transformer(), (6, 32), (6, 3)
     elif name == "scanned":
         model = ScannedTransformer(gather_layer=gather_layer, **kw)
+        x_shape, y_shape = (6, model.d_model), (6, model.out)
+    elif name == "stack":
+        model = StackTransformer(**kw)
         x_shape, y_shape = (6, model.d_model), (6, model.out)
     else:
         raise ValueError(name)

@@ -14,6 +14,7 @@ divisible by N (not the layer axis of a named stack), else replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -36,7 +37,9 @@ from jaxzero.gpu.models import (
 )
 
 N = 8
-SHAPE = model_shape(layers=2, hidden=64, heads=2, vocab=128, seq=16, batch=1)
+# gather_layer: each layer gathered where it is used (nn.scan over nn.remat); the prefetching
+# jaxzero.scan_layers loop (the models' default) is checked on SHAPE16 below.
+SHAPE = model_shape(layers=2, hidden=64, heads=2, vocab=128, seq=16, batch=1, loop="gather_layer")
 CASES = [(0, False), (1, False), (2, False), (3, False), (3, True)]
 SCALARS = 16  # int32 step, skipped, Adam's count, the EMA's update counter
 
@@ -413,6 +416,41 @@ def test_gpu_recommended_flags_start_the_next_layers_gather_early():
 
 
 SHAPE4 = model_shape(layers=4, hidden=64, heads=2, vocab=128, seq=16, batch=1)
+SHAPE16 = model_shape(layers=16, hidden=64, heads=2, vocab=128, seq=16, batch=1)
+
+
+@pytest.mark.parametrize("flags", [False, True], ids=["default_flags", "recommended_flags"])
+def test_gpu_scan_layers_prefetch_hides_stage3_bytes(flags):
+    """Stage 3 per layer with jaxzero.scan_layers (the next layer's all-gather issued while
+    this one computes, forward and backward): exposed are only layer 0's forward gather, the
+    last layer's backward gather and the leaves outside the stack (gathered before the
+    embedding, reduced after the whole backward); >= 90% of all-gather + reduce-scatter bytes
+    hidden on a 16-layer decoder, with or without the recommended flags. Bytes: each layer
+    gathered once forward and once backward, plus layer 0 once more (the backward loop's last
+    prefetch), each reduced once."""
+    rep = compiled(3, True, "bf16", flags=flags, shape=SHAPE16)
+    _, s, _, s_stack = sizes(abstract_params(SHAPE16), N, True)
+    n_layers = SHAPE16.layers
+    layer, rest = 2 * s_stack // n_layers, 2 * (s - s_stack)  # bf16 bytes
+    assert rep.payload("all-gather") == (2 * n_layers + 1) * layer + rest
+    assert rep.payload("reduce-scatter") == n_layers * layer + rest
+    exposed = 2 * layer + 2 * rest
+    total = (3 * n_layers + 1) * layer + 2 * rest
+    share = rep.hidden_share("all-gather", "reduce-scatter")
+    assert share == pytest.approx(1 - exposed / total)
+    assert share >= 0.9
+
+
+def test_gpu_scan_layers_prefetch_costs_less_than_a_layer_of_memory():
+    """The prefetch's extra temporaries over gathering each layer where it is used (the same
+    16-layer decoder as nn.scan + gather_layer) stay under one layer's gathered bf16 weights."""
+    prefetch = compiled(3, True, "bf16", shape=SHAPE16)
+    plain = compiled(3, True, "bf16", shape=dataclasses.replace(SHAPE16, loop="gather_layer"))
+    assert prefetch.argument_bytes == plain.argument_bytes
+    _, _, _, s_stack = sizes(abstract_params(SHAPE16), N, True)
+    layer = 2 * s_stack // SHAPE16.layers
+    assert 0 <= prefetch.temp_bytes - plain.temp_bytes <= layer
+    assert prefetch.hidden_share("all-gather") > plain.hidden_share("all-gather") + 0.5
 
 
 def test_gpu_stage2_per_layer_hides_the_layers_reduce_scatters():

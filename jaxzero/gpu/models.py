@@ -14,7 +14,11 @@ scores) and XLA's reference attention in fp32 (cuDNN's kernel has no fp32 form);
 always uses XLA's, which materialises the f32 scores, probabilities and causal mask per layer.
 These models are for XLA:GPU compiles (the cuDNN call does not compile for CPU).
 
-The layer stack is ``params["layers"]`` (for ``ZeRO(layers="layers")``).
+The layer stack is ``params["layers"]`` (for ``ZeRO(layers="layers")``). ``ModelShape.loop``:
+``"prefetch"`` (default) runs it with :func:`jaxzero.scan_layers` (the next layer's all-gather
+in flight while this one computes); ``"gather_layer"`` with ``nn.scan`` over an ``nn.remat``'d
+block that calls :func:`jaxzero.gather_layer` (each layer gathered where it is used). Both
+build the same params.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 import optax
 
 from jaxzero.zero.layers import gather_layer
+from jaxzero.zero.scan import scan_layers, stacked_params
 
 __all__ = [
     "ARCHS",
@@ -42,6 +47,7 @@ __all__ = [
 
 ARCHS = ("llama", "gpt")
 ATTENTION = ("auto", "xla")
+LOOPS = ("prefetch", "gather_layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,7 @@ class ModelShape:
     batch: int = 1
     ffn: int = 0  # 0: the arch's default
     attention: str = "auto"
+    loop: str = "prefetch"
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -65,6 +72,8 @@ class ModelShape:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int.")
+        if self.loop not in LOOPS:
+            raise ValueError(f"loop={self.loop!r} must be one of {', '.join(LOOPS)}.")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r} must be one of {', '.join(ATTENTION)}.")
         if self.hidden % self.heads:
@@ -109,6 +118,7 @@ def model_shape(
     arch: str = "llama",
     ffn: int = 0,
     attention: str = "auto",
+    loop: str = "prefetch",
 ) -> ModelShape:
     """A :class:`ModelShape` from ``layers``/``hidden`` (heads default ``hidden // 128``), or,
     with ``params`` alone, the shape of that size with ``layers = hidden / 128`` (LLaMA's and
@@ -121,12 +131,12 @@ def model_shape(
 
         def size(h):
             heads = max(1, h // 128)
-            return ModelShape(arch, heads, h, heads, vocab, seq, batch, ffn, attention)
+            return ModelShape(arch, heads, h, heads, vocab, seq, batch, ffn, attention, loop)
 
         hidden = min(range(256, 65537, 256), key=lambda h: abs(size(h).num_params - params))
         return size(hidden)
     heads = heads or max(1, hidden // 128)
-    return ModelShape(arch, layers, hidden, heads, vocab, seq, batch, ffn, attention)
+    return ModelShape(arch, layers, hidden, heads, vocab, seq, batch, ffn, attention, loop)
 
 
 def _impl(shape: ModelShape, dtype) -> str | None:
@@ -172,10 +182,17 @@ class Decoder(nn.Module):
         if c.arch == "gpt":
             pos = self.param("pos", nn.initializers.normal(0.02), (c.seq, c.hidden))
             x = x + pos[: tokens.shape[1]].astype(x.dtype)
-        block = nn.remat(nn.map_variables(_Block, "params", trans_in_fn=gather_layer, init=True))
-        x, _ = nn.scan(
-            block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.layers
-        )(c, name="layers")(x, None)
+        if c.loop == "prefetch":
+            block = _Block(c, parent=None)
+            stack = stacked_params(self, "layers", block, c.layers, x, None)
+            x = scan_layers(lambda w, h: block.apply({"params": w}, h, None)[0], stack, x)
+        else:
+            block = nn.remat(
+                nn.map_variables(_Block, "params", trans_in_fn=gather_layer, init=True)
+            )
+            x, _ = nn.scan(
+                block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.layers
+            )(c, name="layers")(x, None)
         x = (nn.RMSNorm if c.arch == "llama" else nn.LayerNorm)(name="final_norm")(x)
         if c.arch == "gpt":
             return embed.attend(x)

@@ -160,17 +160,20 @@ def _with_backward(forward, backward, x):
     return fn(x)
 
 
+def gather_shard(comm: Comm, x, d):
+    """One layer leaf's shard ``x`` all-gathered along ``d`` (unless None) in the compute
+    dtype, device-varying over the batch axes."""
+    y = x.astype(comm.param_dtype)
+    if d is not None:
+        y = jax.lax.all_gather(y, comm.axis, axis=d, tiled=True)
+    return to_varying(y, comm.batch_axes)
+
+
 def _gather_leaf(comm: Comm, x, d):
-    """All-gather one shard in the compute dtype; its backward reduces the gradient with
+    """:func:`gather_shard`, whose backward reduces the gradient with
     :func:`~jaxzero.zero.collectives.reduce_leaf` (reduce-scatter over the data axis, or
     all-reduce when the leaf is replicated) and returns it in ``x``'s dtype."""
-
-    def forward(x):
-        y = x.astype(comm.param_dtype)
-        if d is not None:
-            y = jax.lax.all_gather(y, comm.axis, axis=d, tiled=True)
-        return to_varying(y, comm.batch_axes)
-
+    forward = lambda x: gather_shard(comm, x, d)
     return _with_backward(forward, lambda ct: reduce_leaf(comm, ct, d).astype(x.dtype), x)
 
 

@@ -1,0 +1,181 @@
+"""``scan_layers``: run a stack of layers, one layer's weights whole at a time, the next
+layer's all-gather in flight while this one computes (FSDP2's prefetch).
+
+    block = Block(cfg, parent=None)                          # a detached flax module
+    stack = jaxzero.stacked_params(self, "layers", block, n_layers, x)
+    x = jaxzero.scan_layers(lambda w, h: block.apply({"params": w}, h), stack, x)
+
+``fn(layer_params, carry) -> carry`` is one layer; ``stack`` holds every layer's params on a
+leading layer axis (what ``nn.scan(variable_axes={"params": 0})`` builds, so the params tree is
+the same: ``params["layers"]``). Each layer is rematerialised (its inputs are kept, its inside
+is recomputed in the backward), as ``nn.remat`` inside ``nn.scan`` does.
+
+Outside a per-layer ZeRO step it is that scan (``jax.lax.scan`` of ``jax.checkpoint``). Inside
+a stage-2 step with ``layers=`` it is the same scan with :func:`jaxzero.gather_layer` applied to
+each layer (the backward reduce-scatters each layer's gradient in the loop). Inside a
+per-layer stage-3 step it is a double-buffered loop written out by hand (``jax.custom_vjp``):
+
+* forward: layer 0 is gathered before the loop; iteration ``i`` starts the all-gather of layer
+  ``i + 1`` and runs layer ``i`` on the weights the previous iteration gathered, so the
+  gather's only consumer is the next iteration and XLA's scheduler runs it under layer ``i``'s
+  gemms. The last layer runs after the loop (no gather of a layer that does not exist).
+* backward: the mirror image, a reverse scan: the last layer is gathered again once the
+  cotangent exists; iteration ``i`` starts the all-gather of layer ``i - 1`` while it
+  recomputes layer ``i`` and takes its vjp, and reduce-scatters layer ``i``'s gradient, which
+  XLA's collective pipeliner (on by default) moves under the next iteration. The backward's
+  gathers wait for the cotangent (an optimization barrier), else XLA hoists them to the step's
+  start, where they are exposed and held through the forward.
+
+Exposed by construction: layer 0's forward gather, the last layer's backward gather and layer
+0's reduce-scatter (nothing of the stack computes next to them). Bytes: every layer gathered
+once forward and once backward, plus one more gather of layer 0 at the backward's last
+iteration (a loop of the same body throughout: the scheduler's pipelining needs it; a 1/L
+share more all-gather bytes than :func:`gather_layer`'s loop). Memory: one more layer of
+gathered weights (the one in flight). Keeping the last layer's forward weights for its backward
+(FSDP's way) would save a gather but measured 2.2 layers more memory (decision 20 in
+BUILD_NOTES).
+
+``fn`` may close over arrays (positions, masks, tied weights): they are hoisted with
+``jax.closure_convert`` and their gradients summed over the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxzero.zero.collectives import Comm, reduce_leaf, to_varying
+from jaxzero.zero.layers import _PLAN, LayerPlan, gather_layer, gather_shard
+
+__all__ = ["scan_layers", "stacked_init", "stacked_params"]
+
+
+def stacked_init(module, length: int, collection: str = "params"):
+    """An init function for ``self.param(name, stacked_init(module, length), *args)``: the
+    ``collection`` variables of ``length`` independently initialised copies of the (detached)
+    flax ``module``, stacked on a leading layer axis."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"length={length!r} must be a positive int (the number of layers).")
+
+    def init(rng, *args, **kwargs):
+        one = lambda key: module.init(key, *args, **kwargs)[collection]
+        return jax.vmap(one)(jax.random.split(rng, length))
+
+    return init
+
+
+def stacked_params(module, name: str, block, length: int, *args, **kwargs):
+    """A flax linen ``module``'s stack of ``length`` ``block`` layers under ``params[name]``:
+    created with :func:`stacked_init` by ``init``, read as it is otherwise. (``self.param``
+    would check the stored shapes against the init's, which a per-layer stage-3 step's
+    shards do not match.)"""
+    if module.has_variable("params", name):
+        return module.get_variable("params", name)
+    return module.param(name, stacked_init(block, length), *args, **kwargs)
+
+
+def _layers_of(stack) -> int:
+    leaves = jax.tree.leaves(stack)
+    if not leaves or any(jnp.ndim(x) == 0 for x in leaves):
+        raise ValueError(
+            "scan_layers needs a stack: a tree of arrays with the layer index on axis 0 "
+            f"(got {jax.tree.map(jnp.shape, stack)})."
+        )
+    sizes = {x.shape[0] for x in leaves}
+    if len(sizes) != 1:
+        raise ValueError(f"scan_layers: the stack's leaves disagree on the layer count: {sizes}.")
+    return sizes.pop()
+
+
+def scan_layers(fn: Callable, stack, carry):
+    """``carry`` after ``fn(layer_i_params, carry)`` for each layer of ``stack`` in order (see
+    the module docstring)."""
+    length = _layers_of(stack)
+    plan = _PLAN.get()
+    if plan is None or not plan.gather:
+        body = lambda c, w: (fn(gather_layer(w), c), None)
+        return jax.lax.scan(jax.checkpoint(body, prevent_cse=False), carry, stack)[0]
+    plan.calls += 1
+    leaves, treedef = jax.tree.flatten(stack)
+    dims = [plan.lookup(p, x[0]) for p, x in jax.tree_util.tree_flatten_with_path(stack)[0]]
+
+    def gather(ls, i, after=None):
+        """Layer ``i`` whole; not before ``after`` exists (an optimization barrier: else XLA
+        hoists the backward's gathers to the start of the step, where they are exposed and
+        held through the forward)."""
+        shards = [jax.lax.dynamic_index_in_dim(x, i, 0, False) for x in ls]
+        if after is not None:
+            shards, _ = jax.lax.optimization_barrier((shards, after))
+        return treedef.unflatten(
+            [gather_shard(plan.comm, x, d) for x, d in zip(shards, dims, strict=True)]
+        )
+
+    closed, consts = jax.closure_convert(fn, gather(leaves, 0), carry)
+    return _prefetching(plan, closed, gather, dims, length)(leaves, carry, consts)
+
+
+def _prefetching(plan: LayerPlan, fn, gather, dims, length):
+    """The custom-vjp double-buffered loop over ``length`` layers of ``fn(w, carry, *consts)``."""
+    comm = plan.comm
+
+    def forward(leaves, carry, consts):
+        def body(state, i):
+            c, w = state
+            nxt = gather(leaves, i + 1, c)  # in flight while layer i computes
+            return (fn(w, c, *consts), nxt), c
+
+        (c, w), inputs = jax.lax.scan(body, (carry, gather(leaves, 0)), jnp.arange(length - 1))
+        return fn(w, c, *consts), (leaves, inputs, c, consts)
+
+    def backward(res, ct):
+        leaves, inputs, c_last, consts = res
+
+        def body(state, i):
+            ct, w, dconsts = state
+            nxt = gather(leaves, jnp.maximum(i - 1, 0), (ct, w))  # in flight under layer i
+            c = _layer_input(inputs, c_last, i, length)
+            _, pull = jax.vjp(fn, w, c, *consts)
+            dw, dc, *dk = pull(ct)
+            g = _reduce_tree(comm, dw, dims, leaves)
+            return (dc, nxt, [a + b for a, b in zip(dconsts, dk, strict=True)]), g
+
+        dk = [_zeros(k) for k in consts]
+        state = (ct, gather(leaves, length - 1, ct), dk)
+        (ct, _, dk), grads = jax.lax.scan(body, state, jnp.arange(length), reverse=True)
+        return grads, ct, dk
+
+    run = jax.custom_vjp(lambda leaves, carry, consts: forward(leaves, carry, consts)[0])
+    run.defvjp(forward, backward)
+    return run
+
+
+def _layer_input(inputs, last, i, length):
+    """Layer ``i``'s saved input: ``inputs[i]`` (the forward loop's, layers 0 .. L-2) or
+    ``last`` (the last layer's, saved apart: no copy of the stack of inputs)."""
+    pick = lambda xs, x: jnp.where(
+        i == length - 1, x, jax.lax.dynamic_index_in_dim(xs, jnp.minimum(i, length - 2), 0, False)
+    )
+    return jax.tree.map(pick, inputs, last) if length > 1 else last
+
+
+def _reduce_tree(comm: Comm, dw, dims, leaves):
+    """Each leaf of one layer's gradient reduced (reduce-scatter along its dim, or all-reduce)
+    and returned in the dtype of the stack leaf it belongs to."""
+    flat = jax.tree.leaves(dw)
+    return [
+        to_varying(reduce_leaf(comm, g, d).astype(x.dtype), _vma(x))
+        for g, d, x in zip(flat, dims, leaves, strict=True)
+    ]
+
+
+def _vma(x):
+    """The mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
+    return tuple(axis_type.varying) if axis_type is not None else ()
+
+
+def _zeros(x):
+    """Zeros of ``x``'s shape, dtype and device-variance."""
+    return to_varying(jnp.zeros_like(x), _vma(x))
