@@ -16,8 +16,9 @@ from jaxzero.zero.layers import layer_plan
 _NO_LAYER_GATHER = (
     "ZeRO(stage=3, layers={}) hands the loss each layer stack as shards, but the model never "
     "called jaxzero.gather_layer: wrap the scanned block, e.g. nn.remat(nn.map_variables("
-    "Block, 'params', trans_in_fn=jaxzero.gather_layer)), or drop layers= to gather the whole "
-    "model up front."
+    "Block, 'params', trans_in_fn=jaxzero.gather_layer)), or run the stack with "
+    "jaxzero.scan_layers (which also prefetches the next layer), or drop layers= to gather the "
+    "whole model up front."
 )
 
 

@@ -143,6 +143,11 @@ def check_layers(params, layers: tuple[str, ...]) -> None:
             )
 
 
+def current_plan() -> LayerPlan | None:
+    """The plan of the per-layer step being traced (None outside one)."""
+    return _PLAN.get()
+
+
 @contextlib.contextmanager
 def layer_plan(plan: LayerPlan | None):
     """Make :func:`gather_layer` gather with ``plan`` while the loss is traced."""

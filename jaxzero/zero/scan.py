@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxzero.zero.collectives import Comm, reduce_leaf, to_varying
-from jaxzero.zero.layers import _PLAN, LayerPlan, gather_layer, gather_shard
+from jaxzero.zero.layers import LayerPlan, current_plan, gather_layer, gather_shard
 
 __all__ = ["scan_layers", "stacked_init", "stacked_params"]
 
@@ -93,7 +93,7 @@ def scan_layers(fn: Callable, stack, carry):
     """``carry`` after ``fn(layer_i_params, carry)`` for each layer of ``stack`` in order (see
     the module docstring)."""
     length = _layers_of(stack)
-    plan = _PLAN.get()
+    plan = current_plan()
     if plan is None or not plan.gather:
         body = lambda c, w: (fn(gather_layer(w), c), None)
         return jax.lax.scan(jax.checkpoint(body, prevent_cse=False), carry, stack)[0]
