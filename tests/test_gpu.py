@@ -412,7 +412,8 @@ def test_gpu_recommended_flags_start_the_next_layers_gather_early():
     assert base.hidden_share("all-gather") == 0
     assert tuned.hidden_share("all-gather") == pytest.approx(131328 / 558208)
     assert tuned.hidden_share("reduce-scatter") >= base.hidden_share("reduce-scatter")
-    assert (base.temp_bytes, tuned.temp_bytes) == (498320, 498320 + 5376)
+    assert tuned.temp_bytes - base.temp_bytes == 5376
+    assert tuned.temp_bytes <= 1.02 * base.temp_bytes
 
 
 SHAPE4 = model_shape(layers=4, hidden=64, heads=2, vocab=128, seq=16, batch=1)
@@ -468,8 +469,9 @@ def test_gpu_stage2_per_layer_hides_the_layers_reduce_scatters():
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_gpu_ema_of_350_leaves_is_a_handful_of_kernels_at_12_bytes_per_element(stage):
-    """The default EMA on a GPU mesh keeps every float leaf in rows of at most 88 leaves
-    (XLA:GPU fuses at most 96 operands and outputs into a kernel), and XLA fuses each row's
+    """The EMA update alone, in rows (the GPU default at stages 0-2): every float leaf in rows
+    of at most 88 leaves (XLA:GPU fuses at most 96 operands and outputs into a kernel), and
+    XLA fuses each row's
     concatenate of master pieces into its update: per device 4 row kernels + the update
     counter for 350 leaves (351 per leaf), reading master and EMA and writing the EMA once:
     12 bytes per local float32 element (12 Φ/N for the sharded leaves), no collective.
@@ -485,7 +487,7 @@ def test_gpu_ema_of_350_leaves_is_a_handful_of_kernels_at_12_bytes_per_element(s
     t = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     got = {}
     for name, ema in (
-        ("rows", jz.ShardedEMA(0.9)),
+        ("rows", jz.ShardedEMA(0.9, bucket_leaves_up_to="all")),
         ("per_leaf", jz.ShardedEMA(0.9, bucket_leaves_up_to=0)),
     ):
         zero = jz.ZeRO(optax.sgd(0.1), mesh, stage=stage)
@@ -506,6 +508,44 @@ def test_gpu_ema_of_350_leaves_is_a_handful_of_kernels_at_12_bytes_per_element(s
     assert got["rows"][0] == math.ceil(350 / 88) + 1 == 5
     assert got["rows"][1] == pytest.approx(12 * local, rel=0.10)
     assert got["rows"][1] <= got["per_leaf"][1] * 1.001
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpu_ema_in_the_compiled_step_adds_a_handful_of_kernels(stage):
+    """What the default EMA adds to the compiled optimizer step (bf16, Adam, the 350-leaf
+    detector), against the same step without an EMA. Stage 3 keeps the EMA per leaf and XLA
+    fuses each leaf's EMA update into that leaf's Adam kernel: one kernel added (the update
+    counter) and 8 bytes per local element (read and write the EMA; the master is already in
+    registers). Stages 1/2 keep it in rows: 4 row kernels + the counter, 12 bytes per element.
+    (Per-leaf storage at stage 2 adds ~90: XLA transposes the pieces it all-gathers.)"""
+    mesh = gpu.compile_only_mesh("h100", N)
+    tree = detector_tree()
+    leaves = jax.tree.leaves(tree)
+    local = sum(
+        math.prod(x.shape) // (N if leaf_split(x.shape, N, False)[1] else 1) for x in leaves
+    )
+    got = {}
+    for name, ema in (("none", None), ("default", jz.ShardedEMA(0.9))):
+        zero = jz.ZeRO(optax.adam(1e-3), mesh, stage=stage, precision="bf16")
+        state = zero.abstract_state(tree, ema=ema)
+        grads = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(
+                x.shape, jnp.bfloat16, sharding=NamedSharding(mesh, s)
+            ),
+            tree,
+            zero.shard_specs(tree),
+        )
+        fn = jax.jit(lambda st, g, e=ema, z=zero: z.apply_gradients(st, g, ema=e), donate_argnums=0)
+        hlo = fn.lower(state, grads).compile().as_text()
+        got[name] = (gpu.kernels_per_step(hlo), gpu.kernel_bytes_per_step(hlo))
+    kernels = got["default"][0] - got["none"][0]
+    extra_bytes = got["default"][1] - got["none"][1]
+    if stage == 3:
+        assert kernels == 1
+        assert extra_bytes == pytest.approx(8 * local, rel=0.10)
+    else:
+        assert kernels == math.ceil(350 / 88) + 1
+        assert extra_bytes == pytest.approx(12 * local, rel=0.10)
 
 
 def test_gpu_plan_cli_prints_stage2_per_layer_hidden_share(capsys):

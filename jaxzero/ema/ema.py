@@ -81,8 +81,10 @@ class ShardedEMA:
         most this many elements in a few flat ``[N, L_g]`` rows sharded ``P(axis)``, each
         updated by one kernel per device (see :mod:`jaxzero.ema.storage`). ``"all"``: every
         float leaf; 0 keeps one array per leaf; None (the default): ``"all"`` on GPU meshes
-        (a 350-leaf tree: 5 kernels instead of 351, the same 12 bytes per element), 0 on CPU
-        meshes. Same numbers as per-leaf storage (bit for bit with
+        at stages 0-2 (a 350-leaf tree: 4 row kernels + the counter instead of 351, the same
+        12 bytes per element), 0 on GPU meshes at stage 3 (there XLA fuses each leaf's EMA
+        update into that leaf's optimizer kernel: one kernel added to the step, 8 bytes per
+        element) and on CPU meshes. Same numbers as per-leaf storage (bit for bit with
         ``torch_compatible``; otherwise XLA may contract ``d * e + (1 - d) * x`` into an FMA
         in one and not the other: an ulp), same bytes per device, no collective. Why: on
         XLA:CPU every leaf is its own kernel per device (~5 us each); the 37 small leaves
@@ -200,9 +202,13 @@ class ShardedEMA:
         if step is None:
             averaging, copying = jnp.asarray(True), jnp.asarray(False)
         else:
+            # Predicates that are constant for the default gating stay Python constants: on a
+            # GPU a traced `step < 0` is a kernel of its own in front of the EMA's kernels.
             step = jnp.asarray(step)
-            copying = step < self.start_step
-            averaging = jnp.logical_and(~copying, (step - self.start_step) % self.every == 0)
+            copying = step < self.start_step if self.start_step > 0 else jnp.asarray(False)
+            averaging = ~copying
+            if self.every > 1:
+                averaging = jnp.logical_and(averaging, (step - self.start_step) % self.every == 0)
         averaging = jnp.logical_and(averaging, apply)
         copying = jnp.logical_and(copying, apply)
         n = state.updates + 1

@@ -49,14 +49,18 @@ LEAVES_PER_ROW = 88
 ALL = 2**62
 
 
-def resolve(max_elements: int | None, mesh: Mesh) -> int:
-    """The threshold ``ShardedEMA(bucket_leaves_up_to=...)`` means on ``mesh``: None (the
-    default) is every float leaf (:data:`ALL`) on GPUs, where each leaf would be a kernel
-    launch, and per-leaf (0) on CPUs, where benchmarks/ema.py measured per-leaf big leaves as
-    fast and every storage is tested."""
+def resolve(max_elements: int | None, mesh: Mesh, stage: int | None = None) -> int:
+    """The threshold ``ShardedEMA(bucket_leaves_up_to=...)`` means on ``mesh`` at ZeRO
+    ``stage``: None (the default) is per-leaf (0) on CPUs, where benchmarks/ema.py measured
+    per-leaf big leaves as fast and every storage is tested; on GPUs every float leaf in rows
+    (:data:`ALL`: 4 kernels for 350 leaves instead of one per leaf), except at stage 3, where
+    XLA fuses each per-leaf EMA update into the optimizer's kernel for that leaf (the compiled
+    step gains no kernel per leaf, and reads each master piece once: tests/test_gpu.py)."""
     if max_elements is not None:
         return int(max_elements)
-    return ALL if mesh_platform(mesh) == "gpu" else 0
+    if mesh_platform(mesh) != "gpu" or stage == 3:
+        return 0
+    return ALL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,14 +343,14 @@ def threshold(tree) -> int:
     return 0
 
 
-def store(ema_state, mesh: Mesh, axis: str, max_elements: int | None):
+def store(ema_state, mesh: Mesh, axis: str, max_elements: int | None, stage: int | None = None):
     """``ema_state`` (an EmaState in either storage) in the storage planned for ``mesh`` with
-    ``bucket_leaves_up_to=max_elements`` (None: :func:`resolve`): small float leaves in rows
+    ``bucket_leaves_up_to=max_elements`` (None: :func:`resolve` at ZeRO ``stage``): small float leaves in rows
     when > 0, per-leaf otherwise. A local slice/concatenate per device, no communication; returned as is when
     it is already stored that way."""
     current = ema_state.ema
     per_leaf = current.layout.abstract() if _is_bucketed(current) else current
-    layout = plan(per_leaf, mesh, axis, resolve(max_elements, mesh))
+    layout = plan(per_leaf, mesh, axis, resolve(max_elements, mesh, stage))
     if _is_bucketed(current) and current.layout == layout:
         return ema_state
     if layout is None and not _is_bucketed(current):

@@ -139,7 +139,9 @@ def _init_raw(zero: jaxzero.ZeRO, params, ema: ShardedEMA | None, model_state, r
     ema_state = None
     if ema is not None:
         ema_state = ema.init(ema_target(master_view, model_state))
-        ema_state = ema_storage.store(ema_state, zero.mesh, zero.axis, ema.bucket_leaves_up_to)
+        ema_state = ema_storage.store(
+            ema_state, zero.mesh, zero.axis, ema.bucket_leaves_up_to, zero.stage
+        )
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=cast(params, pol.param_dtype),

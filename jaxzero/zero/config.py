@@ -217,9 +217,10 @@ class ZeRO:
         layers.check_layers(params, self.layers)
 
     def bucket_ema(self, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
-        """``ema_state`` (either storage) in ``ema``'s storage for this mesh; the inverse is
-        :func:`jaxzero.unbucket_ema`. A local slice/concatenate, no communication."""
-        return ema_storage.store(ema_state, self.mesh, self.axis, ema.bucket_leaves_up_to)
+        """``ema_state`` in ``ema``'s storage for this mesh and stage (local, no communication);
+        the inverse is :func:`jaxzero.unbucket_ema`."""
+        k = ema.bucket_leaves_up_to
+        return ema_storage.store(ema_state, self.mesh, self.axis, k, self.stage)
 
     # -- inside shard_map (jaxzero.zero.collectives, jaxzero.zero.layers) ---------------------
     def gather_params(self, local_params, specs):
