@@ -4,6 +4,7 @@ per layer against GSPMD-annotation FSDP and plain DP, with XLA's default flags a
 
     python benchmarks/overlap.py                  # 8-layer GPT, width 1024, bf16, N=8 and 64
     python benchmarks/overlap.py --quick          # 4 layers, width 256, N=8 (about 3 min)
+    python benchmarks/overlap.py --tiny           # the tests' 4-layer width-64 decoder, N=8
     python benchmarks/overlap.py --out benchmarks/results/overlap.md
 
 jaxzero's rows use :func:`jaxzero.scan_layers` for the layer stack (the models' default,
@@ -141,17 +142,24 @@ def table(shape, n: int) -> list[str]:
     return lines
 
 
+# The tests' small decoder (tests/test_benchmarks.py checks this table against the formulas).
+TINY = model_shape(layers=4, hidden=64, heads=2, vocab=128, seq=16, arch="gpt")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4 layers, width 256, N=8 only")
+    ap.add_argument("--tiny", action="store_true", help="4 layers, width 64, N=8 only")
     ap.add_argument("--devices", type=int, action="append", help="default: 8 and 64")
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args(argv)
-    if args.quick:
+    if args.tiny:
+        shape = TINY
+    elif args.quick:
         shape = model_shape(layers=4, hidden=256, heads=2, vocab=1024, seq=256, arch="gpt")
     else:
         shape = model_shape(layers=8, hidden=1024, heads=8, vocab=32000, seq=2048, arch="gpt")
-    devices = args.devices or ([8] if args.quick else [8, 64])
+    devices = args.devices or ([8] if args.quick or args.tiny else [8, 64])
     flags = " ".join(gpu.recommended_xla_flags())
     out = [f"Recommended flags: `{flags}`", ""]
     for n in devices:

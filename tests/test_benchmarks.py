@@ -106,3 +106,51 @@ def test_jaxzero_collectives_match_theory(smoke, stage, precision):
         else:  # only scalars (loss mean, finite check) may travel outside the theory
             assert got < 0.001 * 4 * phi, (kind, got)
     assert row["collectives_ok"]
+
+
+@pytest.fixture(scope="module")
+def overlap_table():
+    """``benchmarks/overlap.py --tiny``'s table (every variant, both flag sets, N = 8), run in
+    this process: the GPU compiles are deviceless (tests/test_gpu.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "overlap_bench", os.path.join(ROOT, "benchmarks", "overlap.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lines = bench.table(bench.TINY, N)
+    rows = {}
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 7 and cells[1] in ("default", "recommended"):
+            rows[cells[0], cells[1]] = cells[2:]
+    return bench, rows
+
+
+def test_overlap_benchmark_rows_match_the_formulas(overlap_table):
+    """Every variant is measured with both flag sets; the stage-2 rows move the same bytes with
+    or without the per-layer reduction, and the per-layer row hides exactly the layer stack's
+    share of the reduce-scatter bytes (everything outside the stack is reduced after the loop:
+    the same derivation as tests/test_gpu.py), the whole-gradient row none of it; plain DP
+    shows no reduce-scatter or all-gather at all."""
+    import jax
+
+    from jaxzero.gpu.models import abstract_params
+
+    bench, rows = overlap_table
+    labels = [label for label, _ in bench.VARIANTS]
+    assert set(rows) == {(label, f) for label in labels for f in ("default", "recommended")}
+    s = s_stack = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(abstract_params(bench.TINY))[0]:
+        in_stack = path[0].key == "layers"
+        dims = x.shape[1:] if in_stack else x.shape
+        if any(d % N == 0 for d in dims):
+            s += x.size
+            s_stack += x.size if in_stack else 0
+    whole, per_layer = "jaxzero stage 2 (whole-gradient reduction)", "jaxzero stage 2 per layer"
+    for flags in ("default", "recommended"):
+        assert rows[whole, flags][0] == rows[per_layer, flags][0]  # collective bytes
+        assert rows[whole, flags][2] == "0.00"
+        assert float(rows[per_layer, flags][2]) == pytest.approx(s_stack / s, abs=0.006)
+        assert rows["plain DP (jit, replicated)", flags][1:3] == ["-", "-"]
