@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jaxzero as jz
+
 
 class MLP(nn.Module):
     """17 -> 31 -> 5 with tanh: leaves whose sizes do not divide by 8."""
@@ -177,3 +179,24 @@ def reference_run(tx, params, loss_fn, batches):
     for b in batches:
         p, s = step(p, s, b)
     return p, s
+
+
+def train(zero, loss_fn, params, batches, **kw):
+    """The state after one jaxzero train step per batch (``kw``: make_train_step's)."""
+    step = jz.make_train_step(loss_fn, zero, **kw)
+    state = step.init(params)
+    for b in batches:
+        state, _ = step(state, b)
+    return state
+
+
+def stage3_per_layer_and_whole_bf16(params, loss_fn, batches, ema):
+    """The final states of stage 3 with ``layers="layers"`` and without (bf16 compute, fp32
+    master and reduce, Adam, ``ema``) on 8 devices: only where the gathers happen differs."""
+    mesh = jz.data_parallel_mesh(8)
+    pol = jz.Precision("bfloat16", "float32", "float32")
+    tx = optax.adam(1e-2, eps=1e-6)
+    return tuple(
+        train(jz.ZeRO(tx, mesh, stage=3, precision=pol, **kw), loss_fn, params, batches, ema=ema)
+        for kw in ({"layers": "layers"}, {})
+    )

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import make_problem, reference_run
+from models import make_problem, reference_run, stage3_per_layer_and_whole_bf16, train
 
 import jaxzero as jz
 from jaxzero.memory import collective_ops
@@ -33,14 +33,6 @@ CHAINS = {
 }
 
 
-def _run(zero, loss_fn, params, batches, **kw):
-    step = jz.make_train_step(loss_fn, zero, **kw)
-    state = step.init(params)
-    for b in batches:
-        state, _ = step(state, b)
-    return state
-
-
 @pytest.mark.parametrize(
     "chain,n,accum,stage",
     [
@@ -56,7 +48,7 @@ def test_per_layer_matches_single_device(chain, n, accum, stage):
     tx = CHAINS[chain]()
     ref_params, ref_opt = reference_run(tx, params, loss_fn, batches)
     zero = jz.ZeRO(tx, jz.data_parallel_mesh(n), stage=stage, layers="layers")
-    state = _run(zero, loss_fn, params, batches, accum_steps=accum)
+    state = train(zero, loss_fn, params, batches, accum_steps=accum)
     chex.assert_trees_all_close(jz.gather(state), ref_params, atol=1e-5)
     chex.assert_trees_all_close(jz.gather(state.opt_state), ref_opt, atol=1e-5)
     # Every layer-stack leaf kept its layer axis whole and is split on another one.
@@ -72,19 +64,7 @@ def test_per_layer_equals_whole_model_stage3_with_ema_bf16():
     reduce, EMA on the same shards): only where the gathers happen differs."""
     params, loss_fn, batches = make_problem("scanned", gather_layer=jz.gather_layer, steps=4)
     ema = jz.ShardedEMA(0.9, tau=2.0)
-    mesh = jz.data_parallel_mesh(8)
-    pol = jz.Precision("bfloat16", "float32", "float32")
-    states = [
-        _run(
-            jz.ZeRO(optax.adam(1e-2, eps=1e-6), mesh, stage=3, precision=pol, **kw),
-            loss_fn,
-            params,
-            batches,
-            ema=ema,
-        )
-        for kw in ({"layers": "layers"}, {})
-    ]
-    per_layer, whole = states
+    per_layer, whole = stage3_per_layer_and_whole_bf16(params, loss_fn, batches, ema)
     chex.assert_trees_all_close(jz.gather(per_layer.master), jz.gather(whole.master), atol=1e-6)
     chex.assert_trees_all_close(jz.gather(per_layer.ema), jz.gather(whole.ema), atol=1e-6)
     chex.assert_trees_all_close(

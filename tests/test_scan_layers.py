@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from models import make_problem, reference_run
+from models import make_problem, reference_run, stage3_per_layer_and_whole_bf16, train
 
 import jaxzero as jz
 
@@ -28,14 +28,6 @@ def _problem(layers=3, steps=4):
         layers=layers,
         steps=steps,
     )
-
-
-def _run(zero, loss_fn, params, batches, **kw):
-    step = jz.make_train_step(loss_fn, zero, **kw)
-    state = step.init(params)
-    for b in batches:
-        state, _ = step(state, b)
-    return state
 
 
 TX = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6))
@@ -61,7 +53,7 @@ def test_scan_layers_matches_single_device(stage, layers, n, accum):
     zero = jz.ZeRO(
         TX(), jz.data_parallel_mesh(n), stage=stage, layers="layers" if per_layer else None
     )
-    state = _run(zero, loss_fn, params, batches, accum_steps=accum)
+    state = train(zero, loss_fn, params, batches, accum_steps=accum)
     chex.assert_trees_all_close(jz.gather(state), ref_params, atol=1e-5)
     chex.assert_trees_all_close(jz.gather(state.opt_state), ref_opt, atol=1e-5)
     # the closed-over gain moved, by the same amount as in plain optax
@@ -70,19 +62,8 @@ def test_scan_layers_matches_single_device(stage, layers, n, accum):
 
 def test_scan_layers_per_layer_equals_whole_model_stage3_bf16_with_ema():
     params, loss_fn, batches = _problem(4)
-    mesh = jz.data_parallel_mesh(8)
-    pol = jz.Precision("bfloat16", "float32", "float32")
     ema = jz.ShardedEMA(0.9)
-    per_layer, whole = (
-        _run(
-            jz.ZeRO(optax.adam(1e-2, eps=1e-6), mesh, stage=3, precision=pol, **kw),
-            loss_fn,
-            params,
-            batches,
-            ema=ema,
-        )
-        for kw in ({"layers": "layers"}, {})
-    )
+    per_layer, whole = stage3_per_layer_and_whole_bf16(params, loss_fn, batches, ema)
     # bf16 compute: the hand-written backward sums in another order than autodiff's scan
     # (2e-5 apart after 4 Adam steps at lr 1e-2; bf16's own rounding is 4e-3).
     chex.assert_trees_all_close(jz.gather(per_layer.master), jz.gather(whole.master), atol=1e-4)
