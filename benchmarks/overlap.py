@@ -1,4 +1,4 @@
-"""Communication hidden behind compute in the compiled GPU step (issue 15): jaxzero stages 2/3
+"""Communication hidden behind compute in the compiled GPU step (issue 15): jaxzero stages 1-3
 per layer against GSPMD-annotation FSDP and plain DP, with XLA's default flags and with
 ``jaxzero.gpu.recommended_xla_flags()``, compiled for H100s without a GPU.
 
@@ -12,8 +12,9 @@ jaxzero's rows use :func:`jaxzero.scan_layers` for the layer stack (the models' 
 ``nn.remat``'d block that calls :func:`jaxzero.gather_layer` (``loop="gather_layer"``).
 
 Per row, per device per step: collective payload bytes (loop trip counts applied), the share
-of all-gather and of reduce-scatter bytes hidden (a gemm/conv/attention kernel scheduled
-between the collective's start and done: :mod:`jaxzero.gpu.overlap`; "-" when none move), arguments + temporaries
+of all-gather, reduce-scatter and all-reduce bytes hidden (a gemm/conv/attention kernel scheduled
+between the collective's start and done: :mod:`jaxzero.gpu.overlap`; "-" when none move, or
+only scalars such as the loss's mean), arguments + temporaries
 (``memory_analysis``), and kernels launched. The peer is MaxText-style: fp32 params and Adam
 state sharded by ``NamedSharding`` on the same dimension rule as jaxzero, the loss computing in
 bf16, plain ``optax`` under ``jax.jit`` (GSPMD inserts the collectives); plain DP replicates.
@@ -40,13 +41,15 @@ from jaxzero import gpu  # noqa: E402
 from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape  # noqa: E402
 from jaxzero.zero import specs as sh  # noqa: E402
 
-KINDS = ("all-gather", "reduce-scatter")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+# A kind moving less than this per step is a scalar (the loss's mean), not a gradient: "-".
+SCALARS = 4096
 
 
 def _figures(hlo: str, mem, n: int) -> dict:
     moved = gpu.collectives_per_step(hlo, n)
     over = gpu.overlap_per_step(hlo, n)
-    share = {o.kind: o.share for o in over if o.bytes}
+    share = {o.kind: o.share for o in over if o.bytes >= SCALARS}
     return {
         "bytes": sum(c.bytes for c in moved),
         **{k: share.get(k) for k in KINDS},
@@ -70,7 +73,7 @@ def jaxzero_row(shape, mesh, stage, per_layer, options):
     )
     return {
         "bytes": sum(c.bytes for c in rep.collectives),
-        **{k: rep.hidden_share(k) if rep.payload(k) else None for k in KINDS},
+        **{k: rep.hidden_share(k) if rep.payload(k) >= SCALARS else None for k in KINDS},
         "args_temp": rep.argument_bytes + rep.temp_bytes,
         "kernels": rep.kernels_per_step,
     }
@@ -105,6 +108,11 @@ def peer_row(shape, mesh, shard: bool, options):
 
 
 VARIANTS = (
+    (
+        "jaxzero stage 1 (all-reduce after the backward)",
+        lambda s, m, o: jaxzero_row(s, m, 1, False, o),
+    ),
+    ("jaxzero stage 1 per layer", lambda s, m, o: jaxzero_row(s, m, 1, True, o)),
     ("jaxzero stage 2 (whole-gradient reduction)", lambda s, m, o: jaxzero_row(s, m, 2, False, o)),
     ("jaxzero stage 2 per layer", lambda s, m, o: jaxzero_row(s, m, 2, True, o)),
     (
@@ -126,16 +134,17 @@ def table(shape, n: int) -> list[str]:
         f"N = {n} H100, {shape.arch} {shape.layers} layers x width {shape.hidden}, "
         f"{shape.num_params:,} params, bf16, Adam, {shape.seq} tokens per device",
         "",
-        "| variant | XLA flags | collective bytes | hidden AG | hidden RS | args+temp | kernels |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | XLA flags | collective bytes | hidden AG | hidden RS | hidden AR | args+temp "
+        "| kernels |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, row in VARIANTS:
         for flags in ("default", "recommended"):
             options = gpu.xla_options() if flags == "recommended" else None
             f = row(shape, mesh, options)
-            ag, rs = ("-" if f[k] is None else f"{f[k]:.2f}" for k in KINDS)
+            ag, rs, ar = ("-" if f[k] is None else f"{f[k]:.2f}" for k in KINDS)
             lines.append(
-                f"| {label} | {flags} | {f['bytes'] / 1e6:.1f} MB | {ag} | {rs} | "
+                f"| {label} | {flags} | {f['bytes'] / 1e6:.1f} MB | {ag} | {rs} | {ar} | "
                 f"{f['args_temp'] / 1e6:.1f} MB | {f['kernels']} |"
             )
             print(lines[-1], file=sys.stderr, flush=True)

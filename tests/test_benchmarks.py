@@ -123,17 +123,18 @@ def overlap_table():
     rows = {}
     for line in lines:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 7 and cells[1] in ("default", "recommended"):
+        if len(cells) == 8 and cells[1] in ("default", "recommended"):
             rows[cells[0], cells[1]] = cells[2:]
     return bench, rows
 
 
 def test_overlap_benchmark_rows_match_the_formulas(overlap_table):
     """Every variant is measured with both flag sets; the stage-2 rows move the same bytes with
-    or without the per-layer reduction, and the per-layer row hides exactly the layer stack's
-    share of the reduce-scatter bytes (everything outside the stack is reduced after the loop:
-    the same derivation as tests/test_gpu.py), the whole-gradient row none of it; plain DP
-    shows no reduce-scatter or all-gather at all."""
+    or without the per-layer reduction, and the per-layer rows (stage 2, and stage 1 without
+    micro-batches) hide exactly the layer stack's share of the reduce-scatter bytes
+    (everything outside the stack is reduced after the loop: the same derivation as
+    tests/test_gpu.py) and all-reduce no gradient; the whole-gradient stage-2 row hides none,
+    stage 1 without layers= all-reduces; plain DP shows no reduce-scatter or all-gather."""
     import jax
 
     from jaxzero.gpu.models import abstract_params
@@ -149,8 +150,16 @@ def test_overlap_benchmark_rows_match_the_formulas(overlap_table):
             s += x.size
             s_stack += x.size if in_stack else 0
     whole, per_layer = "jaxzero stage 2 (whole-gradient reduction)", "jaxzero stage 2 per layer"
+    stage1, stage1_per_layer = (
+        "jaxzero stage 1 (all-reduce after the backward)",
+        "jaxzero stage 1 per layer",
+    )
     for flags in ("default", "recommended"):
         assert rows[whole, flags][0] == rows[per_layer, flags][0]  # collective bytes
         assert rows[whole, flags][2] == "0.00"
-        assert float(rows[per_layer, flags][2]) == pytest.approx(s_stack / s, abs=0.006)
+        for label in (per_layer, stage1_per_layer):
+            assert float(rows[label, flags][2]) == pytest.approx(s_stack / s, abs=0.006)
+            assert rows[label, flags][3] == "-"  # no gradient all-reduced
+        # stage 1 without layers=: the gradient all-reduced, nothing reduce-scattered
+        assert rows[stage1, flags][2] == "-" and rows[stage1, flags][3] != "-"
         assert rows["plain DP (jit, replicated)", flags][1:3] == ["-", "-"]

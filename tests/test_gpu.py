@@ -454,12 +454,16 @@ def test_gpu_scan_layers_prefetch_costs_less_than_a_layer_of_memory():
     assert prefetch.hidden_share("all-gather") > plain.hidden_share("all-gather") + 0.5
 
 
-def test_gpu_stage2_per_layer_hides_the_layers_reduce_scatters():
-    """Stage 2 with layers=: each layer's gradient is reduce-scattered in the backward loop and
-    XLA's (default) collective pipeliner moves it under the next layer's backward: >= 90% of
-    the reduce-scatter bytes hidden with the recommended flags (all but the embedding's, head's
-    and final norm's, reduced after the loop), the same bytes as stage 2's one reduction."""
-    rep = compiled(2, True, "bf16", flags=True, shape=SHAPE4)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gpu_stage2_per_layer_hides_the_layers_reduce_scatters(stage):
+    """Stage 2 with layers= (and stage 1 without micro-batches, which reduces the same way
+    instead of all-reducing after the backward): each layer's gradient is reduce-scattered in
+    the backward loop and XLA's (default) collective pipeliner moves it under the next layer's
+    backward: >= 90% of the reduce-scatter bytes hidden with the recommended flags (all but the
+    embedding's, head's and final norm's, reduced after the loop), the same bytes as stage 2's
+    one reduction, and no all-reduce of a gradient."""
+    rep = compiled(stage, True, "bf16", flags=True, shape=SHAPE4)
+    assert rep.payload("all-reduce") < 64  # the loss's mean, not a gradient
     phi, s, _, s_stack = sizes(abstract_params(SHAPE4), N, True)
     assert rep.payload("reduce-scatter") == 2 * s
     exposed = 2 * (s - s_stack)

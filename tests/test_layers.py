@@ -41,6 +41,8 @@ CHAINS = {
         ("clip_adamw", 2, 4, 3),
         ("clip_adamw", 8, 1, 2),
         ("sgd_nesterov_cosine", 2, 4, 2),
+        ("clip_adamw", 8, 1, 1),
+        ("sgd_nesterov_cosine", 2, 4, 1),
     ],
 )
 def test_per_layer_matches_single_device(chain, n, accum, stage):
@@ -136,16 +138,17 @@ def test_layer_collectives_sit_in_the_scanned_loop():
     assert entry_ag >= 4 * layer_bytes, (entry_ag, layer_bytes)
 
 
-def test_stage2_reduce_scatters_each_layer_in_the_backward_loop():
-    """Stage 2 with layers=: the stack's gradient is reduce-scattered inside the scanned
-    backward loop (layer by layer, as many bytes as the whole-gradient reduction), with no
-    all-gather of parameters in the loop; without gather_layer in the model stage 2 falls back
-    to the reduction after the backward."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage2_reduce_scatters_each_layer_in_the_backward_loop(stage):
+    """Stage 2 with layers= (and stage 1 without micro-batches): the stack's gradient is
+    reduce-scattered inside the scanned backward loop (layer by layer, as many bytes as the
+    whole-gradient reduction), with no all-gather of parameters in the loop; without
+    gather_layer in the model it falls back to the reduction after the backward."""
     params, loss_fn, batches = make_problem("scanned", gather_layer=jz.gather_layer, steps=1)
     plain_params, plain_loss, _ = make_problem("scanned", steps=1)
     n, hlos = 8, {}
     for name, p, fn in (("per_layer", params, loss_fn), ("plain", plain_params, plain_loss)):
-        zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(n), stage=2, layers="layers")
+        zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(n), stage=stage, layers="layers")
         step = jz.make_train_step(fn, zero)
         x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches[0])
         hlos[name] = step.jitted.lower(zero.abstract_state(p), x).compile().as_text()
@@ -159,6 +162,22 @@ def test_stage2_reduce_scatters_each_layer_in_the_backward_loop():
     assert sum(op.bytes for op in loop_rs) == layer_bytes // n
     plain = collective_ops(hlos["plain"])
     assert all(op.computation == _entry(hlos["plain"]) for op in plain)
+
+
+def test_stage1_with_micro_batches_keeps_one_all_reduce_after_the_backward():
+    """Stage 1 with layers= and 2 micro-batches accumulates the full local gradient and
+    all-reduces it once after the loop (a reduce-scatter per micro-batch would add traffic):
+    no reduce-scatter anywhere, the stack's gradient all-reduced in the entry computation."""
+    params, loss_fn, batches = make_problem("scanned", gather_layer=jz.gather_layer, steps=1)
+    n = 8
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(n), stage=1, layers="layers")
+    step = jz.make_train_step(loss_fn, zero, accum_steps=2)
+    x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches[0])
+    hlo = step.jitted.lower(zero.abstract_state(params), x).compile().as_text()
+    ops = collective_ops(hlo)
+    assert not [op for op in ops if op.kind == "reduce-scatter"]
+    entry_ar = [op for op in ops if op.kind == "all-reduce" and op.computation == _entry(hlo)]
+    assert sum(op.bytes for op in entry_ar) >= _layer_param_bytes(params, 4)
 
 
 def test_temp_memory_grows_by_checkpoints_not_weights():

@@ -4,6 +4,8 @@ stages 0/1, reduce-scatter for 2/3), model state threaded through the micro-batc
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -11,7 +13,7 @@ import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
 from jaxzero._tree import check_same_structure
 from jaxzero.precision import warn_wide_compute
 from jaxzero.zero.collectives import to_varying
-from jaxzero.zero.layers import layer_plan
+from jaxzero.zero.layers import layer_plan, reduces_exactly
 
 _NO_LAYER_GATHER = (
     "ZeRO(stage=3, layers={}) hands the loss each layer stack as shards, but the model never "
@@ -71,6 +73,18 @@ def _call_loss(loss_fn, stateful, params, model_state, batch, rng):
         return loss, aux, new_state
     loss, aux = _split_out(loss_fn(params, batch))
     return loss, aux, None
+
+
+def gradient_zero(zero: jaxzero.ZeRO, accum_steps: int) -> jaxzero.ZeRO:
+    """The ZeRO whose gradient path a step runs. Stage 1 with ``layers=`` and nothing to
+    accumulate reduces like stage 2: each layer's gradient is reduce-scattered inside the
+    backward, under the next layer's backward, instead of one all-reduce of the whole gradient
+    after it (the same sums, half an all-reduce's traffic, and no full reduced gradient: the
+    optimizer only reads its shard). With micro-batches stage 1 keeps its full local
+    accumulator and reduces once (a reduce per micro-batch would add traffic)."""
+    if zero.stage == 1 and accum_steps == 1 and zero.layers and reduces_exactly(zero.precision):
+        return dataclasses.replace(zero, stage=2)
+    return zero
 
 
 def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: bool = False):

@@ -18,7 +18,7 @@ from jaxzero._tree import batch_rows, leaves_by_keystr
 from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.mesh import mesh_platform
-from jaxzero.train.grads import local_gradients
+from jaxzero.train.grads import gradient_zero, local_gradients
 from jaxzero.train.state import TrainState
 from jaxzero.zero.config import ZeRO
 
@@ -222,13 +222,16 @@ def make_train_step(
         raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
     if ema is not None and not isinstance(ema, ShardedEMA):
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
-    step_fn = _step_fn(zero, local_gradients(zero, loss_fn, accum_steps, stateful=stateful), ema)
+    reducing = gradient_zero(zero, accum_steps)
+    grads_fn = local_gradients(reducing, loss_fn, accum_steps, stateful=stateful)
+    step_fn = _step_fn(zero, reducing, grads_fn, ema)
     jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else ())
     return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful)
 
 
-def _step_fn(zero: ZeRO, grads_fn, ema: ShardedEMA | None):
-    """The (unjitted) step: the per-device gradients in a ``shard_map`` over the mesh, then
+def _step_fn(zero: ZeRO, reducing: ZeRO, grads_fn, ema: ShardedEMA | None):
+    """The (unjitted) step: the per-device gradients in a ``shard_map`` over the mesh (reduced
+    as ``reducing``, :func:`~jaxzero.train.grads.gradient_zero`, says), then
     :meth:`ZeRO.apply_gradients` under jit."""
     axes = zero.batch_axes
 
@@ -252,7 +255,7 @@ def _step_fn(zero: ZeRO, grads_fn, ema: ShardedEMA | None):
                 P(),
                 P(),
             ),
-            out_specs=(P(), P(), zero.grad_specs(state.params), replicated(state.model_state)),
+            out_specs=(P(), P(), reducing.grad_specs(state.params), replicated(state.model_state)),
         )
         loss, aux, grads, model_state = sm(
             state.params, state.model_state, batch, state.rng, state.step, scale

@@ -79,9 +79,9 @@ class ZeRO:
       layers: names of the params subtrees that hold scanned layer stacks (``nn.scan`` puts
         the layer index on axis 0 of every leaf), e.g. ``"layers"``. Those leaves, and the
         optimizer-state and EMA leaves that mirror them, are never split along axis 0. With
-        stage 3 the step then gathers the stacks one layer at a time: the loss sees them as
-        shards and the model gathers each layer with :func:`jaxzero.gather_layer` inside its
-        scanned, rematerialised block (peak memory: one layer's weights, not the model's).
+        stage 3 the step gathers the stacks one layer at a time (:func:`jaxzero.gather_layer`
+        or :func:`jaxzero.scan_layers` in the model; peak: one layer's weights); stage 2, and
+        stage 1 without micro-batches, reduce-scatter each layer's gradient in the backward.
 
     Example:
       >>> zero = ZeRO(optax.adamw(3e-4), data_parallel_mesh(), stage=2)

@@ -24,8 +24,9 @@ reduce-scatter into the next layer's backward (a device-dependent place, ``axis_
 stops it: measured 0% hidden against 94%). It does so at every micro-batch, as the
 whole-gradient reduction of stage 2 does.
 
-Outside such a step (evaluation on gathered params, ``model.init``, stages 0-1)
-:func:`gather_layer` is the identity, so one model definition serves everywhere.
+Stage 1 without micro-batches takes the stage-2 path (``jaxzero.train.grads.gradient_zero``).
+Outside such a step (evaluation on gathered params, ``model.init``, stage 0, stage 1 with
+micro-batches) :func:`gather_layer` is the identity, so one model definition serves everywhere.
 """
 
 from __future__ import annotations
