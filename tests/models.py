@@ -100,6 +100,7 @@ class StackTransformer(nn.Module):
     out: int = 3
     scan_layers: object = None
     stacked_params: object = None
+    xs: str | None = None  # per-layer inputs: "index" (a scale 1 + 0.1 i) or "keys" (dropout)
 
     @nn.compact
     def __call__(self, x):
@@ -107,7 +108,15 @@ class StackTransformer(nn.Module):
         stack = self.stacked_params(self, "layers", block, self.layers, x, None)
         gain = self.param("gain", nn.initializers.constant(1.1), (self.d_model,))
         layer = lambda w, h: block.apply({"params": w}, h, None)[0] * gain.astype(h.dtype)
-        x = self.scan_layers(layer, stack, x)
+        if self.xs is None:
+            x = self.scan_layers(layer, stack, x)
+        elif self.xs == "index":
+            scaled = lambda w, h, i: layer(w, h) * (1 + 0.1 * i).astype(h.dtype)
+            x = self.scan_layers(scaled, stack, x, jnp.arange(self.layers))
+        else:  # a fixed dropout mask per layer over the features: the same on every device
+            keys = jax.random.split(jax.random.key(7), self.layers)
+            drop = lambda w, h, k: layer(w, h) * jax.random.bernoulli(k, 0.75, h.shape[-1:]) / 0.75
+            x = self.scan_layers(drop, stack, x, keys)
         return nn.Dense(self.out, name="head")(x)
 
 

@@ -36,7 +36,8 @@ gathered weights (the one in flight). Keeping the last layer's forward weights f
 BUILD_NOTES).
 
 ``fn`` may close over arrays (positions, masks, tied weights): they are hoisted with
-``jax.closure_convert`` and their gradients summed over the layers.
+``jax.closure_convert`` and their gradients summed over the layers. Per-layer inputs that are
+not differentiated (dropout keys, layer indices) go in ``xs``: ``fn(w, carry, xs[i])``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxzero.zero.collectives import Comm, reduce_leaf, to_varying
 from jaxzero.zero.layers import LayerPlan, current_plan, gather_layer, gather_shard
@@ -89,14 +91,38 @@ def _layers_of(stack) -> int:
     return sizes.pop()
 
 
-def scan_layers(fn: Callable, stack, carry):
+def _check_xs(xs, length: int) -> None:
+    leaves = jax.tree.leaves(xs)
+    bad = [x for x in leaves if jnp.ndim(x) == 0 or jnp.shape(x)[0] != length]
+    if not leaves or bad:
+        raise ValueError(
+            f"scan_layers xs must be arrays with the layer index on axis 0 ({length} layers), "
+            f"got {jax.tree.map(jnp.shape, xs)}."
+        )
+    floats = [jnp.result_type(x) for x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if floats:
+        raise TypeError(
+            f"scan_layers xs are not differentiated, so they must be integer or key arrays "
+            f"(rng keys, layer indices, masks); got {floats[0]}. Close fn over a float array "
+            f"instead (its gradient is summed over the layers)."
+        )
+
+
+def scan_layers(fn: Callable, stack, carry, xs=None):
     """``carry`` after ``fn(layer_i_params, carry)`` for each layer of ``stack`` in order (see
-    the module docstring)."""
+    the module docstring). With ``xs`` (integer or key arrays with the layer index on axis 0,
+    not differentiated: e.g. ``jax.random.split(key, n_layers)`` for dropout),
+    ``fn(layer_i_params, carry, xs_i)``."""
     length = _layers_of(stack)
+    if xs is None:
+        xs, layer_fn = jnp.arange(length), lambda w, c, x: fn(w, c)
+    else:
+        _check_xs(xs, length)
+        layer_fn = fn
     plan = current_plan()
     if plan is None or not plan.gather:
-        body = lambda c, w: (fn(gather_layer(w), c), None)
-        return jax.lax.scan(jax.checkpoint(body, prevent_cse=False), carry, stack)[0]
+        body = lambda c, wx: (layer_fn(gather_layer(wx[0]), c, wx[1]), None)
+        return jax.lax.scan(jax.checkpoint(body, prevent_cse=False), carry, (stack, xs))[0]
     plan.calls += 1
     leaves, treedef = jax.tree.flatten(stack)
     dims = [plan.lookup(p, x[0]) for p, x in jax.tree_util.tree_flatten_with_path(stack)[0]]
@@ -112,31 +138,38 @@ def scan_layers(fn: Callable, stack, carry):
             [gather_shard(plan.comm, x, d) for x, d in zip(shards, dims, strict=True)]
         )
 
-    closed, consts = jax.closure_convert(fn, gather(leaves, 0), carry)
-    return _prefetching(plan, closed, gather, dims, length)(leaves, carry, consts)
+    closed, consts = jax.closure_convert(layer_fn, gather(leaves, 0), carry, _at(xs, 0))
+    return _prefetching(plan, closed, gather, dims, length)(leaves, carry, xs, consts)
+
+
+def _at(xs, i):
+    """Layer ``i``'s slice of ``xs``."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), xs)
 
 
 def _prefetching(plan: LayerPlan, fn, gather, dims, length):
-    """The custom-vjp double-buffered loop over ``length`` layers of ``fn(w, carry, *consts)``."""
+    """The custom-vjp double-buffered loop over ``length`` layers of
+    ``fn(w, carry, x, *consts)``."""
     comm = plan.comm
 
-    def forward(leaves, carry, consts):
+    def forward(leaves, carry, xs, consts):
         def body(state, i):
             c, w = state
             nxt = gather(leaves, i + 1, c)  # in flight while layer i computes
-            return (fn(w, c, *consts), nxt), c
+            return (fn(w, c, _at(xs, i), *consts), nxt), c
 
         (c, w), inputs = jax.lax.scan(body, (carry, gather(leaves, 0)), jnp.arange(length - 1))
-        return fn(w, c, *consts), (leaves, inputs, c, consts)
+        out = fn(w, c, _at(xs, length - 1), *consts)
+        return out, (leaves, inputs, c, xs, consts)
 
     def backward(res, ct):
-        leaves, inputs, c_last, consts = res
+        leaves, inputs, c_last, xs, consts = res
 
         def body(state, i):
             ct, w, dconsts = state
             nxt = gather(leaves, jnp.maximum(i - 1, 0), (ct, w))  # in flight under layer i
-            c = _layer_input(inputs, c_last, i, length)
-            _, pull = jax.vjp(fn, w, c, *consts)
+            c, x = _layer_input(inputs, c_last, i, length), _at(xs, i)
+            _, pull = jax.vjp(lambda w, c, *k: fn(w, c, x, *k), w, c, *consts)
             dw, dc, *dk = pull(ct)
             g = _reduce_tree(comm, dw, dims, leaves)
             return (dc, nxt, [a + b for a, b in zip(dconsts, dk, strict=True)]), g
@@ -144,9 +177,10 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
         dk = [_zeros(k) for k in consts]
         state = (ct, gather(leaves, length - 1, ct), dk)
         (ct, _, dk), grads = jax.lax.scan(body, state, jnp.arange(length), reverse=True)
-        return grads, ct, dk
+        no_grad = jax.tree.map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), xs)
+        return grads, ct, no_grad, dk
 
-    run = jax.custom_vjp(lambda leaves, carry, consts: forward(leaves, carry, consts)[0])
+    run = jax.custom_vjp(lambda leaves, carry, xs, consts: forward(leaves, carry, xs, consts)[0])
     run.defvjp(forward, backward)
     return run
 
