@@ -552,20 +552,26 @@ def test_gpu_ema_in_the_compiled_step_adds_a_handful_of_kernels(stage):
         assert extra_bytes == pytest.approx(12 * local, rel=0.10)
 
 
-def test_gpu_plan_cli_prints_stage2_per_layer_hidden_share(capsys):
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_gpu_plan_cli_prints_stage2_per_layer_hidden_share(stage, capsys):
     """`jaxzero plan --stage2 both` prints stage 2's whole-gradient row (its one reduce-scatter
     after the backward: 0% hidden) and its per-layer row (>= 90% of reduce-scatter bytes
     hidden, the same figure test_gpu_stage2_per_layer_hides_the_layers_reduce_scatters
-    derives), moving the same reduce-scatter bytes."""
+    derives), moving the same reduce-scatter bytes. `--stage1 both`: stage 1 all-reduces
+    after the backward, and per layer (no --accum) reduces as stage 2."""
     from jaxzero import cli
 
     argv = ["plan", "--devices", "8", "--layers", "4", "--hidden", "64", "--heads", "2"]
-    argv += ["--vocab", "128", "--seq", "16", "--stage", "2", "--stage2", "both", "--xla-flags"]
-    assert cli.main(argv) == 0
+    argv += ["--vocab", "128", "--seq", "16", "--stage", stage, f"--stage{stage}", "both"]
+    assert cli.main([*argv, "--xla-flags"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split("  ")[0]: line for line in out.splitlines() if line.startswith("2")}
-    assert set(rows) == {"2", "2 per layer"}, rows
-    assert "reduce-scatter 0%)" in rows["2"]
-    share = int(rows["2 per layer"].split("reduce-scatter ")[-1].split("%")[0])
+    rows = {line.split("  ")[0]: line for line in out.splitlines() if line.startswith(stage)}
+    assert set(rows) == {stage, f"{stage} per layer"}, rows
+    if stage == "2":
+        assert "reduce-scatter 0%)" in rows["2"]
+    else:
+        assert "all-reduce" in rows["1"] and "reduce-scatter" not in rows["1"]
+        assert "all-reduce" not in rows["1 per layer"].split("reduce-scatter")[0]
+    share = int(rows[f"{stage} per layer"].split("reduce-scatter ")[-1].split("%")[0])
     phi, s, _, s_stack = sizes(abstract_params(SHAPE4), N, True)
     assert share == round(100 * s_stack / s) and share >= 90

@@ -29,13 +29,18 @@ examples:
 
 
 def _add_per_layer_choices(group) -> None:
-    """``--stage3`` and ``--stage2``: whole, per-layer or both rows."""
+    """``--stage3``, ``--stage2`` and ``--stage1``: whole, per-layer or both rows."""
     for stage, what in (
         (3, "gathers the whole model up front, or one layer at a time"),
         (
             2,
             "reduce-scatters the whole gradient after the backward, or each layer's in the "
             "backward loop (hidden behind the next layer's backward)",
+        ),
+        (
+            1,
+            "all-reduces the whole gradient after the backward, or (without --accum) "
+            "reduce-scatters each layer's in the backward loop as stage 2",
         ),
     ):
         group.add_argument(
@@ -217,10 +222,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         + (f"; XLA flags {' '.join(recommended_xla_flags())}" if args.xla_flags else ""),
         flush=True,
     )
-    on_case, close = _progress(len(plan_cases(args.stage, args.stage3, args.stage2)))
+    cases = plan_cases(args.stage, args.stage3, args.stage2, args.stage1)
+    on_case, close = _progress(len(cases))
     try:
         options = pick(
-            args, "gpu", "devices", "replicas", "stage3", "stage2", "precision", "accum", "ema"
+            args,
+            "gpu",
+            "devices",
+            "replicas",
+            "stage3",
+            "stage2",
+            "stage1",
+            "precision",
+            "accum",
+            "ema",
         )
         flags = xla_options() if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)

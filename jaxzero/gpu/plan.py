@@ -53,13 +53,14 @@ class PlanRow:
 
 
 def plan_cases(
-    stages: Sequence[int] | None, stage3: str, stage2: str = "whole"
+    stages: Sequence[int] | None, stage3: str, stage2: str = "whole", stage1: str = "whole"
 ) -> list[tuple[int, bool]]:
     """``[(stage, per_layer), ...]``: ``stages`` (default all four); stage 3 as ``stage3`` says:
     ``"whole"`` (gather the whole model up front), ``"per-layer"`` or ``"both"``; stage 2 as
     ``stage2`` says: ``"whole"`` (one reduce-scatter after the backward), ``"per-layer"``
-    (each layer's gradient reduce-scattered in the backward loop) or ``"both"``."""
-    for name, v in (("stage3", stage3), ("stage2", stage2)):
+    (each layer's gradient reduce-scattered in the backward loop) or ``"both"``; stage 1 as
+    ``stage1`` says (per layer: as stage 2 when there are no micro-batches)."""
+    for name, v in (("stage3", stage3), ("stage2", stage2), ("stage1", stage1)):
         if v not in ("whole", "per-layer", "both"):
             raise ValueError(f"{name}={v!r} must be 'whole', 'per-layer' or 'both'.")
     stages = (0, 1, 2, 3) if stages is None else tuple(stages)
@@ -68,7 +69,7 @@ def plan_cases(
         raise ValueError(f"stages={stages!r} must be a non-empty subset of 0, 1, 2, 3.")
     out = []
     for s in sorted(set(stages)):
-        how = {2: stage2, 3: stage3}.get(s, "whole")
+        how = {1: stage1, 2: stage2, 3: stage3}.get(s, "whole")
         if how in ("whole", "both"):
             out.append((s, False))
         if how in ("per-layer", "both"):
@@ -112,6 +113,7 @@ def plan(
     stages: Sequence[int] | None = None,
     stage3: str = "both",
     stage2: str = "whole",
+    stage1: str = "whole",
     precision: str = "bf16",
     accum: int = 1,
     ema: bool = False,
@@ -134,7 +136,7 @@ def plan(
       ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
     """
     _check_plan_args(precision, accum, devices, replicas)
-    cases = plan_cases(stages, stage3, stage2)
+    cases = plan_cases(stages, stage3, stage2, stage1)
     mesh = compile_only_mesh(gpu, devices, replicas=replicas)
     params = abstract_params(shape)
     loss_fn = make_loss(shape)
