@@ -50,6 +50,11 @@ def leaf_split(shape, n, stacked):
     return math.prod(shape), any(d % n == 0 for d in shape[skip:])
 
 
+def local_elements(leaves, n):
+    """Elements per device of unstacked leaves under the documented rule (split or whole)."""
+    return sum(math.prod(x.shape) // (n if leaf_split(x.shape, n, False)[1] else 1) for x in leaves)
+
+
 def sizes(params, n, per_layer):
     """Φ, sharded elements S, replicated R, and S of the layer stack."""
     phi = s = r = s_stack = 0
@@ -485,9 +490,7 @@ def test_gpu_ema_of_350_leaves_is_a_handful_of_kernels_at_12_bytes_per_element(s
     tree = detector_tree()
     leaves = jax.tree.leaves(tree)
     assert len(leaves) == 350
-    local = sum(
-        math.prod(x.shape) // (N if leaf_split(x.shape, N, False)[1] else 1) for x in leaves
-    )
+    local = local_elements(leaves, N)
     t = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     got = {}
     for name, ema in (
@@ -525,9 +528,7 @@ def test_gpu_ema_in_the_compiled_step_adds_a_handful_of_kernels(stage):
     mesh = gpu.compile_only_mesh("h100", N)
     tree = detector_tree()
     leaves = jax.tree.leaves(tree)
-    local = sum(
-        math.prod(x.shape) // (N if leaf_split(x.shape, N, False)[1] else 1) for x in leaves
-    )
+    local = local_elements(leaves, N)
     got = {}
     for name, ema in (("none", None), ("default", jz.ShardedEMA(0.9))):
         zero = jz.ZeRO(optax.adam(1e-3), mesh, stage=stage, precision="bf16")

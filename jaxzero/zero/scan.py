@@ -78,28 +78,27 @@ def stacked_params(module, name: str, block, length: int, *args, **kwargs):
     return module.param(name, stacked_init(block, length), *args, **kwargs)
 
 
-def _layers_of(stack) -> int:
-    leaves = jax.tree.leaves(stack)
+def _layers_of(tree, what: str = "a stack") -> int:
+    """The layer count of ``tree``: its leaves' common axis-0 length."""
+    leaves = jax.tree.leaves(tree)
     if not leaves or any(jnp.ndim(x) == 0 for x in leaves):
         raise ValueError(
-            "scan_layers needs a stack: a tree of arrays with the layer index on axis 0 "
-            f"(got {jax.tree.map(jnp.shape, stack)})."
+            f"scan_layers needs {what}: a tree of arrays with the layer index on axis 0 "
+            f"(got {jax.tree.map(jnp.shape, tree)})."
         )
     sizes = {x.shape[0] for x in leaves}
     if len(sizes) != 1:
-        raise ValueError(f"scan_layers: the stack's leaves disagree on the layer count: {sizes}.")
+        raise ValueError(f"scan_layers: {what}'s leaves disagree on the layer count: {sizes}.")
     return sizes.pop()
 
 
 def _check_xs(xs, length: int) -> None:
-    leaves = jax.tree.leaves(xs)
-    bad = [x for x in leaves if jnp.ndim(x) == 0 or jnp.shape(x)[0] != length]
-    if not leaves or bad:
+    if _layers_of(xs, "xs") != length:
         raise ValueError(
             f"scan_layers xs must be arrays with the layer index on axis 0 ({length} layers), "
             f"got {jax.tree.map(jnp.shape, xs)}."
         )
-    floats = [jnp.result_type(x) for x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    floats = [x.dtype for x in jax.tree.leaves(xs) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if floats:
         raise TypeError(
             f"scan_layers xs are not differentiated, so they must be integer or key arrays "
