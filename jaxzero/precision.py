@@ -32,7 +32,7 @@ class Precision:
       param_dtype: dtype of the compute parameters the loss sees (float32, bfloat16,
         float16). They are ``cast(master)`` after every update; for stages 1/2 the cast happens
         on the shard before the all-gather, so the gather moves ``itemsize(param_dtype)`` bytes
-        per parameter.
+        per parameter; at stage 3 the step's gathers cast the master shards themselves.
       master_dtype: dtype of the master weights the optimizer updates (float32). When it
         equals ``param_dtype`` no separate master copy is stored.
       reduce_dtype: dtype the gradients are communicated (all-reduced / reduce-scattered) in.

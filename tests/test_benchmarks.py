@@ -134,7 +134,8 @@ def test_overlap_benchmark_rows_match_the_formulas(overlap_table):
     micro-batches) hide exactly the layer stack's share of the reduce-scatter bytes
     (everything outside the stack is reduced after the loop: the same derivation as
     tests/test_gpu.py) and all-reduce no gradient; the whole-gradient stage-2 row hides none,
-    stage 1 without layers= all-reduces; plain DP shows no reduce-scatter or all-gather."""
+    stage 1 without layers= all-reduces; plain DP shows no reduce-scatter or all-gather; stage 3
+    per layer launches no more kernels than the GSPMD peer."""
     import jax
 
     from jaxzero.gpu.models import abstract_params
@@ -163,3 +164,7 @@ def test_overlap_benchmark_rows_match_the_formulas(overlap_table):
         # stage 1 without layers=: the gradient all-reduced, nothing reduce-scattered
         assert rows[stage1, flags][2] == "-" and rows[stage1, flags][3] != "-"
         assert rows["plain DP (jit, replicated)", flags][1:3] == ["-", "-"]
+        # stage 3 per layer launches no more kernels than the GSPMD peer (each layer's slice
+        # and bf16 cast are one kernel)
+        stage3 = "jaxzero stage 3 per layer (scan_layers: prefetch)"
+        assert int(rows[stage3, flags][5]) <= int(rows["GSPMD-annotation FSDP (peer)", flags][5])

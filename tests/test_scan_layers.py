@@ -10,6 +10,8 @@ The bytes and the schedule are checked on the compiled GPU step (tests/test_gpu.
 
 from __future__ import annotations
 
+import re
+
 import chex
 import jax
 import numpy as np
@@ -82,6 +84,26 @@ def test_scan_layers_per_layer_equals_whole_model_stage3_bf16_with_ema():
     # (2e-5 apart after 4 Adam steps at lr 1e-2; bf16's own rounding is 4e-3).
     chex.assert_trees_all_close(jz.gather(per_layer.master), jz.gather(whole.master), atol=1e-4)
     chex.assert_trees_all_close(jz.gather(per_layer.ema), jz.gather(whole.ema), atol=1e-4)
+
+
+def test_stage3_bf16_step_differentiates_the_master_shards_with_no_fp32_copy_of_the_stack():
+    """Stage 3 with a separate fp32 master hands the loss the master shards themselves (each
+    layer is cast to bf16 in its gather): the lowered step converts no bf16 stack shard to
+    float32 (it used to: the bf16 param shards, cast up to the gradient dtype, a 4-byte copy
+    of the whole local stack). The numbers are the previous test's."""
+    params, loss_fn, batches = _problem(3, steps=1)
+    zero = jz.ZeRO(
+        optax.adam(1e-2), jz.data_parallel_mesh(8), stage=3, precision="bf16", layers="layers"
+    )
+    state = zero.abstract_state(params)
+    shards = {s.sharding.shard_shape(s.shape) for s in jax.tree.leaves(state.params["layers"])}
+    text = jz.make_train_step(loss_fn, zero).jitted.lower(state, batches[0]).as_text()
+    up = re.findall(
+        r"stablehlo.convert %\S+ : \(tensor<([0-9x]+)xbf16>\) -> tensor<[0-9x]+xf32>", text
+    )
+    assert up, "the lowered step has no bf16 -> f32 convert at all: the pattern is stale"
+    stack_up = [t for t in up if tuple(map(int, t.split("x"))) in shards]
+    assert stack_up == [], stack_up
 
 
 def test_scan_layers_outside_a_step_is_a_remat_scan_and_refuses_a_non_stack():

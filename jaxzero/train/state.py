@@ -27,7 +27,9 @@ class TrainState(struct.PyTreeNode):
         stage 3.
       master: fp32 master weights when ``param_dtype`` differs from ``master_dtype`` (sharded
         1/N for stages 1-3, replicated for stage 0); None otherwise, in which case the master
-        is ``params`` itself (or its local slice).
+        is ``params`` itself (or its local slice). The master is the truth: ``params`` is its
+        cast, and a stage-3 step builds the loss's params from the master shards (so edit
+        both, or re-create the state with ``zero.init``, to change the weights).
       opt_state: the wrapped optax transformation's state, sharded 1/N for stages 1-3.
       skipped: int32 count of steps skipped for non-finite gradients.
       ema: :class:`EmaState` in the master's shards, or None.

@@ -229,6 +229,17 @@ def make_train_step(
     return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful)
 
 
+def loss_shards(zero: ZeRO, state: TrainState):
+    """What the step's ``shard_map`` builds the loss's params from: at stage 3 with a
+    separate master, the fp32 master shards (the gathers cast them to ``param_dtype`` first,
+    so the wire stays 16-bit, and the per-layer stack's gradient comes back in fp32 with no
+    fp32 copy of the stack made); otherwise ``state.params``. The two agree: ``params`` is
+    ``cast(master)`` after every update."""
+    if zero.stage == 3 and state.master is not None:
+        return state.master
+    return state.params
+
+
 def _step_fn(zero: ZeRO, reducing: ZeRO, grads_fn, ema: ShardedEMA | None):
     """The (unjitted) step: the per-device gradients in a ``shard_map`` over the mesh (reduced
     as ``reducing``, :func:`~jaxzero.train.grads.gradient_zero`, says), then
@@ -258,7 +269,7 @@ def _step_fn(zero: ZeRO, reducing: ZeRO, grads_fn, ema: ShardedEMA | None):
             out_specs=(P(), P(), reducing.grad_specs(state.params), replicated(state.model_state)),
         )
         loss, aux, grads, model_state = sm(
-            state.params, state.model_state, batch, state.rng, state.step, scale
+            loss_shards(zero, state), state.model_state, batch, state.rng, state.step, scale
         )
         new_state, metrics = zero.apply_gradients(state, grads, ema=ema, model_state=model_state)
         metrics = {"loss": loss, **metrics}

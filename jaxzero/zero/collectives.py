@@ -94,12 +94,17 @@ def _keep(stacked_mask, tree):
 
 
 def gather_params(comm: Comm, local_params, specs, stacked_mask=None):
-    """All-gather stage-3 parameter shards into full tensors; leaves where ``stacked_mask`` is
-    True (per-layer stage 3) stay shards. ``specs`` are the global params' specs."""
+    """All-gather stage-3 parameter shards into full tensors in ``param_dtype`` (cast before
+    the gather: the fp32 master shards move as 16-bit compute params); leaves where
+    ``stacked_mask`` is True (per-layer stage 3) stay shards, uncast. ``specs`` are the global
+    params' specs."""
 
     def gather(stacked, p_local, spec):
+        if stacked:
+            return p_local
+        p_local = p_local.astype(comm.param_dtype)
         d = spec_dim(spec)
-        if d is None or stacked:
+        if d is None:
             return p_local
         return jax.lax.all_gather(p_local, comm.axis, axis=d, tiled=True)
 
@@ -107,15 +112,16 @@ def gather_params(comm: Comm, local_params, specs, stacked_mask=None):
 
 
 def params_for_loss(comm: Comm, local_params, specs, stacked_mask=None):
-    """The full compute params, ready to differentiate.
+    """The full compute params, ready to differentiate, from ``local_params``: the compute
+    params, or (stage 3 with a separate master) the master shards themselves.
 
-    Sharded leaves are all-gathered (:func:`gather_params`); then every leaf is marked
-    device-varying over the batch axes (``jax.lax.pcast``), so autodiff returns each device's
-    local, unreduced gradient and the reduction is :func:`reduce_gradients`'s, not an implicit
-    ``psum``. Leaves where ``stacked_mask`` is True (layer stacks of a per-layer stage 3) stay
-    shards, cast to ``output_dtype`` (the dtype their gradients come back in):
-    :func:`jaxzero.gather_layer` gathers them per layer and its backward reduces their
-    gradients.
+    Sharded leaves are all-gathered in ``param_dtype`` (:func:`gather_params`); then every
+    leaf is marked device-varying over the batch axes (``jax.lax.pcast``), so autodiff returns
+    each device's local, unreduced gradient and the reduction is :func:`reduce_gradients`'s,
+    not an implicit ``psum``. Leaves where ``stacked_mask`` is True (layer stacks of a
+    per-layer stage 3) stay shards, in ``output_dtype`` (the dtype their gradients come back
+    in; the fp32 master shards already are): :func:`jaxzero.gather_layer` gathers them per
+    layer, cast to ``param_dtype``, and its backward reduces their gradients.
     """
     with jax.named_scope("gather_params"):
         full = gather_params(comm, local_params, specs, stacked_mask)

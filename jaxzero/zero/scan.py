@@ -130,7 +130,9 @@ def scan_layers(fn: Callable, stack, carry, xs=None):
         """Layer ``i`` whole; not before ``after`` exists (an optimization barrier: else XLA
         hoists the backward's gathers to the start of the step, where they are exposed and
         held through the forward)."""
-        shards = [jax.lax.dynamic_index_in_dim(x, i, 0, False) for x in ls]
+        # Cast before the barrier: the slice and the cast are then one kernel.
+        cast = lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False).astype(plan.comm.param_dtype)
+        shards = [cast(x) for x in ls]
         if after is not None:
             shards, _ = jax.lax.optimization_barrier((shards, after))
         return treedef.unflatten(
