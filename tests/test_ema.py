@@ -404,6 +404,30 @@ def test_ema_survives_donation_and_compiles_once():
         assert len({str(s) for s in sigs}) == 1
 
 
+def test_train_step_counter_counts_applied_steps_from_updates0():
+    """In a train step the default EMA's counter is derived from the step's (they share a GPU
+    kernel): it starts at ``updates0``, advances with every applied step, and not on a step
+    skipped for a non-finite gradient; the averaged values use the same counts (yolov5 decay:
+    ``d = 0.9 (1 - exp(-n / 2))`` with n = 8, 9 after updates0 = 7; numpy reference)."""
+    params, loss_fn, batches = problem("mlp32")
+    ema = jz.ShardedEMA(0.9, tau=2.0, updates0=7)
+    zero = jz.ZeRO(optax.adam(1e-2), jz.data_parallel_mesh(8), stage=2)
+    step = jz.make_train_step(loss_fn, zero, ema=ema)
+    state = step.init(params)
+    want = np64(params)
+    bad = {"x": batches[1]["x"].copy(), "y": batches[1]["y"]}
+    bad["x"][0, 0] = np.nan
+    for n, b in ((8, batches[0]), (None, bad), (9, batches[2])):
+        state, metrics = step(state, b)
+        assert bool(metrics["finite"]) == (n is not None)
+        if n is not None:
+            d = 0.9 * (1 - math.exp(-n / 2.0))
+            want = jax.tree.map(lambda e, p, d=d: d * e + (1 - d) * p, want, np64(state.params))
+    assert int(state.ema.updates) == 9
+    assert int(state.step) == 2
+    assert_close(jax.device_get(jz.gather(state.ema)), want, ATOL, "EMA after updates0=7")
+
+
 # --------------------------------------------------------------------------- 5. standalone update
 
 

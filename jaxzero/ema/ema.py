@@ -81,10 +81,11 @@ class ShardedEMA:
         most this many elements in a few flat ``[N, L_g]`` rows sharded ``P(axis)``, each
         updated by one kernel per device (see :mod:`jaxzero.ema.storage`). ``"all"``: every
         float leaf; 0 keeps one array per leaf; None (the default): ``"all"`` on GPU meshes
-        at stages 0-2 (a 350-leaf tree: 4 row kernels + the counter instead of 351, the same
-        12 bytes per element), 0 on GPU meshes at stage 3 (there XLA fuses each leaf's EMA
-        update into that leaf's optimizer kernel: one kernel added to the step, 8 bytes per
-        element) and on CPU meshes. Same numbers as per-leaf storage (bit for bit with
+        at stages 0-2 (a 350-leaf tree: 4 row kernels added to the train step instead of 351,
+        the same 12 bytes per element), 0 on GPU meshes at stage 3 (there XLA fuses each
+        leaf's EMA update into that leaf's optimizer kernel: no kernel added to the step, 8
+        bytes per element) and on CPU meshes. (In a train step the default EMA's counter is
+        derived from the step's and shares its kernel.) Same numbers as per-leaf storage (bit for bit with
         ``torch_compatible``; otherwise XLA may contract ``d * e + (1 - d) * x`` into an FMA
         in one and not the other: an ulp), same bytes per device, no collective. Why: on
         XLA:CPU every leaf is its own kernel per device (~5 us each); the 37 small leaves

@@ -74,7 +74,13 @@ def _new_ema(
     target = new_master
     if state.model_state is not None:
         target = ema_target(new_master, keep(model_state, state.model_state))
-    return zero.update_ema(ema, state.ema, target, step=step, apply=apply)
+    new = zero.update_ema(ema, state.ema, target, step=step, apply=apply)
+    if ema.every == 1 and ema.start_step == 0:
+        # The EMA then counts exactly the applied steps: deriving its counter from the step's
+        # lets XLA compute both in one scalar kernel (on a GPU the EMA's own select was a
+        # kernel of its own: 5 -> 4 added by the default EMA at stages 1/2, 1 -> 0 at 3).
+        new = new._replace(updates=state.ema.updates + (step - state.step))
+    return new
 
 
 def apply_gradients(
