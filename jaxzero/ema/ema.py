@@ -85,10 +85,10 @@ class ShardedEMA:
         the same 12 bytes per element), 0 on GPU meshes at stage 3 (there XLA fuses each
         leaf's EMA update into that leaf's optimizer kernel: no kernel added to the step, 8
         bytes per element) and on CPU meshes. (In a train step the default EMA's counter is
-        derived from the step's and shares its kernel.) Same numbers as per-leaf storage (bit for bit with
-        ``torch_compatible``; otherwise XLA may contract ``d * e + (1 - d) * x`` into an FMA
-        in one and not the other: an ulp), same bytes per device, no collective. Why: on
-        XLA:CPU every leaf is its own kernel per device (~5 us each); the 37 small leaves
+        derived from the step's and shares its kernel.) Same numbers as per-leaf storage (bit
+        for bit with ``torch_compatible``; otherwise XLA may contract ``d * e + (1 - d) * x``
+        into an FMA in one and not the other: an ulp), same bytes per device, no collective.
+        Why: on XLA:CPU every leaf is its own kernel per device (~5 us each); the 37 small leaves
         (biases, norm scales: 45K floats) of ``benchmarks/ema.py``'s 20M-float, 54-leaf tree
         cost 1.2-1.6 ms of a ~9 ms sharded update; 4096 buckets exactly those there.
         :func:`jaxzero.gather`, :func:`jaxzero.ema_params`, checkpoints (per-leaf on disk)
