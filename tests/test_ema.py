@@ -114,6 +114,13 @@ def train_step(problem_name, stage, n, schedule=None, every=1, start_step=0):
     return _cached(("step", problem_name, stage, n, schedule, every, start_step), build)
 
 
+def nan_batch(batch):
+    """A copy of ``batch`` with one NaN input: its step's gradient is non-finite (skipped)."""
+    bad = {"x": batch["x"].copy(), "y": batch["y"]}
+    bad["x"][0, 0] = np.nan
+    return bad
+
+
 def np64(tree):
     return jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(tree))
 
@@ -389,8 +396,7 @@ def test_ema_survives_donation_and_compiles_once():
     assert int(state.ema.updates) == 3
     # A step skipped for a non-finite gradient leaves the EMA unchanged bit for bit.
     before = jax.device_get(state.ema)
-    bad = {"x": batches[3]["x"].copy(), "y": batches[3]["y"]}
-    bad["x"][0, 0] = np.nan
+    bad = nan_batch(batches[3])
     state, metrics = step(state, bad)
     assert not bool(metrics["finite"])
     for a, b in zip(
@@ -415,8 +421,7 @@ def test_train_step_counter_counts_applied_steps_from_updates0():
     step = jz.make_train_step(loss_fn, zero, ema=ema)
     state = step.init(params)
     want = np64(params)
-    bad = {"x": batches[1]["x"].copy(), "y": batches[1]["y"]}
-    bad["x"][0, 0] = np.nan
+    bad = nan_batch(batches[1])
     for n, b in ((8, batches[0]), (None, bad), (9, batches[2])):
         state, metrics = step(state, b)
         assert bool(metrics["finite"]) == (n is not None)
