@@ -131,8 +131,7 @@ def scan_layers(fn: Callable, stack, carry, xs=None):
         hoists the backward's gathers to the start of the step, where they are exposed and
         held through the forward)."""
         # Cast before the barrier: the slice and the cast are then one kernel.
-        cast = lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False).astype(plan.comm.param_dtype)
-        shards = [cast(x) for x in ls]
+        shards = [x.astype(plan.comm.param_dtype) for x in _at(ls, i)]
         if after is not None:
             shards, _ = jax.lax.optimization_barrier((shards, after))
         return treedef.unflatten(
