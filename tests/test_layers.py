@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 from models import make_problem, reference_run, stage3_per_layer_and_whole_bf16, train
 
 import jaxzero as jz
@@ -241,3 +242,21 @@ def test_gather_layer_is_identity_outside_a_step_and_names_foreign_leaves():
     step = jz.make_train_step(lambda q, b: model.apply({"params": q}, b["x"]).mean(), zero)
     with pytest.raises(ValueError, match=r"\['odd'\].*not a layer"):
         step(step.init(p), {"x": np.ones((8, 4), np.float32)})
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stack_split_dimension_per_stage(stage):
+    """The sharding rule written out: a leaf splits on its largest dimension divisible by N; a
+    named stack never on its layer axis, and where layers are gathered one at a time (stage 3)
+    on its first divisible other dimension, so each layer's shard is one contiguous block."""
+    abstract = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    params = {
+        "layers": {"u": abstract(4, 16, 64), "w": abstract(16, 8), "odd": abstract(4, 3, 24)},
+        "head": abstract(24, 16),
+    }
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=stage, layers="layers")
+    specs = zero.shard_specs(params)
+    u = P(None, "data") if stage == 3 else P(None, None, "data")
+    assert specs["layers"] == {"u": u, "w": P(None, "data"), "odd": P(None, None, "data")}
+    assert specs["head"] == P("data")
+    assert zero.ema_leaf_specs(params) == specs

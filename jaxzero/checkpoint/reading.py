@@ -101,7 +101,11 @@ def restore(
         target, threshold = _target(zero, params_or_abstract_state, ema, model_state, rng)
         state, extra = _first_that_verifies(mngr, step, target, check_dtypes, with_extra, fallback)
         if threshold:
-            state = state.replace(ema=storage.store(state.ema, zero.mesh, zero.axis, threshold))
+            state = state.replace(
+                ema=storage.store(
+                    state.ema, zero.mesh, zero.axis, threshold, leaf_specs=zero.ema_leaf_specs
+                )
+            )
         return (state, extra) if with_extra else state
 
 

@@ -72,6 +72,9 @@ class BucketLayout:
       max_elements: the threshold the layout was planned with (per-device elements).
       treedef: the per-leaf tree's structure.
       shapes, dtypes: every leaf's global shape and dtype, in flatten order.
+      dims: every leaf's sharded dimension (None: replicated), as the master it averages is
+        sharded (the ZeRO's rule, which treats layer stacks apart): the rows hold exactly the
+        master's local pieces, so packing and unpacking must cut them the same way.
       offsets: every leaf's offset in its row, or None for a leaf kept per-leaf.
       rows: every leaf's row index, or None for a leaf kept per-leaf.
       dtype: the rows' dtype.
@@ -84,6 +87,7 @@ class BucketLayout:
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[Any, ...]
+    dims: tuple[int | None, ...]
     offsets: tuple[int | None, ...]
     rows: tuple[int | None, ...]
     dtype: Any
@@ -110,16 +114,12 @@ class BucketLayout:
         return tuple(i for i, o in enumerate(self.offsets) if o is not None)
 
     def spec(self, i: int) -> P:
-        """The per-leaf sharding rule's spec of leaf ``i``."""
-        return sh.leaf_spec(self.shapes[i], self.num_shards, self.axis)
+        """Leaf ``i``'s spec (sharded along ``dims[i]``)."""
+        return sh.dim_spec(self.dims[i], self.axis)
 
     def local_shape(self, i: int) -> tuple[int, ...]:
         """Leaf ``i``'s per-device block shape."""
-        shape = list(self.shapes[i])
-        d = sh.shard_dim(shape, self.num_shards)
-        if d is not None:
-            shape[d] //= self.num_shards
-        return tuple(shape)
+        return _local_shape(self.shapes[i], self.dims[i], self.num_shards)
 
     def abstract(self):
         """The per-leaf tree as ShapeDtypeStructs with their NamedShardings."""
@@ -150,15 +150,17 @@ class BucketedTree:
     layout: BucketLayout
 
 
-def _local_size(shape, n: int) -> int:
-    size = math.prod(shape)
-    return size // n if sh.shard_dim(shape, n) is not None else size
+def _local_shape(shape, d: int | None, n: int) -> tuple[int, ...]:
+    return tuple(s // n if i == d else s for i, s in enumerate(shape))
 
 
-def plan(tree, mesh: Mesh, axis: str, max_elements: int) -> BucketLayout | None:
-    """The bucket layout of a per-leaf EMA ``tree`` (arrays or ShapeDtypeStructs).
+def plan(tree, mesh: Mesh, axis: str, max_elements: int, specs=None) -> BucketLayout | None:
+    """The bucket layout of a per-leaf EMA ``tree`` (arrays or ShapeDtypeStructs) whose leaves
+    are sharded as ``specs`` says (a tree of PartitionSpecs; None: the plain per-leaf rule,
+    :func:`jaxzero.zero.specs.leaf_spec`; a ZeRO passes its own, which splits layer stacks
+    along a non-layer dimension).
 
-    Float leaves whose per-device block (per :func:`jaxzero.zero.specs.shard_dim`) has at most
+    Float leaves whose per-device block has at most
     ``max_elements`` elements go into rows, smallest first (ties in flatten order), at most
     :data:`LEAVES_PER_ROW` per row, if they share the first such leaf's dtype (the EMA casts
     every float leaf to ``ShardedEMA.dtype``). Returns None
@@ -168,9 +170,15 @@ def plan(tree, mesh: Mesh, axis: str, max_elements: int) -> BucketLayout | None:
     if max_elements <= 0:
         return None
     n = mesh.shape[axis]
+    shapes = [tuple(int(d) for d in np.shape(x)) for x in leaves]
+    if specs is None:
+        specs = [sh.leaf_spec(s, n, axis) for s in shapes]
+    else:
+        specs = treedef.flatten_up_to(specs)
+    dims = tuple(sh.spec_dim(s) for s in specs)
     dtype, small = None, []
     for i, x in enumerate(leaves):
-        size = _local_size(tuple(int(d) for d in np.shape(x)), n)
+        size = math.prod(_local_shape(shapes[i], dims[i], n))
         if (
             jnp.issubdtype(x.dtype, jnp.floating)
             and size <= max_elements
@@ -194,8 +202,9 @@ def plan(tree, mesh: Mesh, axis: str, max_elements: int) -> BucketLayout | None:
         axis=axis,
         max_elements=int(max_elements),
         treedef=treedef,
-        shapes=tuple(tuple(int(d) for d in np.shape(x)) for x in leaves),
+        shapes=tuple(shapes),
         dtypes=tuple(jnp.dtype(x.dtype) for x in leaves),
+        dims=dims,
         offsets=tuple(offsets),
         rows=tuple(rows),
         dtype=dtype,
@@ -343,14 +352,16 @@ def threshold(tree) -> int:
     return 0
 
 
-def store(ema_state, mesh: Mesh, axis: str, max_elements: int | None, stage: int | None = None):
+def store(ema_state, mesh: Mesh, axis: str, max_elements, stage=None, leaf_specs=None):
     """``ema_state`` (an EmaState in either storage) in the storage planned for ``mesh`` with
     ``bucket_leaves_up_to=max_elements`` (None: :func:`resolve` at ZeRO ``stage``): small float leaves in rows
-    when > 0, per-leaf otherwise. A local slice/concatenate per device, no communication; returned as is when
-    it is already stored that way."""
+    when > 0, per-leaf otherwise; ``leaf_specs(tree)``: the per-leaf specs (the ZeRO's rule; None: the plain
+    rule). A local slice/concatenate per device, no communication; returned as is when it is already stored
+    that way."""
     current = ema_state.ema
     per_leaf = current.layout.abstract() if _is_bucketed(current) else current
-    layout = plan(per_leaf, mesh, axis, resolve(max_elements, mesh, stage))
+    specs = None if leaf_specs is None else leaf_specs(per_leaf)
+    layout = plan(per_leaf, mesh, axis, resolve(max_elements, mesh, stage), specs)
     if _is_bucketed(current) and current.layout == layout:
         return ema_state
     if layout is None and not _is_bucketed(current):

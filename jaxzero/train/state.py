@@ -12,7 +12,6 @@ from jax.sharding import PartitionSpec as P
 import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
 from jaxzero._tree import leaves_by_keystr
 from jaxzero.ema import placement
-from jaxzero.ema import storage as ema_storage
 from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.precision import LossScaleState
 from jaxzero.zero import specs as sh
@@ -141,9 +140,7 @@ def _init_raw(zero: jaxzero.ZeRO, params, ema: ShardedEMA | None, model_state, r
     ema_state = None
     if ema is not None:
         ema_state = ema.init(ema_target(master_view, model_state))
-        ema_state = ema_storage.store(
-            ema_state, zero.mesh, zero.axis, ema.bucket_leaves_up_to, zero.stage
-        )
+        ema_state = zero.bucket_ema(ema, ema_state)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=cast(params, pol.param_dtype),

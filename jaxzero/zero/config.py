@@ -153,7 +153,8 @@ class ZeRO:
 
     # -- the sharding rule (jaxzero.zero.specs) ----------------------------------------------
     def _specs(self, tree, shard: bool):
-        return sh.tree_specs(tree, self.num_shards, self.axis, shard=shard, stacked=self.layers)
+        rule = {"stacked": self.layers, "contiguous": self.per_layer}
+        return sh.tree_specs(tree, self.num_shards, self.axis, shard=shard, **rule)
 
     def param_specs(self, params):
         """Specs of the compute params: sharded for stage 3, replicated otherwise."""
@@ -220,7 +221,9 @@ class ZeRO:
         """``ema_state`` in ``ema``'s storage for this mesh and stage (local, no communication);
         the inverse is :func:`jaxzero.unbucket_ema`."""
         k = ema.bucket_leaves_up_to
-        return ema_storage.store(ema_state, self.mesh, self.axis, k, self.stage)
+        return ema_storage.store(
+            ema_state, self.mesh, self.axis, k, self.stage, self.ema_leaf_specs
+        )
 
     # -- inside shard_map (jaxzero.zero.collectives, jaxzero.zero.layers) ---------------------
     def gather_params(self, local_params, specs):
@@ -267,20 +270,13 @@ class ZeRO:
 
     def update_ema(self, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply):
         """The EMA update as a ``shard_map`` over the EMA's shards: provably local."""
-        if isinstance(master, dict) and set(master) == {"params", "model_state"}:
-            master_specs = {
-                "params": self.shard_specs(master["params"]),
-                "model_state": jax.tree.map(lambda _: P(), master["model_state"]),
-            }
-        else:
-            master_specs = self.shard_specs(master)
         return placement.update(
             ema,
             ema_state,
             master,
             mesh=self.mesh,
             axis=self.axis,
-            master_specs=master_specs,
+            master_specs=_master_specs(self, master),
             leaf_specs=self.ema_leaf_specs(master),
             per_leaf_specs=self.ema_leaf_specs,
             step=step,
@@ -304,3 +300,14 @@ class ZeRO:
           ``step`` (and ``loss_scale`` with a loss scale).
         """
         return train_update.apply_gradients(self, state, grads, ema=ema, model_state=model_state)
+
+
+def _master_specs(zero: ZeRO, master):
+    """The specs of what the EMA averages as it is placed: the master's shards, and the
+    replicated model state when the EMA also averages it."""
+    if isinstance(master, dict) and set(master) == {"params", "model_state"}:
+        return {
+            "params": zero.shard_specs(master["params"]),
+            "model_state": jax.tree.map(lambda _: P(), master["model_state"]),
+        }
+    return zero.shard_specs(master)
