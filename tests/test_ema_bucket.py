@@ -555,3 +555,34 @@ def test_bucketed_ema_of_layer_stacks_matches_numpy_on_the_single_device_traject
     assert got_specs == want_specs
     assert got_specs["layers"]["w"] == P(None, "data")
     assert got_specs["layers"]["u"] == (P(None, "data") if stage == 3 else P(None, None, "data"))
+
+
+def test_layer_stacks_restore_from_stage2_onto_per_layer_stage3_and_continue(tmp_path):
+    """Stage 2 with layers= splits ``u`` [16, 8, 24] on dimension 2, per-layer stage 3 on
+    dimension 1: a checkpoint moves between the two layouts (each device reads its new
+    slices), the bucketed EMA included, and training continues on the single-device
+    trajectory (plain optax, numpy's EMA)."""
+    params, loss_fn, batches = _stack_problem()
+    tx, decay = optax.sgd(0.1, momentum=0.9), 0.5
+    ema = jz.ShardedEMA(decay, bucket_leaves_up_to=4096)
+    mesh = jz.data_parallel_mesh(8)
+    zero2 = jz.ZeRO(tx, mesh, stage=2, layers="layers")
+    zero3 = jz.ZeRO(tx, mesh, stage=3, layers="layers")
+    step2 = jz.make_train_step(loss_fn, zero2, ema=ema)
+    state = step2.init(params)
+    for b in batches[:2]:
+        state, _ = step2(state, b)
+    assert ck.save(tmp_path / "ckpt", 2, state, zero=zero2)
+    restored = ck.restore(tmp_path / "ckpt", zero3, params, ema=ema)
+    u = restored.params["layers"]["u"]
+    assert u.sharding.spec == P(None, "data") and u.addressable_shards[0].data.shape == (16, 1, 24)
+    assert state.params["layers"]["u"].sharding.spec == P()  # stage 2: replicated params
+    restored, _ = jz.make_train_step(loss_fn, zero3, ema=ema)(restored, batches[2])
+    p, opt = params, tx.init(params)
+    want = base.np64(params)
+    for b in batches[:3]:
+        updates, opt = tx.update(jax.grad(loss_fn)(p, b), opt, p)
+        p = optax.apply_updates(p, updates)
+        want = jax.tree.map(lambda e, x: decay * e + (1 - decay) * x, want, base.np64(p))
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, jz.gather(restored)), p, atol=1e-5)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, jz.gather(restored.ema)), want, atol=1e-5)
