@@ -522,7 +522,7 @@ def test_gpu_stage2_per_layer_hides_the_layers_reduce_scatters(stage):
     assert scalar_copies == [], len(scalar_copies)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 3])
 def test_gpu_ema_of_350_leaves_is_a_handful_of_kernels_at_12_bytes_per_element(stage):
     """The EMA update alone, in rows (the GPU default at stages 0-2): every float leaf in rows
     of at most 88 leaves (XLA:GPU fuses at most 96 operands and outputs into a kernel), and
@@ -530,8 +530,10 @@ def test_gpu_ema_of_350_leaves_is_a_handful_of_kernels_at_12_bytes_per_element(s
     concatenate of master pieces into its update: per device 4 row kernels + the update
     counter for 350 leaves (351 per leaf), reading master and EMA and writing the EMA once:
     12 bytes per local float32 element (12 Φ/N for the sharded leaves), no collective.
-    (At stage 0 the master is replicated and XLA slices each device's piece of a leaf in a
-    kernel of its own: 228 kernels; BUILD_NOTES.)"""
+    At stage 0 the master is replicated and each device indexes its block of every leaf
+    (reshaped to [..., N, size / N, ...], an unsigned device index): XLA fuses that into the
+    rows too (it took each device's piece of a small leaf in a kernel of its own when sliced
+    at ``index * size``: 75 kernels alone, 228 in the step; BUILD_NOTES decision 19)."""
     mesh = gpu.compile_only_mesh("h100", N)
     tree = detector_tree()
     leaves = jax.tree.leaves(tree)
@@ -559,11 +561,15 @@ def test_gpu_ema_of_350_leaves_is_a_handful_of_kernels_at_12_bytes_per_element(s
         got[name] = (gpu.kernels_per_step(hlo), gpu.kernel_bytes_per_step(hlo))
     assert got["per_leaf"][0] == 350 + 1
     assert got["rows"][0] == math.ceil(350 / 88) + 1 == 5
-    assert got["rows"][1] == pytest.approx(12 * local, rel=0.10)
+    # Bytes are the kernels' operand sizes: at stage 0 a row kernel's operand is each whole
+    # replicated master leaf (4 bytes x its global size), of which it reads its block.
+    phi = sum(math.prod(x.shape) for x in leaves)
+    master_operands = 4 * (phi if stage == 0 else local)
+    assert got["rows"][1] == pytest.approx(8 * local + master_operands, rel=0.10)
     assert got["rows"][1] <= got["per_leaf"][1] * 1.001
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_gpu_ema_in_the_compiled_step_adds_a_handful_of_kernels(stage):
     """What the default EMA adds to the compiled optimizer step (bf16, Adam, the 350-leaf
     detector), against the same step without an EMA. The EMA's update counter is derived from
@@ -571,7 +577,10 @@ def test_gpu_ema_in_the_compiled_step_adds_a_handful_of_kernels(stage):
     3 keeps the EMA per leaf and XLA fuses each leaf's EMA update into that leaf's Adam kernel:
     no kernel added, 8 bytes per local element (read and write the EMA; the master is already
     in registers). Stages 1/2 keep it in rows: 4 row kernels, 12 bytes per element. (Per-leaf
-    storage at stage 2 adds ~90: XLA transposes the pieces it all-gathers.)"""
+    storage at stage 2 adds ~90: XLA transposes the pieces it all-gathers.) Stage 0 too, plus
+    the device index its rows cut the replicated master with (a scalar kernel): 5 (228 when
+    each small leaf's block was sliced at ``index * size``); its row kernels' operands are the
+    whole replicated master leaves (4 bytes x Φ), of which each reads its block."""
     mesh = gpu.compile_only_mesh("h100", N)
     tree = detector_tree()
     leaves = jax.tree.leaves(tree)
@@ -595,6 +604,10 @@ def test_gpu_ema_in_the_compiled_step_adds_a_handful_of_kernels(stage):
     if stage == 3:
         assert kernels == 0
         assert extra_bytes == pytest.approx(8 * local, rel=0.10)
+    elif stage == 0:
+        assert kernels == math.ceil(350 / 88) + 1 == 5
+        phi = sum(math.prod(x.shape) for x in leaves)
+        assert extra_bytes == pytest.approx(8 * local + 4 * phi, rel=0.10)
     else:
         assert kernels == math.ceil(350 / 88) == 4
         assert extra_bytes == pytest.approx(12 * local, rel=0.10)
