@@ -109,6 +109,11 @@ def peer_row(shape, mesh, shard: bool, options):
 
 VARIANTS = (
     (
+        "jaxzero stage 0 (all-reduce after the backward)",
+        lambda s, m, o: jaxzero_row(s, m, 0, False, o),
+    ),
+    ("jaxzero stage 0 per layer", lambda s, m, o: jaxzero_row(s, m, 0, True, o)),
+    (
         "jaxzero stage 1 (all-reduce after the backward)",
         lambda s, m, o: jaxzero_row(s, m, 1, False, o),
     ),

@@ -414,7 +414,10 @@ def test_gpu_recommended_flags_start_the_next_layers_gather_early():
     done (0% -> 24% of all-gather bytes hidden on the 2-layer decoder), for 5,376 more bytes of
     temporaries (+1%: the next layer's gathered weights in flight)."""
     base, tuned = compiled(3, True, "bf16"), compiled(3, True, "bf16", flags=True)
-    assert tuned.compiler_options == (("xla_gpu_enable_pipelined_all_gather", "True"),)
+    assert tuned.compiler_options == (
+        ("xla_gpu_enable_pipelined_all_gather", "True"),
+        ("xla_gpu_enable_pipelined_all_reduce", "True"),
+    )
     moved = lambda r: {(c.kind, c.dtype): (c.launches, c.bytes) for c in r.collectives}
     assert moved(tuned) == moved(base)
     assert base.hidden_share("all-gather") == 0

@@ -44,6 +44,8 @@ CHAINS = {
         ("sgd_nesterov_cosine", 2, 4, 2),
         ("clip_adamw", 8, 1, 1),
         ("sgd_nesterov_cosine", 2, 4, 1),
+        ("clip_adamw", 8, 1, 0),
+        ("sgd_nesterov_cosine", 2, 4, 0),
     ],
 )
 def test_per_layer_matches_single_device(chain, n, accum, stage):
@@ -165,13 +167,38 @@ def test_stage2_reduce_scatters_each_layer_in_the_backward_loop(stage):
     assert all(op.computation == _entry(hlos["plain"]) for op in plain)
 
 
-def test_stage1_with_micro_batches_keeps_one_all_reduce_after_the_backward():
-    """Stage 1 with layers= and 2 micro-batches accumulates the full local gradient and
-    all-reduces it once after the loop (a reduce-scatter per micro-batch would add traffic):
+def test_stage0_all_reduces_each_layer_in_the_backward_loop():
+    """Stage 0 with layers=: the stack's gradient is all-reduced inside the scanned backward
+    loop, one layer's bytes per iteration (the whole-gradient all-reduce's bytes in all), no
+    all-gather anywhere. A model that uses the stack without gather_layer gets autodiff's own
+    all-reduce where each layer's weights are used (the stacks enter the loss
+    device-invariant): the same numbers as single-device optax."""
+    params, loss_fn, batches = make_problem("scanned", gather_layer=jz.gather_layer, steps=1)
+    n = 8
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(n), stage=0, layers="layers")
+    step = jz.make_train_step(loss_fn, zero)
+    x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches[0])
+    hlo = step.jitted.lower(zero.abstract_state(params), x).compile().as_text()
+    entry, ops = _entry(hlo), collective_ops(hlo)
+    assert {op.kind for op in ops} == {"all-reduce"}
+    loop_ar = [op for op in ops if op.computation != entry]
+    assert sum(op.bytes for op in loop_ar) == _layer_param_bytes(params, 4)
+    plain_params, plain_loss, plain_batches = make_problem("scanned", steps=3)
+    tx = CHAINS["clip_adamw"]()
+    ref_params, _ = reference_run(tx, plain_params, plain_loss, plain_batches)
+    zero = jz.ZeRO(tx, jz.data_parallel_mesh(n), stage=0, layers="layers")
+    state = train(zero, plain_loss, plain_params, plain_batches)
+    chex.assert_trees_all_close(jz.gather(state), ref_params, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_stage1_with_micro_batches_keeps_one_all_reduce_after_the_backward(stage):
+    """Stages 1 and 0 with layers= and 2 micro-batches accumulate the full local gradient and
+    all-reduce it once after the loop (a reduction per micro-batch would add traffic):
     no reduce-scatter anywhere, the stack's gradient all-reduced in the entry computation."""
     params, loss_fn, batches = make_problem("scanned", gather_layer=jz.gather_layer, steps=1)
     n = 8
-    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(n), stage=1, layers="layers")
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(n), stage=stage, layers="layers")
     step = jz.make_train_step(loss_fn, zero, accum_steps=2)
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches[0])
     hlo = step.jitted.lower(zero.abstract_state(params), x).compile().as_text()

@@ -13,7 +13,7 @@ import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
 from jaxzero._tree import check_same_structure
 from jaxzero.precision import warn_wide_compute
 from jaxzero.zero.collectives import to_varying
-from jaxzero.zero.layers import layer_plan, reduces_exactly
+from jaxzero.zero.layers import layer_plan, reduces_exactly, reduces_in_backward
 
 _NO_LAYER_GATHER = (
     "ZeRO(stage=3, layers={}) hands the loss each layer stack as shards, but the model never "
@@ -80,10 +80,14 @@ def gradient_zero(zero: jaxzero.ZeRO, accum_steps: int) -> jaxzero.ZeRO:
     accumulate reduces like stage 2: each layer's gradient is reduce-scattered inside the
     backward, under the next layer's backward, instead of one all-reduce of the whole gradient
     after it (the same sums, half an all-reduce's traffic, and no full reduced gradient: the
-    optimizer only reads its shard). With micro-batches stage 1 keeps its full local
-    accumulator and reduces once (a reduce per micro-batch would add traffic)."""
+    optimizer only reads its shard). Stage 0 with ``layers=`` all-reduces each layer's
+    gradient inside the backward (:mod:`jaxzero.zero.layers`). With micro-batches stages 0/1
+    keep their full local accumulator and reduce once (a reduce per micro-batch would add
+    traffic)."""
     if zero.stage == 1 and accum_steps == 1 and zero.layers and reduces_exactly(zero.precision):
         return dataclasses.replace(zero, stage=2)
+    if zero.stage == 0 and accum_steps > 1 and zero.layers:
+        return dataclasses.replace(zero, layers=None)  # one all-reduce after the micro-batches
     return zero
 
 
@@ -102,7 +106,9 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
     micro-batch folds in its index.
     """
     axes = zero.batch_axes
-    reduce_each = zero.stage >= 2
+    reduce_each = zero.stage >= 2 or (
+        zero.stage == 0 and reduces_in_backward(0, zero.layers, zero.precision)
+    )
 
     def scaled(params, model_state, batch, rng, scale):
         loss, aux, new_state = _call_loss(loss_fn, stateful, params, model_state, batch, rng)

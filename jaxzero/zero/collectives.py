@@ -44,6 +44,12 @@ class Comm:
         return cls(axis, tuple(batch_axes), tuple(replica_axes), num_batch_shards, *dtypes)
 
 
+def varying_axes(x) -> tuple[str, ...]:
+    """The mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
+    return tuple(axis_type.varying) if axis_type is not None else ()
+
+
 def to_varying(x, axes):
     """``pcast`` ``x`` to device-varying over those of ``axes`` it is not yet varying over."""
     varying = jax.typeof(x).manual_axis_type.varying
@@ -111,7 +117,7 @@ def gather_params(comm: Comm, local_params, specs, stacked_mask=None):
     return jax.tree.map(gather, _keep(stacked_mask, local_params), local_params, specs)
 
 
-def params_for_loss(comm: Comm, local_params, specs, stacked_mask=None):
+def params_for_loss(comm: Comm, local_params, specs, stacked_mask=None, whole_mask=None):
     """The full compute params, ready to differentiate, from ``local_params``: the compute
     params, or (stage 3 with a separate master) the master shards themselves.
 
@@ -121,15 +127,20 @@ def params_for_loss(comm: Comm, local_params, specs, stacked_mask=None):
     not an implicit ``psum``. Leaves where ``stacked_mask`` is True (layer stacks of a
     per-layer stage 3) stay shards, in ``output_dtype`` (the dtype their gradients come back
     in; the fp32 master shards already are): :func:`jaxzero.gather_layer` gathers them per
-    layer, cast to ``param_dtype``, and its backward reduces their gradients.
+    layer, cast to ``param_dtype``, and its backward reduces their gradients. Leaves where
+    ``whole_mask`` is True (layer stacks of a per-layer stage 0) stay as they are,
+    device-invariant: :func:`jaxzero.gather_layer` marks each layer varying where it is used,
+    and its backward all-reduces that layer's gradient, which comes back invariant.
     """
     with jax.named_scope("gather_params"):
         full = gather_params(comm, local_params, specs, stacked_mask)
 
-    def prepare(stacked, x):
+    def prepare(stacked, whole, x):
+        if whole:
+            return x
         return x.astype(comm.output_dtype) if stacked else to_varying(x, comm.batch_axes)
 
-    return jax.tree.map(prepare, _keep(stacked_mask, full), full)
+    return jax.tree.map(prepare, _keep(stacked_mask, full), _keep(whole_mask, full), full)
 
 
 def reduce_gradients(comm: Comm, grads, grad_specs, stacked_mask=None, scattered_mask=None):

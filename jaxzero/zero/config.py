@@ -188,12 +188,16 @@ class ZeRO:
         """``with_sharding_constraint`` every leaf to its ZeRO sharding (inside jit)."""
         return jax.lax.with_sharding_constraint(state, self.state_shardings(state))
 
-    def _stacked_mask(self, tree):  # True for layer-stack leaves when gathered per layer
-        if not self.per_layer:
+    def _stacked_mask(self, tree, on: bool | None = None):  # layer-stack leaves, when `on`
+        if not (self.per_layer if on is None else on):
             return None
         return jax.tree_util.tree_map_with_path(
             lambda path, _: sh.is_stacked(path, self.layers), tree
         )
+
+    def _whole_mask(self, tree):  # stage 0 per layer: the stacks stay device-invariant
+        on = self.stage == 0 and layers.reduces_in_backward(0, self.layers, self.precision)
+        return self._stacked_mask(tree, on)
 
     # -- state ----------------------------------------------------------------------------------
     def init(self, params, *, ema: ShardedEMA | None = None, model_state=None, rng=None):
@@ -234,20 +238,20 @@ class ZeRO:
 
     def params_for_loss(self, local_params, specs):
         """The full compute params, marked device-varying, ready to differentiate."""
-        return collectives.params_for_loss(
-            self.comm, local_params, specs, self._stacked_mask(local_params)
-        )
+        masks = (self._stacked_mask(local_params), self._whole_mask(local_params))
+        return collectives.params_for_loss(self.comm, local_params, specs, *masks)
 
     def layer_plan(self, local_params, specs):
-        """The per-layer plan of a per-layer stage-3 step (gather), or of a stage-2 step with
-        ``layers=`` (reduce in the backward, where :func:`jaxzero.zero.layers.reduces_exactly`
-        allows; ``specs`` of the gradients); None otherwise."""
+        """The per-layer plan of a per-layer stage-3 step (gather), or of a stage-2 or 0 step
+        with ``layers=`` (reduce in the backward, where :func:`jaxzero.zero.layers.
+        reduces_exactly` allows; ``specs`` of the gradients); None otherwise."""
         gather = self.per_layer
-        stage2 = self.stage == 2 and self.layers and layers.reduces_exactly(self.precision)
-        if not (gather or stage2):
+        if not (gather or layers.reduces_in_backward(self.stage, self.layers, self.precision)):
             return None
         specs = specs if gather else self.grad_specs(local_params)
-        return layers.build_plan(self.comm, self.layers, local_params, specs, gather=gather)
+        return layers.build_plan(
+            self.comm, self.layers, local_params, specs, gather=gather, invariant=self.stage == 0
+        )
 
     def reduce_gradients(self, grads, plan=None):
         """Average local gradients over every batch axis (all-reduce or reduce-scatter);

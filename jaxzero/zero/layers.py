@@ -27,7 +27,16 @@ the pipeliner carried each pad's zero through the loop as a scalar copy per leaf
 whole-gradient reduction of stage 2 does.
 
 Stage 1 without micro-batches takes the stage-2 path (``jaxzero.train.grads.gradient_zero``).
-Outside such a step (evaluation on gathered params, ``model.init``, stage 0, stage 1 with
+Stage 0 without micro-batches all-reduces each layer's gradient in the backward the same way:
+the stacks enter the loss device-invariant (the other leaves are marked varying, so autodiff
+hands back their local gradients), :func:`gather_layer` marks each layer varying where it
+runs, and its backward all-reduces that layer's gradient, invariant again, as the step's
+replicated gradient must be (jax has no varying -> invariant cast: an all-reduce of a varying
+gradient stays typed varying, which blocked this before; BUILD_NOTES decision 21). A stack
+leaf the model uses without :func:`gather_layer` is summed by autodiff's own all-reduce where
+it is used (the transpose of jax's implicit varying cast); either way every stack gradient
+comes back summed, and the step only divides it.
+Outside such a step (evaluation on gathered params, ``model.init``, stage 0 or 1 with
 micro-batches) :func:`gather_layer` is the identity, so one model definition serves everywhere.
 """
 
@@ -42,7 +51,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxzero._tree import path_keys
-from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying
+from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying, varying_axes
 from jaxzero.zero.specs import is_stacked, spec_dim
 
 _PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(
@@ -54,14 +63,17 @@ _PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(
 class LayerPlan:
     """Which dimension each layer leaf was sharded on, keyed by its path inside one layer and
     its local (per-layer, per-device) shape; built by :func:`build_plan`. ``gather``: stage 3
-    (gather the shards) or stage 2 (whole params; reduce the gradient only). ``seen``: the keys
-    :func:`gather_layer` handled while the loss was traced."""
+    (gather the shards) or stage 2 (whole params; reduce the gradient only). ``invariant``:
+    stage 0 (the stacks enter the loss device-invariant; every stack gradient comes back
+    summed, see the module docstring). ``seen``: the keys :func:`gather_layer` handled while
+    the loss was traced."""
 
     comm: Comm
     layers: tuple[str, ...]
     dims: dict[tuple, int | None]
     calls: int = 0
     gather: bool = True
+    invariant: bool = False
     seen: set = dataclasses.field(default_factory=set)
 
     def lookup(self, path, x):
@@ -87,7 +99,7 @@ def _layer_key(path, shape, layers):
 
 
 def build_plan(
-    comm: Comm, layers: tuple[str, ...], local_params, specs, *, gather: bool = True
+    comm: Comm, layers: tuple[str, ...], local_params, specs, *, gather=True, invariant=False
 ) -> LayerPlan:
     """The :class:`LayerPlan` of a per-layer step: for each leaf of one layer (a leaf of a
     ``layers`` stack without its layer axis), the dimension it is (stage 3: ``specs`` of the
@@ -102,7 +114,7 @@ def build_plan(
             continue
         d = spec_dim(flat_specs[path])
         dims[_layer_key(path, x.shape, layers)] = None if d is None else d - 1
-    return LayerPlan(comm, layers, dims, gather=gather)
+    return LayerPlan(comm, layers, dims, gather=gather, invariant=invariant)
 
 
 def reduces_exactly(precision) -> bool:
@@ -113,18 +125,26 @@ def reduces_exactly(precision) -> bool:
     return precision.reduce_dtype == precision.param_dtype or precision.param_dtype == jnp.float32
 
 
+def reduces_in_backward(stage: int, layers, precision) -> bool:
+    """Whether a step at ``stage`` (0 or 2; stage 1 reduces as 2 without micro-batches) with
+    those ``layers`` reduces each layer's gradient inside the backward."""
+    return stage in (0, 2) and bool(layers) and reduces_exactly(precision)
+
+
 def scattered_mask(plan: LayerPlan | None, grads):
-    """True for the layer-stack leaves of ``grads`` whose gradient a stage-2
-    :func:`gather_layer` reduced layer by layer (see :func:`_pass_leaf`); None when there are
-    none (no plan, a stage-3 plan, or a model that never called it)."""
-    if plan is None or plan.gather or not plan.calls:
+    """True for the layer-stack leaves of ``grads`` already reduced layer by layer: those a
+    stage-2 :func:`gather_layer` reduced (see :func:`_pass_leaf`), every stack leaf at stage 0
+    (see the module docstring); None when there are none (no plan, a stage-3 plan, or a
+    stage-2 model that never called it)."""
+    if plan is None or plan.gather or not (plan.calls or plan.invariant):
         return None
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: (
-            is_stacked(path, plan.layers) and _layer_key(path, x.shape, plan.layers) in plan.seen
-        ),
-        grads,
-    )
+
+    def reduced(path, x):
+        if not is_stacked(path, plan.layers):
+            return False
+        return plan.invariant or _layer_key(path, x.shape, plan.layers) in plan.seen
+
+    return jax.tree_util.tree_map_with_path(reduced, grads)
 
 
 def check_layers(params, layers: tuple[str, ...]) -> None:
@@ -186,10 +206,11 @@ def _gather_leaf(comm: Comm, x, d):
 
 
 def _pass_leaf(comm: Comm, x, d):
-    """Stage 2: ``x`` (whole) in the compute dtype; the backward reduce-scatters the gradient
-    along ``d`` (all-reduces it when None) and returns it in ``x``'s dtype, repeated along
-    ``d`` to ``x``'s shape: its front tile is the reduced gradient (see the module docstring;
-    ZeRO only builds this plan when ``reduce_dtype`` converts to ``x``'s dtype exactly)."""
+    """Stages 2 and 0: ``x`` (whole) in the compute dtype; the backward reduce-scatters the
+    gradient along ``d`` (all-reduces it when None: stage 0) and returns it in ``x``'s dtype
+    and device-variance, repeated along ``d`` to ``x``'s shape: its front tile is the reduced
+    gradient (see the module docstring; ZeRO only builds this plan when ``reduce_dtype``
+    converts to ``x``'s dtype exactly)."""
 
     def backward(ct):
         g = scatter_leaf(comm, ct, d).astype(x.dtype)
@@ -197,7 +218,7 @@ def _pass_leaf(comm: Comm, x, d):
             n = ct.shape[d] // g.shape[d]
             g = jnp.expand_dims(g, d)
             g = jnp.broadcast_to(g, g.shape[:d] + (n,) + g.shape[d + 1 :]).reshape(ct.shape)
-        return to_varying(g, comm.batch_axes)
+        return to_varying(g, varying_axes(x))
 
     forward = lambda x: to_varying(x.astype(comm.param_dtype), comm.batch_axes)
     return _with_backward(forward, backward, x)

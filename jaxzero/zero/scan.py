@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.zero.collectives import Comm, reduce_leaf, to_varying
+from jaxzero.zero.collectives import Comm, reduce_leaf, to_varying, varying_axes
 from jaxzero.zero.layers import LayerPlan, current_plan, gather_layer, gather_shard
 
 __all__ = ["scan_layers", "stacked_init", "stacked_params"]
@@ -199,17 +199,11 @@ def _reduce_tree(comm: Comm, dw, dims, leaves):
     and returned in the dtype of the stack leaf it belongs to."""
     flat = jax.tree.leaves(dw)
     return [
-        to_varying(reduce_leaf(comm, g, d).astype(x.dtype), _vma(x))
+        to_varying(reduce_leaf(comm, g, d).astype(x.dtype), varying_axes(x))
         for g, d, x in zip(flat, dims, leaves, strict=True)
     ]
 
 
-def _vma(x):
-    """The mesh axes ``x`` varies over (empty outside ``shard_map``)."""
-    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
-    return tuple(axis_type.varying) if axis_type is not None else ()
-
-
 def _zeros(x):
     """Zeros of ``x``'s shape, dtype and device-variance."""
-    return to_varying(jnp.zeros_like(x), _vma(x))
+    return to_varying(jnp.zeros_like(x), varying_axes(x))
