@@ -13,7 +13,7 @@ import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
 from jaxzero._tree import check_same_structure
 from jaxzero.precision import warn_wide_compute
 from jaxzero.zero.collectives import to_varying
-from jaxzero.zero.layers import layer_plan, reduces_exactly, reduces_in_backward
+from jaxzero.zero.layers import layer_plan, reduces_in_backward
 
 _NO_LAYER_GATHER = (
     "ZeRO(stage=3, layers={}) hands the loss each layer stack as shards, but the model never "
@@ -84,7 +84,11 @@ def gradient_zero(zero: jaxzero.ZeRO, accum_steps: int) -> jaxzero.ZeRO:
     gradient inside the backward (:mod:`jaxzero.zero.layers`). With micro-batches stages 0/1
     keep their full local accumulator and reduce once (a reduce per micro-batch would add
     traffic)."""
-    if zero.stage == 1 and accum_steps == 1 and zero.layers and reduces_exactly(zero.precision):
+    if (
+        zero.stage == 1
+        and accum_steps == 1
+        and reduces_in_backward(2, zero.layers, zero.precision, zero.replica_axes)
+    ):
         return dataclasses.replace(zero, stage=2)
     if zero.stage == 0 and accum_steps > 1 and zero.layers:
         return dataclasses.replace(zero, layers=None)  # one all-reduce after the micro-batches

@@ -242,11 +242,10 @@ class ZeRO:
         return collectives.params_for_loss(self.comm, local_params, specs, *masks)
 
     def layer_plan(self, local_params, specs):
-        """The per-layer plan of a per-layer stage-3 step (gather), or of a stage-2 or 0 step
-        with ``layers=`` (reduce in the backward, where :func:`jaxzero.zero.layers.
-        reduces_exactly` allows; ``specs`` of the gradients); None otherwise."""
-        gather = self.per_layer
-        if not (gather or layers.reduces_in_backward(self.stage, self.layers, self.precision)):
+        """The plan of a per-layer stage-3 step (gather), or of a stage 2/0 step that reduces in
+        the backward (:func:`jaxzero.zero.layers.reduces_in_backward`); None otherwise."""
+        gather, rule = self.per_layer, (self.stage, self.layers, self.precision, self.replica_axes)
+        if not (gather or layers.reduces_in_backward(*rule)):
             return None
         specs = specs if gather else self.grad_specs(local_params)
         return layers.build_plan(

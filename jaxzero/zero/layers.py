@@ -125,10 +125,15 @@ def reduces_exactly(precision) -> bool:
     return precision.reduce_dtype == precision.param_dtype or precision.param_dtype == jnp.float32
 
 
-def reduces_in_backward(stage: int, layers, precision) -> bool:
+def reduces_in_backward(stage: int, layers, precision, replica_axes=()) -> bool:
     """Whether a step at ``stage`` (0 or 2; stage 1 reduces as 2 without micro-batches) with
-    those ``layers`` reduces each layer's gradient inside the backward."""
-    return stage in (0, 2) and bool(layers) and reduces_exactly(precision)
+    those ``layers`` reduces each layer's gradient inside the backward. Not stage 2 on a mesh
+    with replica axes: the reduce-scattered tile is replica-invariant, but the cotangent of a
+    loss leaf varying over every batch axis must vary over them too (the step then reduces
+    the whole gradient after the backward, as without ``layers=``)."""
+    if not (layers and reduces_exactly(precision)):
+        return False
+    return stage == 0 or (stage == 2 and not replica_axes)
 
 
 def scattered_mask(plan: LayerPlan | None, grads):
