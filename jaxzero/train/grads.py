@@ -110,9 +110,8 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
     micro-batch folds in its index.
     """
     axes = zero.batch_axes
-    reduce_each = zero.stage >= 2 or (
-        zero.stage == 0 and reduces_in_backward(0, zero.layers, zero.precision)
-    )
+    # stages 2/3, and stage 0 when it all-reduces each layer in the backward (one micro-batch)
+    reduce_each = zero.stage >= 2 or reduces_in_backward(zero.stage, zero.layers, zero.precision)
 
     def scaled(params, model_state, batch, rng, scale):
         loss, aux, new_state = _call_loss(loss_fn, stateful, params, model_state, batch, rng)
