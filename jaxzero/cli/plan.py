@@ -167,11 +167,13 @@ def _progress(total_hint: int):
 
 
 def _hidden(report) -> str:
-    """The hidden share of all-gather + reduce-scatter bytes, or "-" when neither moves any
-    (stage 0 only all-reduces)."""
+    """The hidden share of all-gather + reduce-scatter bytes and its ceiling (what any schedule
+    of the step's data flow could hide), or "-" when neither moves any (stage 0 only
+    all-reduces)."""
     if not report.payload("all-gather") + report.payload("reduce-scatter"):
         return "-"
-    return f"{report.hidden_share('all-gather', 'reduce-scatter'):.0%}"
+    kinds = ("all-gather", "reduce-scatter")
+    return f"{report.hidden_share(*kinds):.0%} of max {report.hideable_share(*kinds):.0%}"
 
 
 def _table(rows) -> str:

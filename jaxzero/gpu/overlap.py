@@ -23,6 +23,16 @@ per step (loop trip counts), hidden bytes over all bytes, per collective kind.
 This is a reading of the schedule, not a timing: a 10 GB gather "hidden" by one small gemm is
 still mostly exposed on hardware. It measures what the scheduler arranged, which is what the
 XLA flags and jaxzero's per-layer collectives change.
+
+**Hideable** bytes bound what any schedule of the same program could hide. A collective of the
+ENTRY computation is hideable when some compute kernel of ENTRY depends neither on it nor it on
+that kernel (the kernel is neither an ancestor of its ``*-start`` nor a descendant of its
+``*-done`` in the data flow; control edges, which are the schedule's choices, are ignored).
+A gather whose result every gemm of the step needs (the first layer's, a tied embedding's) or a
+reduce-scatter of a gradient that the last gemm produces has none, so no scheduler, flag or
+pipeliner can put compute under it within the step. Collectives in loop bodies and other
+called computations are counted hideable (a pipeliner can move them across iterations), so
+the figure is an upper bound: ``hidden_bytes <= hideable_bytes <= bytes``.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import dataclasses
 import re
 
 from jaxzero.gpu.hlo import collective_payloads, computation_multipliers, parse_computations
+from jaxzero.memory.hlo import COLLECTIVE_KINDS
 
 __all__ = ["OverlapTotal", "compute_computations", "overlap_per_step"]
 
@@ -39,20 +50,29 @@ _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _BRANCH_LIST = re.compile(r"\b(?:branch_computations|true_computation|false_computation)=([^,]*)")
 _OPERAND = re.compile(r"-done\(\s*%?([\w.\-]+)")
 _CONTROL = ("while", "call", "conditional")
+_NAME = re.compile(r"%([\w.\-]+)")
+_CONTROL_EDGES = re.compile(r"control-predecessors=\{[^}]*\}")
 
 
 @dataclasses.dataclass(frozen=True)
 class OverlapTotal:
-    """One collective kind per step: payload ``bytes`` and the ``hidden_bytes`` among them."""
+    """One collective kind per step: payload ``bytes``, the ``hidden_bytes`` among them, and
+    the ``hideable_bytes`` any schedule of the same data flow could hide (module docstring)."""
 
     kind: str
     bytes: int
     hidden_bytes: int
+    hideable_bytes: int
 
     @property
     def share(self) -> float:
         """``hidden_bytes / bytes`` (1.0 when nothing moves)."""
         return self.hidden_bytes / self.bytes if self.bytes else 1.0
+
+    @property
+    def bound(self) -> float:
+        """``hideable_bytes / bytes`` (1.0 when nothing moves)."""
+        return self.hideable_bytes / self.bytes if self.bytes else 1.0
 
 
 def _callees(line: str) -> list[str]:
@@ -114,18 +134,64 @@ def _hidden(comps) -> set[str]:
     return hidden
 
 
+def _closure(start: str, edges: dict[str, set[str]]) -> set[str]:
+    seen, stack = set(), [start]
+    while stack:
+        for nxt in edges.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
+def _unhideable(ops, computing: set[str]) -> set[str]:
+    """Names (as :func:`_hidden` gives them) of the collectives in ``ops`` (one computation)
+    that no compute kernel of that computation is independent of (module docstring)."""
+    names = {name for name, _, _ in ops}
+    operands = {
+        name: {o for o in _NAME.findall(_CONTROL_EDGES.sub("", line)) if o in names and o != name}
+        for name, _, line in ops
+    }
+    users: dict[str, set[str]] = {}
+    for name, deps in operands.items():
+        for d in deps:
+            users.setdefault(d, set()).add(name)
+    kernels = {name for name, op, line in ops if _is_compute(op, line, computing)}
+    out = set()
+    for name, opcode, line in ops:
+        kind = opcode.removesuffix("-done")
+        if opcode.endswith("-done"):
+            start = next(iter(operands[name]), name)
+        elif kind in COLLECTIVE_KINDS:
+            start = name
+        else:
+            continue
+        related = _closure(start, operands) | _closure(name, users) | {start, name}
+        if not kernels - related:
+            out.update([name, *_callees(line if start == name else _line(ops, start))])
+    return out
+
+
+def _line(ops, name: str) -> str:
+    return next(line for n, _, line in ops if n == name)
+
+
 def overlap_per_step(hlo: str, group_size: int) -> tuple[OverlapTotal, ...]:
     """Per collective kind: payload bytes per step and the bytes hidden behind compute (see
     the module docstring), loop trip counts applied. ``group_size`` as in
     :func:`~jaxzero.gpu.hlo.collectives_per_step`."""
-    comps, _ = parse_computations(hlo)
+    comps, entry_name = parse_computations(hlo)
     hidden = _hidden(comps)
+    unhideable = _unhideable(comps.get(entry_name, []), compute_computations(comps))
     mult, _ = computation_multipliers(hlo)
     acc: dict[str, list[int]] = {}
     for op, per_dtype in collective_payloads(hlo, group_size, mult):
         total = sum(per_dtype.values())
-        entry = acc.setdefault(op.kind, [0, 0])
+        entry = acc.setdefault(op.kind, [0, 0, 0])
         entry[0] += total
-        covered = op.name in hidden if op.is_async else op.computation in hidden
-        entry[1] += total if covered else 0
-    return tuple(OverlapTotal(kind, b, h) for kind, (b, h) in sorted(acc.items()))
+        key = op.name if op.is_async else op.computation
+        entry[1] += total if key in hidden else 0
+        if op.computation == entry_name and not op.is_async:
+            key = op.name  # a synchronous collective of ENTRY itself
+        entry[2] += 0 if key in unhideable else total
+    return tuple(OverlapTotal(kind, *v) for kind, v in sorted(acc.items()))
