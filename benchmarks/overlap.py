@@ -9,7 +9,8 @@ per layer against GSPMD-annotation FSDP and plain DP, with XLA's default flags a
 
 jaxzero's rows use :func:`jaxzero.scan_layers` for the layer stack (the models' default,
 ``ModelShape.loop="prefetch"``); one stage-3 row runs the same model as ``nn.scan`` over an
-``nn.remat``'d block that calls :func:`jaxzero.gather_layer` (``loop="gather_layer"``).
+``nn.remat``'d block that calls :func:`jaxzero.gather_layer` (``loop="gather_layer"``), and one
+keeps no bf16 copy of the params beside the fp32 master (``Precision(compute_copy=False)``).
 
 Per row, per device per step: collective payload bytes (loop trip counts applied), the share
 of all-gather, reduce-scatter and all-reduce bytes hidden (a gemm/conv/attention kernel scheduled
@@ -73,12 +74,12 @@ def _ceiling(over) -> str:
     return " / ".join(cells)
 
 
-def jaxzero_row(shape, mesh, stage, per_layer, options):
+def jaxzero_row(shape, mesh, stage, per_layer, options, precision="bf16"):
     zero = jz.ZeRO(
         optax.adam(1e-4),
         mesh,
         stage=stage,
-        precision="bf16",
+        precision=precision,
         layers="layers" if per_layer else None,
     )
     step = jz.make_train_step(make_loss(shape), zero)
@@ -139,6 +140,12 @@ VARIANTS = (
     (
         "jaxzero stage 3 per layer (scan_layers: prefetch)",
         lambda s, m, o: jaxzero_row(s, m, 3, True, o),
+    ),
+    (
+        "jaxzero stage 3 per layer, no compute copy (FSDP layout)",
+        lambda s, m, o: jaxzero_row(
+            s, m, 3, True, o, jz.Precision.create("bf16", compute_copy=False)
+        ),
     ),
     (
         "jaxzero stage 3 per layer (gather_layer in nn.scan)",

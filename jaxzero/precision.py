@@ -38,12 +38,21 @@ class Precision:
       reduce_dtype: dtype the gradients are communicated (all-reduced / reduce-scattered) in.
       output_dtype: dtype the gradients are accumulated and handed to optax in
         (default: ``master_dtype``).
+      compute_copy: keep the ``param_dtype`` copy of the weights in ``TrainState.params``
+        beside the master (DeepSpeed's layout: 16 Phi/N per device at stage 3 in bf16 with
+        Adam, gradients included). ``False``, stage 3 only (FSDP's mixed-precision layout):
+        ``params`` holds the ``master_dtype`` shards themselves, ``master`` is None, and the
+        step casts each shard to ``param_dtype`` as it gathers it; ``itemsize(param_dtype)``
+        Phi/N less per device, the same numbers and the same bytes on the wire. Then
+        ``jz.gather(state.params)`` returns ``master_dtype`` weights, as FSDP's full state
+        dict does (pass ``dtype=`` to :func:`jaxzero.evaluate` to evaluate in ``param_dtype``).
     """
 
     param_dtype: object = jnp.float32
     master_dtype: object = jnp.float32
     reduce_dtype: object = jnp.float32
     output_dtype: object = None
+    compute_copy: bool = True
 
     def __post_init__(self):
         p = _canon(self.param_dtype, _COMPUTE_DTYPES, "param_dtype")
@@ -59,22 +68,25 @@ class Precision:
                 f"master_dtype={m.name} is narrower than param_dtype={p.name}; "
                 f"the master copy must be at least as precise as the compute copy."
             )
+        if not isinstance(self.compute_copy, bool):
+            raise TypeError(f"compute_copy={self.compute_copy!r} must be True or False.")
         object.__setattr__(self, "param_dtype", p)
         object.__setattr__(self, "master_dtype", m)
         object.__setattr__(self, "reduce_dtype", r)
         object.__setattr__(self, "output_dtype", o)
 
     @classmethod
-    def create(cls, name: str) -> Precision:
+    def create(cls, name: str, *, compute_copy: bool = True) -> Precision:
         """``"fp32"``, ``"bf16"`` or ``"fp16"``: 16-bit compute and reduction, fp32 master."""
         table = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
         if name not in table:
             raise ValueError(f"precision={name!r} is not one of {sorted(table)}.")
-        return cls(param_dtype=table[name], reduce_dtype=table[name])
+        return cls(param_dtype=table[name], reduce_dtype=table[name], compute_copy=compute_copy)
 
     @property
     def separate_master(self) -> bool:
-        return self.param_dtype != self.master_dtype
+        """Whether the state keeps a master copy apart from ``params``."""
+        return self.param_dtype != self.master_dtype and self.compute_copy
 
 
 class LossScaleState(NamedTuple):

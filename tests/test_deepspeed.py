@@ -795,3 +795,22 @@ def test_deepspeed_reads_more_real_layouts(fixtures_dir, tmp_path):
             if bf16:
                 want = ckpt.params[n].astype(ml_dtypes.bfloat16)
                 np.testing.assert_array_equal(ckpt.module[n], want, err_msg=f"{name} module {n}")
+
+
+def test_deepspeed_bf16_round_trip_through_stage3_without_compute_copy(fixtures_dir):
+    """The bf16 fixture imported into stage 3 with ``Precision(compute_copy=False)`` (FSDP's
+    layout: ``state.params`` holds the fp32 master, no bf16 copy) and exported back: fp32
+    master, moments and the bf16 module weights equal DeepSpeed's own bit for bit (the
+    module's dtype comes from the ZeRO's compute dtype, not from ``state.params``)."""
+    d, _, _ = fixture(fixtures_dir, "z2_mlp_a_ws2_bf16")
+    ckpt = read_checkpoint(os.path.join(d, "ckpt"))
+    pol = jz.Precision.create("bf16", compute_copy=False)
+    zero = jz.ZeRO(adamw(ckpt, None), jz.data_parallel_mesh(2), stage=3, precision=pol)
+    state = to_train_state(ckpt, zero, rng=jax.random.key(0))
+    assert state.master is None
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype(np.float32)}
+    back = from_train_state(state, zero)
+    assert back.dtype == "bf16"
+    for f in ("params", "exp_avg", "exp_avg_sq", "module"):
+        for n, v in getattr(ckpt, f).items():
+            np.testing.assert_array_equal(getattr(back, f)[n], v, err_msg=f"{f} {n}")

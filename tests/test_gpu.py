@@ -512,6 +512,23 @@ def test_gpu_scan_layers_prefetch_costs_less_than_a_layer_of_memory():
     assert prefetch.hidden_share("all-gather") > plain.hidden_share("all-gather") + 0.5
 
 
+def test_gpu_stage3_without_compute_copy_holds_less_and_moves_the_same_bytes():
+    """``Precision(compute_copy=False)`` (FSDP's layout) on the per-layer stage-3 step of the
+    16-layer decoder: the arguments shrink by exactly the bf16 param shard (2 bytes per
+    element a device holds of the params), the same collectives move in bf16, and XLA needs
+    no more temporaries or kernels (the gathers already cast the fp32 master shards)."""
+    copy = compiled(3, True, "bf16", shape=SHAPE16)
+    params = abstract_params(SHAPE16)
+    step = make_step(3, True, jz.Precision.create("bf16", compute_copy=False), shape=SHAPE16)
+    none = gpu.compile_report(step, params, batch_shapes(SHAPE16, N))
+    _, s, r, _ = sizes(params, N, True)
+    assert copy.argument_bytes - none.argument_bytes == 2 * (s // N + r)
+    assert none.collectives == copy.collectives
+    assert none.dtypes("all-gather") == {"bf16"}
+    assert none.temp_bytes <= copy.temp_bytes
+    assert none.kernels_per_step <= copy.kernels_per_step
+
+
 def _stack_transposes(rep, n_layers):
     """The entry computation's kernels that transpose a whole fp32 layer stack (outside the
     layer loop): ``[layers, ...]`` f32 outputs of a fusion whose root is a transpose."""

@@ -23,7 +23,8 @@ class TrainState(struct.PyTreeNode):
     Attributes:
       step: int32 optimizer steps taken (skipped steps do not count).
       params: compute parameters (``param_dtype``): replicated for stages 0-2, sharded 1/N for
-        stage 3.
+        stage 3. With ``Precision(compute_copy=False)`` (stage 3) the master shards themselves
+        (``master_dtype``), and ``master`` is None.
       master: fp32 master weights when ``param_dtype`` differs from ``master_dtype`` (sharded
         1/N for stages 1-3, replicated for stage 0); None otherwise, in which case the master
         is ``params`` itself (or its local slice). The master is the truth: ``params`` is its
@@ -143,7 +144,7 @@ def _init_raw(zero: jaxzero.ZeRO, params, ema: ShardedEMA | None, model_state, r
         ema_state = zero.bucket_ema(ema, ema_state)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
-        params=cast(params, pol.param_dtype),
+        params=cast(params, pol.param_dtype) if pol.compute_copy else master_view,
         master=master_view if pol.separate_master else None,
         opt_state=zero.tx.init(master_view),
         skipped=jnp.zeros((), jnp.int32),

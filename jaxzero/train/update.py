@@ -96,7 +96,9 @@ def apply_gradients(
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
     new_master = keep(new_master, master)
     step = jnp.where(apply, state.step + 1, state.step)
-    compute = cast(new_master, zero.precision.param_dtype)
+    compute = new_master
+    if zero.precision.compute_copy:
+        compute = cast(new_master, zero.precision.param_dtype)
     if zero.stage in (1, 2):
         with jax.named_scope("gather_updated_params"):
             compute = zero.all_gather(compute)

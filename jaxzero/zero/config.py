@@ -41,7 +41,7 @@ def _layer_names(layers) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _precision(precision) -> Precision:
+def _precision(precision, stage) -> Precision:
     if precision is None:
         return Precision()
     if isinstance(precision, str):
@@ -49,6 +49,11 @@ def _precision(precision) -> Precision:
     if not isinstance(precision, Precision):
         raise TypeError(
             f"precision={precision!r} must be a jaxzero.Precision or 'fp32'/'bf16'/'fp16'."
+        )
+    if not precision.compute_copy and stage != 3:
+        raise ValueError(
+            f"Precision(compute_copy=False) needs stage=3 (got stage={stage}): below stage 3 "
+            f"the step computes with the replicated params copy; keep compute_copy=True."
         )
     return precision
 
@@ -110,7 +115,7 @@ class ZeRO:
         check_mesh(self.mesh, self.axis)
         warn_unnamed_replica_axes(self.mesh, self.axis)
         object.__setattr__(self, "layers", _layer_names(self.layers))
-        object.__setattr__(self, "precision", _precision(self.precision))
+        object.__setattr__(self, "precision", _precision(self.precision, self.stage))
         check_loss_scale(self.loss_scale, self.precision)
 
     # -- mesh facts -------------------------------------------------------------------------

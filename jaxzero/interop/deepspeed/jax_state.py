@@ -271,7 +271,11 @@ def from_train_state(
     steps = {float(e["step"]) for e in osd["state"].values()}
     if len(steps) != 1:
         raise ValueError(f"the optimizer state has several steps {sorted(steps)}")
-    dtype = _dtype_name(state.params)
+    # The module weights' dtype: the ZeRO's compute dtype (a stage-3 state without a compute
+    # copy holds only the fp32 master), else what state.params holds.
+    dtype = _dtype_name(
+        [jnp.zeros((), zero.precision.param_dtype)] if zero is not None else state.params
+    )
     import ml_dtypes
 
     cast = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}.get(dtype, np.float32)
