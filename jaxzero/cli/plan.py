@@ -252,8 +252,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         "(XLA:GPU memory_analysis); estimate: jaxzero.estimate_memory with activations "
         "(ckpt_every=1) and f32 logits; state: persistent arguments less the batch; hidden: "
         "the share of collective bytes per step whose start and done the GPU schedule "
-        "separates by a gemm/conv/attention kernel (jaxzero.gpu.overlap); kernels: device "
-        "launches per step."
+        "separates by a gemm/conv/attention kernel (jaxzero.gpu.overlap), of max the share "
+        "any schedule of the step's data flow could hide; kernels: device launches per step."
     )
     return 0
 
