@@ -680,6 +680,36 @@ def test_gpu_ema_in_the_compiled_step_adds_a_handful_of_kernels(stage):
         assert extra_bytes == pytest.approx(12 * local, rel=0.10)
 
 
+def test_gpu_plan_without_compute_copy_compiles_and_estimates_fsdps_layout(capsys):
+    """`jaxzero plan --no-compute-copy`: stage 3 compiled with Precision(compute_copy=False)
+    holds exactly the bf16 params shard less state than the default (2 bytes per element a
+    device holds), the estimator drops the same 2 Phi/N, and the stages below 3 are
+    untouched."""
+    from jaxzero import cli
+
+    argv = ["plan", "--devices", "8", "--layers", "4", "--hidden", "64", "--heads", "2"]
+    argv += ["--vocab", "128", "--seq", "16", "--stage", "2", "--stage", "3"]
+    argv += ["--stage3", "per-layer"]
+    states = {}
+    for extra in ([], ["--no-compute-copy"]):
+        assert cli.main([*argv, *extra]) == 0
+        out = capsys.readouterr().out
+        cells = [re.split(r"\s{2,}", line) for line in out.splitlines() if line[:1] in "23"]
+        states[bool(extra)] = {c[0]: c[3] for c in cells}  # the "state" column
+        assert ("without a compute copy" in out) == bool(extra)
+    assert set(states[True]) == {"2", "3 per layer"}
+    assert states[True]["2"] == states[False]["2"]
+    assert states[True]["3 per layer"] != states[False]["3 per layer"]
+    phi, s, r, _ = sizes(abstract_params(SHAPE4), N, True)
+    rows = {}
+    for copy in (True, False):
+        (row,) = gpu.plan(SHAPE4, devices=N, stages=[3], stage3="per-layer", compute_copy=copy)
+        rows[copy] = row
+    assert rows[True].state_bytes - rows[False].state_bytes == 2 * (s // N + r)
+    assert rows[False].estimate.params == 0
+    assert rows[True].estimate.params == 2 * -(-phi // N)
+
+
 @pytest.mark.parametrize("stage", ["1", "2"])
 def test_gpu_plan_cli_prints_stage2_per_layer_hidden_share(stage, capsys):
     """`jaxzero plan --stage2 both` prints stage 2's whole-gradient row (its one reduce-scatter

@@ -91,6 +91,24 @@ def test_ema_is_sharded_at_every_stage():
         assert e.total == e.params + e.grads + e.optimizer + 4 * phi // n
 
 
+def test_stage3_without_compute_copy_drops_the_16_bit_params():
+    """FSDP's layout (``Precision(compute_copy=False)``): the mixed-precision stage-3 state is
+    the fp32 master + Adam's moments (12 bytes) and the sharded bf16 gradient (2 bytes) per
+    element of the shard; the other stages, and fp32, are unchanged."""
+    phi, n = 1001, 8
+    shard = 126  # ceil(1001 / 8)
+    e3 = estimate_memory(phi, n, stage=3, compute_copy=False)
+    assert (e3.params, e3.grads, e3.optimizer) == (0, 2 * shard, 12 * shard)
+    both = estimate_memory(phi, n, compute_copy=False)
+    assert both[:3] == estimate_memory(phi, n)[:3] and both[3] == e3
+    fp32 = estimate_memory(phi, n, stage=3, precision="fp32", compute_copy=False)
+    assert fp32 == estimate_memory(phi, n, stage=3, precision="fp32")
+    with pytest.raises(ValueError, match=r"compute_copy=False is stage 3's layout \(got stage=2\)"):
+        estimate_memory(phi, n, stage=2, compute_copy=False)
+    with pytest.raises(TypeError, match=r"compute_copy must be a bool, got 'no'"):
+        estimate_memory(phi, n, stage=3, compute_copy="no")
+
+
 def test_uneven_shard_rounds_up():
     phi, n = 1001, 8  # padded flat shard: ceil(1001 / 8) = 126 elements per device
     e = estimate_memory(phi, n, stage=3, ema=True)

@@ -105,6 +105,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     train.add_argument("--ema", action="store_true", help="add a sharded fp32 parameter EMA")
     train.add_argument(
+        "--no-compute-copy",
+        dest="compute_copy",
+        action="store_false",
+        help="stage 3 in FSDP's layout: no 16-bit params copy beside the fp32 master "
+        "(jaxzero.Precision(compute_copy=False))",
+    )
+    train.add_argument(
         "--gpu", choices=["h100", "a100", "h200"], default="h100", help="(default: %(default)s)"
     )
     train.add_argument(
@@ -221,6 +228,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         + (f" ({args.replicas} replicas)" if args.replicas > 1 else "")
         + f", {args.precision}, Adam, accum {args.accum}"
         + (", EMA" if args.ema else "")
+        + ("" if args.compute_copy else ", stage 3 without a compute copy")
         + (f"; XLA flags {' '.join(recommended_xla_flags())}" if args.xla_flags else ""),
         flush=True,
     )
@@ -238,6 +246,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             "precision",
             "accum",
             "ema",
+            "compute_copy",
         )
         flags = xla_options() if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)

@@ -14,6 +14,7 @@ from jaxzero.gpu.models import ModelShape, abstract_params, batch_shapes, make_l
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.topology import compile_only_mesh
 from jaxzero.memory import MemoryEstimate, estimate_memory
+from jaxzero.precision import Precision
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.config import ZeRO
 
@@ -77,7 +78,7 @@ def plan_cases(
     return out
 
 
-def _estimate(shape: ModelShape, n: int, stage: int, per_layer: bool, precision, ema):
+def _estimate(shape: ModelShape, n: int, stage: int, per_layer: bool, precision, ema, copy=True):
     """``estimate_memory`` for this shape and stage: activations of the whole scanned stack,
     plus one layer gathered (per-layer stage 3) or the whole model gathered (stage 3)."""
     dims = {k: getattr(shape, k) for k in ("batch", "seq", "hidden", "layers", "heads", "vocab")}
@@ -90,6 +91,7 @@ def _estimate(shape: ModelShape, n: int, stage: int, per_layer: bool, precision,
         ckpt_every=1,
         layer_params=shape.layer_params if per_layer and stage == 3 else None,
         gather_model=stage == 3 and not per_layer,
+        compute_copy=copy or stage != 3,
         **dims,
     )
 
@@ -119,6 +121,7 @@ def plan(
     ema: bool = False,
     on_case: Callable[[str, int, int], None] | None = None,
     compiler_options: dict | None = None,
+    compute_copy: bool = True,
 ) -> list[PlanRow]:
     """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
 
@@ -127,7 +130,8 @@ def plan(
     optimizer ``optax.adam`` with ZeRO's ``precision`` policy, plus an fp32 ``ShardedEMA`` with
     ``ema=True``. ``on_case(label, i, total)`` is called before each compile (progress).
     ``compiler_options``: XLA options for every compile (e.g. ``jaxzero.gpu.xla_options()``,
-    the recommended GPU flags).
+    the recommended GPU flags). ``compute_copy=False``: stage 3 in FSDP's layout
+    (``Precision(compute_copy=False)``: no 16-bit params copy beside the fp32 master).
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -149,11 +153,12 @@ def plan(
         label = f"{stage} per layer" if per_layer else str(stage)
         if on_case is not None:
             on_case(label, i, len(cases))
+        pol = Precision.create(precision, compute_copy=compute_copy or stage != 3)
         zero = ZeRO(
             optax.adam(1e-4),
             mesh,
             stage=stage,
-            precision=precision,
+            precision=pol,
             layers="layers" if per_layer else None,
         )
         step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
@@ -164,7 +169,7 @@ def plan(
                 per_layer=per_layer,
                 num_params=shape.num_params,
                 report=report,
-                estimate=_estimate(shape, n, stage, per_layer, precision, ema),
+                estimate=_estimate(shape, n, stage, per_layer, precision, ema, compute_copy),
                 state_bytes=report.argument_bytes - batch_bytes,
             )
         )

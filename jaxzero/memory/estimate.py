@@ -149,6 +149,7 @@ def estimate_memory(
     vocab=None,
     layer_params=None,
     gather_model=False,
+    compute_copy=True,
 ):
     """Estimate per-device training memory under ZeRO stage 0-3.
 
@@ -192,6 +193,9 @@ def estimate_memory(
         layer_params: parameters of one scanned layer, for stage 3 with ``ZeRO(layers=...)``.
         gather_model: stage 3 without ``layer_params``: add the whole model gathered in the
             compute dtype (the step's peak under the default ``ZeRO(stage=3)``).
+        compute_copy: False models ``Precision(compute_copy=False)`` at stage 3 (FSDP's
+            layout: no 16-bit params copy beside the fp32 master, so p = 0 in mixed
+            precision); only stage 3's estimate changes (``stage`` must be 3 or None).
 
     Returns:
         A :class:`MemoryEstimate`, or a list of four (stages 0..3) when stage is None.
@@ -201,13 +205,20 @@ def estimate_memory(
     """
     phi, n = _whole(num_params, "num_params"), _whole(world_size, "world_size")
     _check_choices(optimizer, precision, stage)
+    if not isinstance(compute_copy, bool):
+        raise TypeError(f"compute_copy must be a bool, got {compute_copy!r}")
+    if not compute_copy and stage not in (3, None):
+        raise ValueError(
+            f"compute_copy=False is stage 3's layout (got stage={stage}); below stage 3 the "
+            f"16-bit copy is the replicated compute params"
+        )
     width = 2 if precision != "fp32" else 4  # bytes of one param, one grad (p = g)
     shape = (batch, seq, hidden, heads, ckpt_every, vocab)
     # layers also counts layer_params' layers: with it alone, it asks for no activations
     act_layers = None if layer_params is not None and all(v is None for v in shape) else layers
     act = _activation_bytes(batch, seq, hidden, act_layers, heads, ckpt_every, vocab, width)
     gathered = _gathered_bytes(phi, layer_params, layers, width, gather_model)
-    sizes = (phi, n, optimizer, precision, ema, act, gathered)
+    sizes = (phi, n, optimizer, precision, ema, act, gathered, compute_copy)
     if stage is not None:
         return _one_stage(stage, *sizes)
     return [_one_stage(s, *sizes) for s in range(4)]
@@ -248,10 +259,14 @@ def _gathered_bytes(phi: int, layer_params, layers, width: int, gather_model=Fal
     return (p + g) * one_layer + g * rest
 
 
-def _one_stage(stage, phi, n, optimizer, precision, ema, act, gathered) -> MemoryEstimate:
+def _one_stage(
+    stage, phi, n, optimizer, precision, ema, act, gathered, compute_copy=True
+) -> MemoryEstimate:
     """The estimate of one stage from the checked sizes (see :func:`estimate_memory`)."""
     mixed = precision != "fp32"
     p = g = 2 if mixed else 4
+    if stage == 3 and mixed and not compute_copy:
+        p = 0  # the params are the fp32 master, counted in K
     k = _OPT_STATE_BYTES[optimizer] + (_MASTER_BYTES if mixed else 0)
     shard = -(-phi // n)  # ceil(Φ/N): elements of the padded flat shard per device
     return MemoryEstimate(
