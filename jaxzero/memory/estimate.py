@@ -193,25 +193,15 @@ def estimate_memory(
         layer_params: parameters of one scanned layer, for stage 3 with ``ZeRO(layers=...)``.
         gather_model: stage 3 without ``layer_params``: add the whole model gathered in the
             compute dtype (the step's peak under the default ``ZeRO(stage=3)``).
-        compute_copy: False models ``Precision(compute_copy=False)`` at stage 3 (FSDP's
-            layout: no 16-bit params copy beside the fp32 master, so p = 0 in mixed
-            precision); only stage 3's estimate changes (``stage`` must be 3 or None).
+        compute_copy: False: stage 3 in FSDP's layout (``Precision(compute_copy=False)``,
+            p = 0 in mixed precision); ``stage`` must be 3 or None.
 
     Returns:
         A :class:`MemoryEstimate`, or a list of four (stages 0..3) when stage is None.
-
-    Raises:
-        ValueError / TypeError: naming the bad argument and the accepted values.
+        Raises ValueError / TypeError naming the bad argument and the accepted values.
     """
     phi, n = _whole(num_params, "num_params"), _whole(world_size, "world_size")
-    _check_choices(optimizer, precision, stage)
-    if not isinstance(compute_copy, bool):
-        raise TypeError(f"compute_copy must be a bool, got {compute_copy!r}")
-    if not compute_copy and stage not in (3, None):
-        raise ValueError(
-            f"compute_copy=False is stage 3's layout (got stage={stage}); below stage 3 the "
-            f"16-bit copy is the replicated compute params"
-        )
+    _check_choices(optimizer, precision, stage, compute_copy)
     width = 2 if precision != "fp32" else 4  # bytes of one param, one grad (p = g)
     shape = (batch, seq, hidden, heads, ckpt_every, vocab)
     # layers also counts layer_params' layers: with it alone, it asks for no activations
@@ -224,13 +214,20 @@ def estimate_memory(
     return [_one_stage(s, *sizes) for s in range(4)]
 
 
-def _check_choices(optimizer, precision, stage) -> None:
+def _check_choices(optimizer, precision, stage, compute_copy=True) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
         raise ValueError(f"stage must be 0, 1, 2, 3 or None (all stages), got {stage!r}")
+    if not isinstance(compute_copy, bool):
+        raise TypeError(f"compute_copy must be a bool, got {compute_copy!r}")
+    if not compute_copy and stage not in (3, None):
+        raise ValueError(
+            f"compute_copy=False is stage 3's layout (got stage={stage}); below stage 3 the "
+            f"16-bit copy is the replicated compute params"
+        )
 
 
 def _gathered_bytes(phi: int, layer_params, layers, width: int, gather_model=False) -> int:
