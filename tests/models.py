@@ -101,6 +101,7 @@ class StackTransformer(nn.Module):
     scan_layers: object = None
     stacked_params: object = None
     xs: str | None = None  # per-layer inputs: "index" (a scale 1 + 0.1 i) or "keys" (dropout)
+    ys: bool = False  # per-layer outputs: each layer's feature mean, added to the prediction
 
     @nn.compact
     def __call__(self, x):
@@ -108,6 +109,10 @@ class StackTransformer(nn.Module):
         stack = self.stacked_params(self, "layers", block, self.layers, x, None)
         gain = self.param("gain", nn.initializers.constant(1.1), (self.d_model,))
         layer = lambda w, h: block.apply({"params": w}, h, None)[0] * gain.astype(h.dtype)
+        if self.ys:
+            aux = lambda w, h: (lambda o: (o, jnp.mean(o, axis=-1)))(layer(w, h))
+            x, ys = self.scan_layers(aux, stack, x, with_ys=True)  # ys: [layers, batch, seq]
+            return nn.Dense(self.out, name="head")(x) + 0.5 * jnp.mean(ys, axis=0)[..., None]
         if self.xs is None:
             x = self.scan_layers(layer, stack, x)
         elif self.xs == "index":

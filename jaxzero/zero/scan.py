@@ -38,6 +38,8 @@ BUILD_NOTES).
 ``fn`` may close over arrays (positions, masks, tied weights): they are hoisted with
 ``jax.closure_convert`` and their gradients summed over the layers. Per-layer inputs that are
 not differentiated (dropout keys, layer indices) go in ``xs``: ``fn(w, carry, xs[i])``.
+Per-layer outputs (``with_ys=True``: ``fn`` returns ``(carry, y)``) come back stacked, as
+``jax.lax.scan``'s ``ys``; their cotangents enter each layer's backward with the carry's.
 """
 
 from __future__ import annotations
@@ -107,21 +109,31 @@ def _check_xs(xs, length: int) -> None:
         )
 
 
-def scan_layers(fn: Callable, stack, carry, xs=None):
+def scan_layers(fn: Callable, stack, carry, xs=None, *, with_ys: bool = False):
     """``carry`` after ``fn(layer_i_params, carry)`` for each layer of ``stack`` in order (see
     the module docstring). With ``xs`` (integer or key arrays with the layer index on axis 0,
     not differentiated: e.g. ``jax.random.split(key, n_layers)`` for dropout),
-    ``fn(layer_i_params, carry, xs_i)``."""
+    ``fn(layer_i_params, carry, xs_i)``. With ``with_ys=True``, ``fn`` returns
+    ``(carry, y)`` as ``jax.lax.scan``'s body does, and ``scan_layers`` returns
+    ``(carry, ys)``: every layer's ``y`` stacked on a leading layer axis (per-layer auxiliary
+    losses, intermediate activations), differentiable like the carry."""
     length = _layers_of(stack)
+    if not isinstance(with_ys, bool):
+        raise TypeError(f"with_ys={with_ys!r} must be True or False.")
+    user = fn if xs is not None else (lambda w, c, x: fn(w, c))
     if xs is None:
-        xs, layer_fn = jnp.arange(length), lambda w, c, x: fn(w, c)
+        xs = jnp.arange(length)
     else:
         _check_xs(xs, length)
-        layer_fn = fn
+    if with_ys:
+        layer_fn = lambda w, c, x: _pair(user(w, c, x))
+    else:
+        layer_fn = lambda w, c, x: (user(w, c, x), ())
     plan = current_plan()
     if plan is None or not plan.gather:
-        body = lambda c, wx: (layer_fn(gather_layer(wx[0]), c, wx[1]), None)
-        return jax.lax.scan(jax.checkpoint(body, prevent_cse=False), carry, (stack, xs))[0]
+        body = lambda c, wx: layer_fn(gather_layer(wx[0]), c, wx[1])
+        out, ys = jax.lax.scan(jax.checkpoint(body, prevent_cse=False), carry, (stack, xs))
+        return (out, ys) if with_ys else out
     plan.calls += 1
     leaves, treedef = jax.tree.flatten(stack)
     dims = [plan.lookup(p, x[0]) for p, x in jax.tree_util.tree_flatten_with_path(stack)[0]]
@@ -139,7 +151,18 @@ def scan_layers(fn: Callable, stack, carry, xs=None):
         )
 
     closed, consts = jax.closure_convert(layer_fn, gather(leaves, 0), carry, _at(xs, 0))
-    return _prefetching(plan, closed, gather, dims, length)(leaves, carry, xs, consts)
+    out, ys = _prefetching(plan, closed, gather, dims, length)(leaves, carry, xs, consts)
+    return (out, ys) if with_ys else out
+
+
+def _pair(result):
+    """``fn``'s ``(carry, y)`` under ``with_ys=True``, or a TypeError saying so."""
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(
+            f"scan_layers(..., with_ys=True) needs fn to return (carry, y), as a jax.lax.scan "
+            f"body does; it returned {type(result).__name__}."
+        )
+    return result
 
 
 def _at(xs, i):
@@ -156,21 +179,25 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
         def body(state, i):
             c, w = state
             nxt = gather(leaves, i + 1, c)  # in flight while layer i computes
-            return (fn(w, c, _at(xs, i), *consts), nxt), c
+            out, y = fn(w, c, _at(xs, i), *consts)
+            return (out, nxt), (c, y)
 
-        (c, w), inputs = jax.lax.scan(body, (carry, gather(leaves, 0)), jnp.arange(length - 1))
-        out = fn(w, c, _at(xs, length - 1), *consts)
-        return out, (leaves, inputs, c, xs, consts)
+        first = (carry, gather(leaves, 0))
+        (c, w), (inputs, ys) = jax.lax.scan(body, first, jnp.arange(length - 1))
+        out, y = fn(w, c, _at(xs, length - 1), *consts)
+        ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y)
+        return (out, ys), (leaves, inputs, c, xs, consts)
 
-    def backward(res, ct):
+    def backward(res, cts):
         leaves, inputs, c_last, xs, consts = res
+        ct, ct_ys = cts
 
         def body(state, i):
             ct, w, dconsts = state
             nxt = gather(leaves, jnp.maximum(i - 1, 0), (ct, w))  # in flight under layer i
             c, x = _layer_input(inputs, c_last, i, length), _at(xs, i)
             _, pull = jax.vjp(lambda w, c, *k: fn(w, c, x, *k), w, c, *consts)
-            dw, dc, *dk = pull(ct)
+            dw, dc, *dk = pull((ct, _at(ct_ys, i)))
             g = _reduce_tree(comm, dw, dims, leaves)
             return (dc, nxt, [a + b for a, b in zip(dconsts, dk, strict=True)]), g
 
