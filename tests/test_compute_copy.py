@@ -26,6 +26,7 @@ NO_COPY = dataclasses.replace(COPY, compute_copy=False)
 PROBLEMS = {
     "whole": ("transformer", {}),
     "per_layer": ("scanned", {"layers": "layers"}),
+    "hybrid": ("transformer", {"replicas": 2}),  # HSDP: 2 replicas of 4 shards
 }
 
 
@@ -35,10 +36,9 @@ def _problem(name, steps=4):
     return (*make_problem(problem, steps=steps, **extra), kw)
 
 
-def _zero(precision, **kw):
-    return jz.ZeRO(
-        optax.adam(1e-2, eps=1e-6), jz.data_parallel_mesh(N), stage=3, precision=precision, **kw
-    )
+def _zero(precision, replicas=1, **kw):
+    mesh = jz.data_parallel_mesh(N, replicas=replicas)
+    return jz.ZeRO(optax.adam(1e-2, eps=1e-6), mesh, stage=3, precision=precision, **kw)
 
 
 def _run(zero, loss_fn, state, batches, ema):
@@ -54,7 +54,8 @@ def _run(zero, loss_fn, state, batches, ema):
 def test_no_copy_trains_like_the_copy(name):
     """The step reads the fp32 master shards in both layouts (stage 3 builds the loss from
     the master), so dropping the bf16 copy changes no number: losses, master, Adam state and
-    EMA agree after 4 steps, with and without per-layer gathers, to the last bit but one
+    EMA agree after 4 steps, with and without per-layer gathers and on a hybrid (replica x
+    data) mesh, to the last bit but one
     (XLA:CPU fuses the Adam update differently when it also writes the cast: 1-ulp
     differences, 7e-9 on 0.01, in a few elements)."""
     params, loss_fn, batches, kw = _problem(name)
@@ -73,7 +74,7 @@ def test_no_copy_trains_like_the_copy(name):
     chex.assert_trees_all_close(jz.gather(none.ema), jz.gather(copy.ema), **ulp)
 
 
-@pytest.mark.parametrize("name", list(PROBLEMS))
+@pytest.mark.parametrize("name", ["whole", "per_layer"])
 def test_no_copy_matches_single_device_optax_on_the_bf16_loss(name):
     """Against plain optax (SGD) on one device, full batch, the loss evaluated on the bf16
     cast of fp32 params: equal up to bf16 rounding of the per-device gradients (summed in
