@@ -6,6 +6,7 @@ per layer against GSPMD-annotation FSDP and plain DP, with XLA's default flags a
     python benchmarks/overlap.py --quick          # 4 layers, width 256, N=8 (about 3 min)
     python benchmarks/overlap.py --tiny           # the tests' 4-layer width-64 decoder, N=8
     python benchmarks/overlap.py --out benchmarks/results/overlap.md
+    python benchmarks/overlap.py --llama7b --out benchmarks/results/overlap_llama7b.md  # N=64
 
 jaxzero's rows use :func:`jaxzero.scan_layers` for the layer stack (the models' default,
 ``ModelShape.loop="prefetch"``); one stage-3 row runs the same model as ``nn.scan`` over an
@@ -187,16 +188,21 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4 layers, width 256, N=8 only")
     ap.add_argument("--tiny", action="store_true", help="4 layers, width 64, N=8 only")
+    ap.add_argument("--llama7b", action="store_true", help="LLaMA-7B (32 x 4096), N=64 only")
     ap.add_argument("--devices", type=int, action="append", help="default: 8 and 64")
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args(argv)
     if args.tiny:
         shape = TINY
+    elif args.llama7b:
+        shape = model_shape(layers=32, hidden=4096, heads=32, vocab=32000, seq=2048)
     elif args.quick:
         shape = model_shape(layers=4, hidden=256, heads=2, vocab=1024, seq=256, arch="gpt")
     else:
         shape = model_shape(layers=8, hidden=1024, heads=8, vocab=32000, seq=2048, arch="gpt")
-    devices = args.devices or ([8] if args.quick or args.tiny else [8, 64])
+    devices = args.devices or (
+        [8] if args.quick or args.tiny else [64] if args.llama7b else [8, 64]
+    )
     flags = " ".join(gpu.recommended_xla_flags())
     out = [f"Recommended flags: `{flags}`", ""]
     for n in devices:

@@ -15,6 +15,7 @@ from jaxzero.distributed.launch import launch_base_env
 FLAGS = [
     "--xla_gpu_enable_pipelined_all_gather=true",
     "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_all_gather_combine_threshold_bytes=1073741824",
 ]
 
 
@@ -24,15 +25,19 @@ def test_recommended_flags_and_their_compile_options():
     assert xla_flags.xla_options() == {
         "xla_gpu_enable_pipelined_all_gather": True,
         "xla_gpu_enable_pipelined_all_reduce": True,
+        "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30,
     }
-    assert xla_flags.xla_options(["--xla_gpu_foo=3"]) == {"xla_gpu_foo": "3"}
+    assert xla_flags.xla_options(["--xla_gpu_foo=3", "--xla_gpu_bar=x1"]) == {
+        "xla_gpu_foo": 3,
+        "xla_gpu_bar": "x1",
+    }
 
 
 def test_user_setting_and_opt_out_win():
     env = {"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false --xla_dump_to=/tmp/d"}
     out, applied = xla_flags.with_xla_flags(env, [*FLAGS, "--xla_gpu_foo=1"])
-    assert applied == [FLAGS[1], "--xla_gpu_foo=1"]
-    assert out["XLA_FLAGS"].split() == [*env["XLA_FLAGS"].split(), FLAGS[1], "--xla_gpu_foo=1"]
+    assert applied == [*FLAGS[1:], "--xla_gpu_foo=1"]
+    assert out["XLA_FLAGS"].split() == [*env["XLA_FLAGS"].split(), *FLAGS[1:], "--xla_gpu_foo=1"]
     assert xla_flags.with_xla_flags({**env, "JAXZERO_NO_XLA_FLAGS": "1"}) == (
         env | {"JAXZERO_NO_XLA_FLAGS": "1"},
         [],
