@@ -157,7 +157,8 @@ VARIANTS = (
 )
 
 
-def table(shape, n: int) -> list[str]:
+def table(shape, n: int, variants=None) -> list[str]:
+    """The markdown table of ``variants`` (default: every one of :data:`VARIANTS`) at N = n."""
     mesh = gpu.compile_only_mesh("h100", n)
     lines = [
         f"N = {n} H100, {shape.arch} {shape.layers} layers x width {shape.hidden}, "
@@ -167,7 +168,7 @@ def table(shape, n: int) -> list[str]:
         "| kernels | max AG / RS |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for label, row in VARIANTS:
+    for label, row in VARIANTS if variants is None else variants:
         for flags in ("default", "recommended"):
             options = gpu.xla_options() if flags == "recommended" else None
             f = row(shape, mesh, options)
