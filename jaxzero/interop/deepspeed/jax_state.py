@@ -273,9 +273,8 @@ def from_train_state(
         raise ValueError(f"the optimizer state has several steps {sorted(steps)}")
     # The module weights' dtype: the ZeRO's compute dtype (a stage-3 state without a compute
     # copy holds only the fp32 master), else what state.params holds.
-    dtype = _dtype_name(
-        [jnp.zeros((), zero.precision.param_dtype)] if zero is not None else state.params
-    )
+    policy = [jax.ShapeDtypeStruct((), zero.precision.param_dtype)] if zero is not None else None
+    dtype = _dtype_name(policy or state.params)
     import ml_dtypes
 
     cast = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}.get(dtype, np.float32)
