@@ -91,7 +91,7 @@ def _estimate(shape: ModelShape, n: int, stage: int, per_layer: bool, precision,
         ckpt_every=1,
         layer_params=shape.layer_params if per_layer and stage == 3 else None,
         gather_model=stage == 3 and not per_layer,
-        compute_copy=copy or stage != 3,
+        compute_copy=copy,
         **dims,
     )
 
@@ -153,12 +153,12 @@ def plan(
         label = f"{stage} per layer" if per_layer else str(stage)
         if on_case is not None:
             on_case(label, i, len(cases))
-        pol = Precision.create(precision, compute_copy=compute_copy or stage != 3)
+        copy = compute_copy or stage != 3  # the layout exists at stage 3 only
         zero = ZeRO(
             optax.adam(1e-4),
             mesh,
             stage=stage,
-            precision=pol,
+            precision=Precision.create(precision, compute_copy=copy),
             layers="layers" if per_layer else None,
         )
         step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
@@ -169,7 +169,7 @@ def plan(
                 per_layer=per_layer,
                 num_params=shape.num_params,
                 report=report,
-                estimate=_estimate(shape, n, stage, per_layer, precision, ema, compute_copy),
+                estimate=_estimate(shape, n, stage, per_layer, precision, ema, copy),
                 state_bytes=report.argument_bytes - batch_bytes,
             )
         )

@@ -83,16 +83,17 @@ class CompileReport:
     def hidden_share(self, *kinds: str) -> float:
         """Hidden bytes over payload bytes of those collective kinds (default: all), byte-
         weighted with loop trip counts (see :mod:`jaxzero.gpu.overlap`); 1.0 when none move."""
-        rows = [o for o in self.overlap if not kinds or o.kind in kinds]
-        total = sum(o.bytes for o in rows)
-        return sum(o.hidden_bytes for o in rows) / total if total else 1.0
+        return self._share("hidden_bytes", kinds)
 
     def hideable_share(self, *kinds: str) -> float:
         """As :meth:`hidden_share`, for the bytes any schedule of this step's data flow could
         hide (:mod:`jaxzero.gpu.overlap`): the ceiling no XLA flag can lift."""
+        return self._share("hideable_bytes", kinds)
+
+    def _share(self, field: str, kinds) -> float:
         rows = [o for o in self.overlap if not kinds or o.kind in kinds]
         total = sum(o.bytes for o in rows)
-        return sum(o.hideable_bytes for o in rows) / total if total else 1.0
+        return sum(getattr(o, field) for o in rows) / total if total else 1.0
 
     def overlap_summary(self) -> str:
         """``"all-gather 52% of max 81%, reduce-scatter 90% of max 99%"``: the hidden share and
