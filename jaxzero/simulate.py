@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+from jaxzero.xla_flags import gpu_present
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 COLLECTIVE_TIMEOUT_FLAGS = (
     "--xla_cpu_collective_call_terminate_timeout_seconds=1200",
@@ -33,23 +35,19 @@ def cpu_xla_flags(devices: int | None, flags: str = "") -> str:
     return " ".join(parts)
 
 
-def nvidia_driver_present() -> bool:
-    """Whether this machine has an NVIDIA driver loaded (a GPU jax could use)."""
-    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
-
-
 def simulate_cpu_devices(devices: int | None = None) -> str:
     """Set ``XLA_FLAGS`` for simulated CPU devices (see :func:`cpu_xla_flags`); call it before
     anything starts a jax backend (``jax.devices()``, creating arrays). It only affects the CPU
     platform: on GPUs the flags are inert. Returns the new value.
 
-    On a machine without an NVIDIA driver it also selects the CPU platform (unless
-    ``JAX_PLATFORMS`` says otherwise): ``jax[cuda12]`` is installed for deviceless GPU
-    compiles, and without a driver jax's probe of the CUDA plugin prints a traceback before
+    Where jax would not start its CUDA backend (:func:`jaxzero.xla_flags.gpu_present`, the
+    one GPU detection the launcher and the XLA flags use too) it also selects the CPU platform
+    (unless ``JAX_PLATFORMS`` says otherwise): ``jax[cuda12]`` is installed for deviceless GPU
+    compiles, and without a GPU jax's probe of the CUDA plugin prints a traceback before
     falling back to the CPU.
     """
     os.environ["XLA_FLAGS"] = cpu_xla_flags(devices, os.environ.get("XLA_FLAGS", ""))
-    if "JAX_PLATFORMS" not in os.environ and not nvidia_driver_present():
+    if "JAX_PLATFORMS" not in os.environ and not gpu_present():
         import jax
 
         jax.config.update("jax_platforms", "cpu")

@@ -78,3 +78,23 @@ def test_launch_cli_opt_out(argv, expected):
     from jaxzero.cli.launch import parse_args
 
     assert parse_args(["-n", "2", *argv, "train.py"]).xla_flags is expected
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_simulated_devices_pick_the_cpu_platform_by_the_same_gpu_detection(monkeypatch, gpu):
+    """``simulate_cpu_devices`` selects the CPU platform exactly where the flags' detection
+    (``gpu_present``) says jax would not start CUDA, and never over ``JAX_PLATFORMS``."""
+    from jaxzero import simulate
+
+    chosen = []
+    monkeypatch.setattr(simulate, "gpu_present", lambda environ=None: gpu)
+    monkeypatch.setattr("jax.config.update", lambda name, value: chosen.append((name, value)))
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    flags = simulate.simulate_cpu_devices(4).split()
+    assert "--xla_force_host_platform_device_count=4" in flags
+    assert chosen == ([] if gpu else [("jax_platforms", "cpu")])
+    chosen.clear()
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    simulate.simulate_cpu_devices(4)
+    assert chosen == []
