@@ -11,7 +11,9 @@ per layer against GSPMD-annotation FSDP and plain DP, with XLA's default flags a
 jaxzero's rows use :func:`jaxzero.scan_layers` for the layer stack (the models' default,
 ``ModelShape.loop="prefetch"``); one stage-3 row runs the same model as ``nn.scan`` over an
 ``nn.remat``'d block that calls :func:`jaxzero.gather_layer` (``loop="gather_layer"``), and one
-keeps no bf16 copy of the params beside the fp32 master (``Precision(compute_copy=False)``).
+keeps no bf16 copy of the params beside the fp32 master (``Precision(compute_copy=False)``);
+on the GPT, one also keeps the tied embedding vocabulary-parallel (``ZeRO(vocab_parallel=)``,
+:class:`jaxzero.VocabParallelEmbed`: the table stays sharded, activations move instead).
 
 Per row, per device per step: collective payload bytes (loop trip counts applied), the share
 of all-gather, reduce-scatter and all-reduce bytes hidden (a gemm/conv/attention kernel scheduled
@@ -82,6 +84,7 @@ def jaxzero_row(shape, mesh, stage, per_layer, options, precision="bf16"):
         stage=stage,
         precision=precision,
         layers="layers" if per_layer else None,
+        vocab_parallel="embed" if shape.vocab_parallel else None,
     )
     step = jz.make_train_step(make_loss(shape), zero)
     n = mesh.shape["data"]
@@ -125,6 +128,17 @@ def peer_row(shape, mesh, shard: bool, options):
     return _figures(compiled.as_text(), compiled.memory_analysis(), n)
 
 
+def _vocab_parallel_row(shape, mesh, options):
+    """Stage 3 per layer with the tied embedding vocabulary-parallel
+    (``ZeRO(vocab_parallel="embed")``, :class:`jaxzero.VocabParallelEmbed`) and FSDP's layout;
+    None for a model without a tied embedding (LLaMA)."""
+    if shape.arch != "gpt":
+        return None
+    shape = dataclasses.replace(shape, vocab_parallel=True)
+    no_copy = jz.Precision.create("bf16", compute_copy=False)
+    return jaxzero_row(shape, mesh, 3, True, options, no_copy)
+
+
 VARIANTS = (
     (
         "jaxzero stage 0 (all-reduce after the backward)",
@@ -152,6 +166,10 @@ VARIANTS = (
         "jaxzero stage 3 per layer (gather_layer in nn.scan)",
         lambda s, m, o: jaxzero_row(dataclasses.replace(s, loop="gather_layer"), m, 3, True, o),
     ),
+    (
+        "jaxzero stage 3 per layer, vocabulary-parallel embedding, no compute copy",
+        lambda s, m, o: _vocab_parallel_row(s, m, o),
+    ),
     ("GSPMD-annotation FSDP (peer)", lambda s, m, o: peer_row(s, m, True, o)),
     ("plain DP (jit, replicated)", lambda s, m, o: peer_row(s, m, False, o)),
 )
@@ -172,6 +190,8 @@ def table(shape, n: int, variants=None) -> list[str]:
         for flags in ("default", "recommended"):
             options = gpu.xla_options() if flags == "recommended" else None
             f = row(shape, mesh, options)
+            if f is None:  # the variant does not apply to this model
+                continue
             ag, rs, ar = ("-" if f[k] is None else f"{f[k]:.2f}" for k in KINDS)
             lines.append(
                 f"| {label} | {flags} | {f['bytes'] / 1e6:.1f} MB | {ag} | {rs} | {ar} | "

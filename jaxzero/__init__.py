@@ -39,6 +39,10 @@ from jaxzero.zero.layers import gather_layer as gather_layer
 from jaxzero.zero.scan import scan_layers as scan_layers
 from jaxzero.zero.scan import stacked_init as stacked_init
 from jaxzero.zero.scan import stacked_params as stacked_params
+from jaxzero.zero.vocab import VocabParallelEmbed as VocabParallelEmbed
+from jaxzero.zero.vocab import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from jaxzero.zero.vocab import vocab_parallel_embed as vocab_parallel_embed
+from jaxzero.zero.vocab import vocab_table as vocab_table
 
 __all__ = [
     "BucketedTree",
@@ -72,4 +76,8 @@ __all__ = [
     "simulate_cpu_devices",
     "torch_interop",
     "unbucket_ema",
+    "VocabParallelEmbed",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embed",
+    "vocab_table",
 ]

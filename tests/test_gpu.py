@@ -564,6 +564,42 @@ def test_gpu_stage3_without_compute_copy_holds_less_and_moves_the_same_bytes():
     assert none.kernels_per_step <= copy.kernels_per_step
 
 
+def test_gpu_vocab_parallel_moves_activations_instead_of_the_table():
+    """``ZeRO(vocab_parallel="embed")`` on a tied-embedding GPT (4 x 64, vocab 128), per-layer
+    stage 3, bf16: no collective carries the [V, H] table, and the bytes follow the formula.
+    Without it the table is all-gathered and its gradient reduce-scattered (2 V H bytes each);
+    with it each kind moves two activation tensors of every device instead (2 A bytes each,
+    A = N B S H: the lookup's reduce-scatter and the head's gradient's; the head's input
+    all-gather and the lookup's gradient's), plus the token ids and labels (int32) and the
+    softmax statistics (f32: their max all-reduced, their sums reduce-scattered)."""
+    shape = model_shape(layers=4, hidden=64, heads=2, vocab=128, seq=16, arch="gpt")
+    reports = {}
+    for vp in (False, True):
+        s = dataclasses.replace(shape, vocab_parallel=vp)
+        zero = jz.ZeRO(
+            optax.adam(1e-3),
+            gpu.compile_only_mesh("h100", N),
+            stage=3,
+            precision="bf16",
+            layers="layers",
+            vocab_parallel="embed" if vp else None,
+        )
+        step = jz.make_train_step(make_loss(s), zero)
+        reports[vp] = gpu.compile_report(step, abstract_params(s), batch_shapes(s, N))
+    base, vp = reports[False], reports[True]
+    table = re.compile(rf"(all-gather|reduce-scatter)-start.*bf16\[{shape.vocab},{shape.hidden}\]")
+    assert table.search(base.hlo_text) and not table.search(vp.hlo_text)
+    tokens = N * shape.batch * shape.seq
+    vh, acts = 2 * shape.vocab * shape.hidden, 2 * tokens * shape.hidden
+    by = lambda rep: {(c.kind, c.dtype): c.bytes for c in rep.collectives}
+    got, was = by(vp), by(base)
+    assert got["all-gather", "bf16"] == was["all-gather", "bf16"] - vh + 2 * acts
+    assert got["reduce-scatter", "bf16"] == was["reduce-scatter", "bf16"] - vh + 2 * acts
+    assert got["all-gather", "s32"] == 2 * 4 * tokens
+    assert got["reduce-scatter", "f32"] == 2 * 4 * tokens
+    assert got["all-reduce", "f32"] - was["all-reduce", "f32"] == 4 * tokens
+
+
 def _stack_transposes(rep, n_layers):
     """The entry computation's kernels that transpose a whole fp32 layer stack (outside the
     layer loop): ``[layers, ...]`` f32 outputs of a fusion whose root is a transpose."""

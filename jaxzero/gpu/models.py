@@ -34,6 +34,7 @@ import optax
 
 from jaxzero.zero.layers import gather_layer
 from jaxzero.zero.scan import scan_layers, stacked_params
+from jaxzero.zero.vocab import VocabParallelEmbed
 
 __all__ = [
     "ARCHS",
@@ -64,6 +65,7 @@ class ModelShape:
     ffn: int = 0  # 0: the arch's default
     attention: str = "auto"
     loop: str = "prefetch"
+    vocab_parallel: bool = False  # gpt: the tied embedding as jaxzero.VocabParallelEmbed
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -74,6 +76,8 @@ class ModelShape:
                 raise ValueError(f"{name}={value!r} must be a positive int.")
         if self.loop not in LOOPS:
             raise ValueError(f"loop={self.loop!r} must be one of {', '.join(LOOPS)}.")
+        if self.vocab_parallel and self.arch != "gpt":
+            raise ValueError("vocab_parallel=True needs arch='gpt' (the tied embedding head).")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r} must be one of {', '.join(ATTENTION)}.")
         if self.hidden % self.heads:
@@ -175,9 +179,10 @@ class Decoder(nn.Module):
     shape: ModelShape
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, labels=None):
         c = self.shape
-        embed = nn.Embed(c.vocab, c.hidden, name="embed")
+        table = VocabParallelEmbed if c.vocab_parallel else nn.Embed
+        embed = table(c.vocab, c.hidden, name="embed")
         x = embed(tokens)
         if c.arch == "gpt":
             pos = self.param("pos", nn.initializers.normal(0.02), (c.seq, c.hidden))
@@ -194,6 +199,8 @@ class Decoder(nn.Module):
                 block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.layers
             )(c, name="layers")(x, None)
         x = (nn.RMSNorm if c.arch == "llama" else nn.LayerNorm)(name="final_norm")(x)
+        if c.vocab_parallel:  # the mean cross-entropy, computed on the table's rows
+            return embed.cross_entropy(x, labels).mean()
         if c.arch == "gpt":
             return embed.attend(x)
         return nn.Dense(c.vocab, use_bias=False, name="head")(x)
@@ -203,7 +210,8 @@ def abstract_params(shape: ModelShape):
     """The float32 params' ``ShapeDtypeStruct``s (``jax.eval_shape``: nothing allocated)."""
     model = Decoder(shape)
     tokens = jax.ShapeDtypeStruct((1, shape.seq), jnp.int32)
-    return jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+    labels = lambda t: t if shape.vocab_parallel else None
+    return jax.eval_shape(lambda t: model.init(jax.random.key(0), t, labels(t))["params"], tokens)
 
 
 def make_loss(shape: ModelShape):
@@ -211,6 +219,8 @@ def make_loss(shape: ModelShape):
     model = Decoder(shape)
 
     def loss_fn(params, batch):
+        if shape.vocab_parallel:
+            return model.apply({"params": params}, batch["x"], batch["y"])
         logits = model.apply({"params": params}, batch["x"]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
 from jaxzero._tree import check_same_structure
 from jaxzero.precision import warn_wide_compute
+from jaxzero.zero import vocab
 from jaxzero.zero.collectives import to_varying
 from jaxzero.zero.layers import layer_plan, reduces_in_backward
 
@@ -21,6 +22,14 @@ _NO_LAYER_GATHER = (
     "Block, 'params', trans_in_fn=jaxzero.gather_layer)), or run the stack with "
     "jaxzero.scan_layers (which also prefetches the next layer), or drop layers= to gather the "
     "whole model up front."
+)
+
+_NO_VOCAB_CALL = (
+    "ZeRO(stage=3, vocab_parallel={}) hands the loss each embedding table as this device's "
+    "vocabulary rows, but the model never used them through jaxzero: build the table with "
+    "jaxzero.VocabParallelEmbed (a drop-in for nn.Embed; its cross_entropy method is the tied "
+    "head's loss) or read it with jaxzero.vocab_table and use jaxzero.vocab_parallel_embed / "
+    "jaxzero.vocab_parallel_cross_entropy, or drop vocab_parallel= to gather it whole."
 )
 
 
@@ -75,6 +84,18 @@ def _call_loss(loss_fn, stateful, params, model_state, batch, rng):
     return loss, aux, None
 
 
+def _scaled_loss(loss_fn, stateful: bool):
+    """``(params, model_state, batch, rng, scale) -> (scale * loss, (loss, aux, state))``."""
+
+    def scaled(params, model_state, batch, rng, scale):
+        loss, aux, new_state = _call_loss(loss_fn, stateful, params, model_state, batch, rng)
+        if jnp.ndim(loss) != 0:
+            raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
+        return loss.astype(jnp.float32) * scale, (loss, aux, new_state)
+
+    return scaled
+
+
 def gradient_zero(zero: jaxzero.ZeRO, accum_steps: int) -> jaxzero.ZeRO:
     """The ZeRO whose gradient path a step runs. Stage 1 with ``layers=`` and nothing to
     accumulate reduces like stage 2: each layer's gradient is reduce-scattered inside the
@@ -113,23 +134,20 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
     # stages 2/3, and stage 0 when it all-reduces each layer in the backward (one micro-batch)
     reduce_each = zero.stage >= 2 or reduces_in_backward(zero.stage, zero.layers, zero.precision)
 
-    def scaled(params, model_state, batch, rng, scale):
-        loss, aux, new_state = _call_loss(loss_fn, stateful, params, model_state, batch, rng)
-        if jnp.ndim(loss) != 0:
-            raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
-        return loss.astype(jnp.float32) * scale, (loss, aux, new_state)
-
+    scaled = _scaled_loss(loss_fn, stateful)
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
 
     checked = []
 
     def micro(params, specs, model_state, batch, rng, scale):
         full = zero.params_for_loss(params, specs)
+        tables = vocab.build_plan(zero.comm, zero.vocab_parallel, params, specs)
         if not checked:  # once per trace: the loss's matmul dtypes under a 16-bit policy
             checked.append(True)
-            args = (full, model_state, batch, rng, scale)
-            warn_wide_compute(scaled, args, zero.precision)
+            with vocab.vocab_plan(tables):
+                warn_wide_compute(scaled, (full, model_state, batch, rng, scale), zero.precision)
         with (
+            vocab.vocab_plan(tables),
             layer_plan(zero.layer_plan(params, specs)) as plan,
             jax.named_scope("forward_backward"),
         ):
@@ -140,11 +158,15 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
                     raise
                 raise ValueError(_axis_hint(zero, e)) from e
             except Exception as e:
+                if tables is not None and not tables.calls:
+                    raise ValueError(_NO_VOCAB_CALL.format(zero.vocab_parallel)) from e
                 if plan is None or plan.calls or not plan.gather:
                     raise
                 raise ValueError(_NO_LAYER_GATHER.format(zero.layers)) from e
         if plan is not None and plan.gather and not plan.calls:
             raise ValueError(_NO_LAYER_GATHER.format(zero.layers))
+        if tables is not None and not tables.calls:
+            raise ValueError(_NO_VOCAB_CALL.format(zero.vocab_parallel))
         if reduce_each:
             # reduce_gradients casts to reduce_dtype for the collective and to output_dtype
             # after it: no full-size upcast of the local gradient before a 16-bit scatter.

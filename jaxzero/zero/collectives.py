@@ -143,21 +143,30 @@ def params_for_loss(comm: Comm, local_params, specs, stacked_mask=None, whole_ma
     return jax.tree.map(prepare, _keep(stacked_mask, full), _keep(whole_mask, full), full)
 
 
-def reduce_gradients(comm: Comm, grads, grad_specs, stacked_mask=None, scattered_mask=None):
+def reduce_gradients(
+    comm: Comm, grads, grad_specs, stacked_mask=None, scattered_mask=None, complete_mask=None
+):
     """Average local gradients over every batch axis, one :func:`reduce_leaf` per leaf along
     its ``grad_specs`` dimension. Leaves where ``stacked_mask`` is True were already reduced
     layer by layer (by :func:`jaxzero.gather_layer`'s backward, stage 3) and pass through;
     leaves where ``scattered_mask`` is True were reduce-scattered layer by layer into the front
-    tile of a full-size gradient (stage 2): that tile is cut out and finished."""
+    tile of a full-size gradient (stage 2): that tile is cut out and finished. Leaves where
+    ``complete_mask`` is True are already this device's shard summed over the data axis (a
+    vocabulary-parallel table, :mod:`jaxzero.zero.vocab`): summed over the replica axes and
+    finished."""
 
-    def one(stacked, scattered, g, spec):
+    def one(stacked, scattered, complete, g, spec):
         if stacked:
             return g
         if scattered:
             return finish_leaf(comm, front_tile(comm, g, spec_dim(spec)))
+        if complete:
+            g = g.astype(comm.reduce_dtype)
+            return finish_leaf(comm, jax.lax.psum(g, comm.replica_axes) if comm.replica_axes else g)
         return reduce_leaf(comm, g, spec_dim(spec))
 
     masks = (_keep(stacked_mask, grads), _keep(scattered_mask, grads))
+    masks += (_keep(complete_mask, grads),)
     with jax.named_scope("reduce_gradients"):
         return jax.tree.map(one, *masks, grads, grad_specs)
 

@@ -25,7 +25,7 @@ from jaxzero.precision import DynamicLossScale, Precision, StaticLossScale, chec
 from jaxzero.train import state as train_state
 from jaxzero.train import update as train_update
 from jaxzero.train.state import TrainState
-from jaxzero.zero import collectives, layers
+from jaxzero.zero import collectives, layers, vocab
 from jaxzero.zero import specs as sh
 
 STAGES = (0, 1, 2, 3)
@@ -87,6 +87,10 @@ class ZeRO:
         stage 3 the step gathers the stacks one layer at a time (:func:`jaxzero.gather_layer`
         or :func:`jaxzero.scan_layers` in the model; peak: one layer's weights); stage 2, and
         stage 1 without micro-batches, reduce-scatter each layer's gradient in the backward.
+      vocab_parallel: stage 3 only: names of params subtrees holding ``[vocab, width]``
+        embedding tables (e.g. ``"embed"``) that the loss gets as this device's rows, never
+        gathered; the model looks them up and computes its tied head's cross-entropy with
+        :class:`jaxzero.VocabParallelEmbed` (:mod:`jaxzero.zero.vocab`: pays at small N).
 
     Example:
       >>> zero = ZeRO(optax.adamw(3e-4), data_parallel_mesh(), stage=2)
@@ -101,6 +105,7 @@ class ZeRO:
     loss_scale: DynamicLossScale | StaticLossScale | None = None
     skip_nonfinite: bool = True
     layers: tuple[str, ...] | str | None = None
+    vocab_parallel: tuple[str, ...] | str | None = None
 
     def __post_init__(self):
         if self.stage not in STAGES or isinstance(self.stage, bool):
@@ -115,6 +120,7 @@ class ZeRO:
         check_mesh(self.mesh, self.axis)
         warn_unnamed_replica_axes(self.mesh, self.axis)
         object.__setattr__(self, "layers", _layer_names(self.layers))
+        object.__setattr__(self, "vocab_parallel", vocab.names(self.vocab_parallel, self.stage))
         object.__setattr__(self, "precision", _precision(self.precision, self.stage))
         check_loss_scale(self.loss_scale, self.precision)
 
@@ -243,8 +249,11 @@ class ZeRO:
 
     def params_for_loss(self, local_params, specs):
         """The full compute params, marked device-varying, ready to differentiate."""
-        masks = (self._stacked_mask(local_params), self._whole_mask(local_params))
-        return collectives.params_for_loss(self.comm, local_params, specs, *masks)
+        tables = vocab.mask(self.vocab_parallel, local_params)  # stay rows, like the stacks
+        masks = (vocab.either(self._stacked_mask(local_params), tables),)
+        masks += (self._whole_mask(local_params),)
+        full = collectives.params_for_loss(self.comm, local_params, specs, *masks)
+        return vocab.varying(self.comm, tables, full)
 
     def layer_plan(self, local_params, specs):
         """The plan of a per-layer stage-3 step (gather), or of a stage 2/0 step that reduces in
@@ -261,6 +270,7 @@ class ZeRO:
         """Average local gradients over every batch axis (all-reduce or reduce-scatter);
         ``plan``: the step's :meth:`layer_plan` (stage 2: the leaves it reduced per layer)."""
         masks = (self._stacked_mask(grads), layers.scattered_mask(plan, grads))
+        masks += (vocab.mask(self.vocab_parallel, grads),)  # complete on every device
         return collectives.reduce_gradients(self.comm, grads, self.grad_specs(grads), *masks)
 
     def reduce_leaf(self, g, d):
@@ -278,18 +288,7 @@ class ZeRO:
 
     def update_ema(self, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply):
         """The EMA update as a ``shard_map`` over the EMA's shards: provably local."""
-        return placement.update(
-            ema,
-            ema_state,
-            master,
-            mesh=self.mesh,
-            axis=self.axis,
-            master_specs=_master_specs(self, master),
-            leaf_specs=self.ema_leaf_specs(master),
-            per_leaf_specs=self.ema_leaf_specs,
-            step=step,
-            apply=apply,
-        )
+        return _update_ema(self, ema, ema_state, master, step=step, apply=apply)
 
     def apply_gradients(
         self, state: TrainState, grads, *, ema: ShardedEMA | None = None, model_state=None
@@ -308,6 +307,21 @@ class ZeRO:
           ``step`` (and ``loss_scale`` with a loss scale).
         """
         return train_update.apply_gradients(self, state, grads, ema=ema, model_state=model_state)
+
+
+def _update_ema(zero: ZeRO, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply):
+    return placement.update(
+        ema,
+        ema_state,
+        master,
+        mesh=zero.mesh,
+        axis=zero.axis,
+        master_specs=_master_specs(zero, master),
+        leaf_specs=zero.ema_leaf_specs(master),
+        per_leaf_specs=zero.ema_leaf_specs,
+        step=step,
+        apply=apply,
+    )
 
 
 def _master_specs(zero: ZeRO, master):

@@ -177,13 +177,18 @@ def current_plan() -> LayerPlan | None:
 
 
 @contextlib.contextmanager
+def scoped(var: contextvars.ContextVar, value):
+    """``var`` set to ``value`` inside the ``with`` block (the plan of a step being traced)."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 def layer_plan(plan: LayerPlan | None):
     """Make :func:`gather_layer` gather with ``plan`` while the loss is traced."""
-    token = _PLAN.set(plan)
-    try:
-        yield plan
-    finally:
-        _PLAN.reset(token)
+    return scoped(_PLAN, plan)
 
 
 def _with_backward(forward, backward, x):
