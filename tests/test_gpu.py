@@ -778,6 +778,28 @@ def test_gpu_plan_without_compute_copy_compiles_and_estimates_fsdps_layout(capsy
     assert rows[True].estimate.params == 2 * -(-phi // N)
 
 
+def test_gpu_plan_vocab_parallel_keeps_the_table_sharded_at_stage_3_only(capsys):
+    """`jaxzero plan --model gpt --vocab-parallel`: the stage-3 row is compiled with
+    ZeRO(vocab_parallel="embed") (no collective carries the [V, H] table), stage 2 keeps its
+    whole table (its reduce-scatter is there); a model without a tied embedding is refused."""
+    from jaxzero import cli
+
+    argv = ["plan", "--devices", "8", "--layers", "4", "--hidden", "64", "--heads", "2"]
+    argv += ["--vocab", "128", "--seq", "16", "--stage", "3", "--stage3", "per-layer"]
+    assert cli.main([*argv, "--model", "gpt", "--vocab-parallel"]) == 0
+    assert "stage 3 vocabulary-parallel embedding" in capsys.readouterr().out
+    shape = dataclasses.replace(
+        model_shape(layers=4, hidden=64, heads=2, vocab=128, seq=16, arch="gpt"),
+        vocab_parallel=True,
+    )
+    rows = gpu.plan(shape, devices=N, stages=[2, 3], stage3="per-layer")
+    table = re.compile(r"(all-gather|reduce-scatter)-start.*bf16\[128,64\]")
+    assert [bool(table.search(r.report.hlo_text)) for r in rows] == [True, False]
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--model", "llama", "--vocab-parallel"])
+    assert "vocab_parallel=True needs arch='gpt'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("stage", ["1", "2"])
 def test_gpu_plan_cli_prints_stage2_per_layer_hidden_share(stage, capsys):
     """`jaxzero plan --stage2 both` prints stage 2's whole-gradient row (its one reduce-scatter

@@ -92,6 +92,26 @@ def test_vocab_parallel_matches_single_device_optax(case):
     np.testing.assert_allclose(losses[0], float(loss_fn(params, batches[0])), rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_vocab_parallel_embed_outside_a_step_is_nn_embed(dtype):
+    """Outside a vocab_parallel step ``VocabParallelEmbed`` is ``nn.Embed``: the same init,
+    lookup and (through ``attend``) tied-head cross-entropy, in the same dtypes."""
+    tokens = jnp.array([[1, 5, 7, 63]])
+    ours, theirs = (
+        jz.VocabParallelEmbed(VOCAB, WIDTH, dtype=dtype),
+        nn.Embed(VOCAB, WIDTH, dtype=dtype),
+    )
+    params = ours.init(jax.random.key(0), tokens)["params"]
+    chex.assert_trees_all_equal(params, theirs.init(jax.random.key(0), tokens)["params"])
+    x = ours.apply({"params": params}, tokens)
+    chex.assert_trees_all_equal(x, theirs.apply({"params": params}, tokens))
+    h = jax.random.normal(jax.random.key(1), (1, 4, WIDTH))
+    ce = ours.apply({"params": params}, h, tokens, method="cross_entropy")
+    logits = theirs.apply({"params": params}, h, method="attend").astype(jnp.float32)
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
+    chex.assert_trees_all_equal(ce, want)
+
+
 def test_vocab_parallel_keeps_nn_embeds_params_and_never_gathers_the_table():
     """``VocabParallelEmbed`` has ``nn.Embed``'s params (checkpoints interchange); in the step
     the table's rows stay on their device: no collective's operand or result has the table's
@@ -140,3 +160,32 @@ def test_vocab_parallel_misuse_is_a_clear_error():
     step = jz.make_train_step(small_loss, zero)
     with pytest.raises(ValueError, match=r"embed/embedding must be a \[vocab, width\] table"):
         step(step.init(small), small_batches[0])
+
+
+def test_vocab_parallel_bf16_is_as_close_to_fp32_optax_as_the_gathered_table():
+    """Under the bf16 policy (bf16 compute, fp32 master and reduce) both stage-3 steps round
+    the same way per logit, but the vocabulary-parallel one sums the table's gradient over all
+    devices' tokens in bf16 (one gemm, one scatter-add) where the gathered one sums each
+    device's in bf16 and adds them up in f32. After three SGD-momentum steps each is compared
+    with single-device fp32 optax: the vocabulary-parallel error is within 25% of the
+    gathered one's, per params group (measured: 5-10% more on the table, the same elsewhere)."""
+    params, loss_fn, batches = _problem()
+    tx = optax.sgd(0.5, momentum=0.9)
+    truth, _ = reference_run(tx, params, loss_fn, batches)
+    pol = jz.Precision("bfloat16", "float32", "float32")
+    mesh = jz.data_parallel_mesh(N)
+    error = {}
+    for vp in (None, "embed"):
+        zero = jz.ZeRO(tx, mesh, stage=3, precision=pol, layers="layers", vocab_parallel=vp)
+        step = jz.make_train_step(loss_fn, zero)
+        state = step.init(params)
+        for b in batches:
+            state, _ = step(state, b)
+        got = jz.gather(state.master)
+        for group in truth:
+            pairs = zip(jax.tree.leaves(got[group]), jax.tree.leaves(truth[group]), strict=True)
+            diff = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)).ravel() for a, b in pairs])
+            error[vp, group] = diff.mean()
+    for group in truth:
+        assert 0 < error[None, group] < 2e-3  # bf16 rounding, not a broken step
+        assert error["embed", group] <= 1.25 * error[None, group], group

@@ -112,6 +112,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         "(jaxzero.Precision(compute_copy=False))",
     )
     train.add_argument(
+        "--vocab-parallel",
+        action="store_true",
+        help="gpt: stage 3 keeps the tied embedding as each device's vocabulary rows "
+        "(jaxzero.ZeRO(vocab_parallel=...), jaxzero.VocabParallelEmbed)",
+    )
+    train.add_argument(
         "--gpu", choices=["h100", "a100", "h200"], default="h100", help="(default: %(default)s)"
     )
     train.add_argument(
@@ -140,6 +146,7 @@ def _shape(args, parser):
             arch=args.model,
             ffn=args.ffn or 0,
             attention=args.attention,
+            vocab_parallel=args.vocab_parallel,
         )
     except ValueError as e:
         parser.error(str(e))
@@ -229,6 +236,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         + f", {args.precision}, Adam, accum {args.accum}"
         + (", EMA" if args.ema else "")
         + ("" if args.compute_copy else ", stage 3 without a compute copy")
+        + (", stage 3 vocabulary-parallel embedding" if args.vocab_parallel else "")
         + (f"; XLA flags {' '.join(recommended_xla_flags())}" if args.xla_flags else ""),
         flush=True,
     )

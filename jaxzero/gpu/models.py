@@ -123,6 +123,7 @@ def model_shape(
     ffn: int = 0,
     attention: str = "auto",
     loop: str = "prefetch",
+    vocab_parallel: bool = False,
 ) -> ModelShape:
     """A :class:`ModelShape` from ``layers``/``hidden`` (heads default ``hidden // 128``), or,
     with ``params`` alone, the shape of that size with ``layers = hidden / 128`` (LLaMA's and
@@ -135,12 +136,16 @@ def model_shape(
 
         def size(h):
             heads = max(1, h // 128)
-            return ModelShape(arch, heads, h, heads, vocab, seq, batch, ffn, attention, loop)
+            return ModelShape(
+                arch, heads, h, heads, vocab, seq, batch, ffn, attention, loop, vocab_parallel
+            )
 
         hidden = min(range(256, 65537, 256), key=lambda h: abs(size(h).num_params - params))
         return size(hidden)
     heads = heads or max(1, hidden // 128)
-    return ModelShape(arch, layers, hidden, heads, vocab, seq, batch, ffn, attention, loop)
+    return ModelShape(
+        arch, layers, hidden, heads, vocab, seq, batch, ffn, attention, loop, vocab_parallel
+    )
 
 
 def _impl(shape: ModelShape, dtype) -> str | None:

@@ -131,7 +131,9 @@ def plan(
     ``ema=True``. ``on_case(label, i, total)`` is called before each compile (progress).
     ``compiler_options``: XLA options for every compile (e.g. ``jaxzero.gpu.xla_options()``,
     the recommended GPU flags). ``compute_copy=False``: stage 3 in FSDP's layout
-    (``Precision(compute_copy=False)``: no 16-bit params copy beside the fp32 master).
+    (``Precision(compute_copy=False)``: no 16-bit params copy beside the fp32 master). A
+    ``shape`` with ``vocab_parallel=True`` runs its stage-3 cases with
+    ``ZeRO(vocab_parallel="embed")`` (the estimate column still gathers the table).
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -160,6 +162,7 @@ def plan(
             stage=stage,
             precision=Precision.create(precision, compute_copy=copy),
             layers="layers" if per_layer else None,
+            vocab_parallel="embed" if shape.vocab_parallel and stage == 3 else None,
         )
         step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
         report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -216,17 +217,22 @@ class VocabParallelEmbed(nn.Module):
 
     num_embeddings: int
     features: int
+    dtype: Any = None  # the computation's dtype (as nn.Embed's); None: the table's
+    param_dtype: Any = jnp.float32
     embedding_init: nn.initializers.Initializer = nn.linear.default_embed_init
 
     def setup(self):
         shape = (self.num_embeddings, self.features)
-        self.embedding = vocab_table(self, "embedding", shape, self.embedding_init)
+        init = lambda key, shape: self.embedding_init(key, shape, self.param_dtype)
+        self.embedding = vocab_table(self, "embedding", shape, init)
 
     def __call__(self, tokens):
-        return vocab_parallel_embed(self.embedding, tokens)
+        x = vocab_parallel_embed(self.embedding, tokens)
+        return x if self.dtype is None else x.astype(self.dtype)
 
     def cross_entropy(self, h, labels):
         """Per-position cross-entropy of the tied logits ``h @ embedding.T`` (float32)."""
+        h = h if self.dtype is None else h.astype(self.dtype)
         return vocab_parallel_cross_entropy(h, self.embedding, labels)
 
 
