@@ -21,6 +21,15 @@ def key_name(k) -> Any:
     return getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
 
 
+def subtree_names(value, error: str) -> tuple[str, ...]:
+    """None, a name, or a sequence of names (params subtrees) as a tuple of names; raises
+    ``TypeError(error)`` for anything else (an empty name included)."""
+    names = () if value is None else (value,) if isinstance(value, str) else value
+    if not isinstance(names, tuple | list) or not all(isinstance(k, str) and k for k in names):
+        raise TypeError(error)
+    return tuple(names)
+
+
 def path_keys(path) -> tuple:
     """A key path as plain keys: ``(DictKey('attn'), DictKey('kernel'))`` -> ``('attn', 'kernel')``."""
     return tuple(key_name(k) for k in path)

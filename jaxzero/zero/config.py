@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxzero._tree import subtree_names
 from jaxzero.ema import placement
 from jaxzero.ema import storage as ema_storage
 from jaxzero.ema.ema import EmaState, ShardedEMA
@@ -32,13 +33,11 @@ STAGES = (0, 1, 2, 3)
 
 
 def _layer_names(layers) -> tuple[str, ...]:
-    names = () if layers is None else (layers,) if isinstance(layers, str) else layers
-    if not isinstance(names, tuple | list) or not all(isinstance(k, str) and k for k in names):
-        raise TypeError(
-            f"layers={layers!r} must name the params subtrees holding scanned layer "
-            f"stacks, e.g. layers='layers' or layers=('encoder', 'decoder')."
-        )
-    return tuple(names)
+    return subtree_names(
+        layers,
+        f"layers={layers!r} must name the params subtrees holding scanned layer stacks, e.g. "
+        f"layers='layers' or layers=('encoder', 'decoder').",
+    )
 
 
 def _precision(precision, stage) -> Precision:

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxzero._tree import path_keys
+from jaxzero._tree import path_keys, subtree_names
 from jaxzero.zero.collectives import Comm, to_varying
 from jaxzero.zero.layers import scoped
 from jaxzero.zero.specs import is_stacked, spec_dim
@@ -87,19 +87,17 @@ class VocabPlan:
 def names(vocab_parallel, stage: int) -> tuple[str, ...]:
     """``ZeRO(vocab_parallel=)`` as a tuple of params subtree names, checked against the
     stage (the table is only sharded at stage 3)."""
-    given = () if vocab_parallel is None else vocab_parallel
-    given = (given,) if isinstance(given, str) else given
-    if not isinstance(given, tuple | list) or not all(isinstance(k, str) and k for k in given):
-        raise TypeError(
-            f"vocab_parallel={vocab_parallel!r} must name the params subtree of the embedding "
-            f"table, e.g. vocab_parallel='embed'."
-        )
+    given = subtree_names(
+        vocab_parallel,
+        f"vocab_parallel={vocab_parallel!r} must name the params subtree of the embedding "
+        f"table, e.g. vocab_parallel='embed'.",
+    )
     if given and stage != 3:
         raise ValueError(
             f"vocab_parallel={vocab_parallel!r} needs stage=3 (got stage={stage}): only stage "
             f"3 keeps the table sharded; at stages 0-2 every device holds it whole anyway."
         )
-    return tuple(given)
+    return given
 
 
 def mask(vocab_names: tuple[str, ...], tree):
