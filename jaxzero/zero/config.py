@@ -201,9 +201,7 @@ class ZeRO:
     def _stacked_mask(self, tree, on: bool | None = None):  # layer-stack leaves, when `on`
         if not (self.per_layer if on is None else on):
             return None
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: sh.is_stacked(path, self.layers), tree
-        )
+        return sh.subtree_mask(tree, self.layers)
 
     def _whole_mask(self, tree):  # stage 0 per layer: the stacks stay device-invariant
         on = self.stage == 0 and layers.reduces_in_backward(0, self.layers, self.precision)

@@ -75,9 +75,16 @@ def stacked_params(module, name: str, block, length: int, *args, **kwargs):
     created with :func:`stacked_init` by ``init``, read as it is otherwise. (``self.param``
     would check the stored shapes against the init's, which a per-layer stage-3 step's
     shards do not match.)"""
+    return stored_param(module, name, stacked_init(block, length), *args, **kwargs)
+
+
+def stored_param(module, name: str, init, *args, **kwargs):
+    """``module.param(name, init, *args)`` when ``init`` runs; the stored value as it is
+    otherwise, without flax's check of its shape against ``init``'s (a stage-3 step hands the
+    loss shards)."""
     if module.has_variable("params", name):
         return module.get_variable("params", name)
-    return module.param(name, stacked_init(block, length), *args, **kwargs)
+    return module.param(name, init, *args, **kwargs)
 
 
 def _layers_of(tree, what: str = "a stack") -> int:

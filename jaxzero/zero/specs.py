@@ -72,6 +72,14 @@ def is_stacked(path, stacked: Sequence[str]) -> bool:
     return bool(stacked) and any(k in stacked for k in path_keys(path))
 
 
+def subtree_mask(tree, names: Sequence[str]):
+    """True for the leaves of ``tree`` under one of the subtree ``names`` (None when there
+    are no names)."""
+    if not names:
+        return None
+    return jax.tree_util.tree_map_with_path(lambda path, _: is_stacked(path, names), tree)
+
+
 def tree_specs(
     tree,
     n: int,

@@ -49,7 +49,8 @@ import optax
 from jaxzero._tree import path_keys, subtree_names
 from jaxzero.zero.collectives import Comm, to_varying
 from jaxzero.zero.layers import scoped
-from jaxzero.zero.specs import is_stacked, spec_dim
+from jaxzero.zero.scan import stored_param
+from jaxzero.zero.specs import is_stacked, spec_dim, subtree_mask
 
 __all__ = [
     "VocabParallelEmbed",
@@ -102,9 +103,7 @@ def names(vocab_parallel, stage: int) -> tuple[str, ...]:
 
 def mask(vocab_names: tuple[str, ...], tree):
     """True for the leaves under one of ``vocab_names`` (None when there are none)."""
-    if not vocab_names:
-        return None
-    return jax.tree_util.tree_map_with_path(lambda p, _: is_stacked(p, vocab_names), tree)
+    return subtree_mask(tree, vocab_names)
 
 
 def build_plan(comm: Comm, vocab_names: tuple[str, ...], local_params, specs) -> VocabPlan | None:
@@ -132,11 +131,6 @@ def build_plan(comm: Comm, vocab_names: tuple[str, ...], local_params, specs) ->
                 f"Megatron's make-vocab-size-divisible-by does)."
             )
     return VocabPlan(comm, vocab_names, frozenset(tuple(x.shape) for _, x in found))
-
-
-def current_plan() -> VocabPlan | None:
-    """The plan of the vocabulary-parallel step being traced (None outside one)."""
-    return _PLAN.get()
 
 
 def vocab_plan(plan: VocabPlan | None):
@@ -203,9 +197,7 @@ def vocab_table(module: nn.Module, name: str, shape: tuple[int, int], init):
     """A flax linen ``module``'s ``[V, H]`` table ``params[name]``: created with ``init`` by
     ``init``, read as it is otherwise (``self.param`` would check the stored shape against
     ``shape``, which this device's rows in a vocabulary-parallel step do not match)."""
-    if module.has_variable("params", name):
-        return module.get_variable("params", name)
-    return module.param(name, init, tuple(shape))
+    return stored_param(module, name, init, tuple(shape))
 
 
 class VocabParallelEmbed(nn.Module):
