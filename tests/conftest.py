@@ -1,5 +1,6 @@
 """Test configuration: 8 simulated CPU devices, set before jax starts any backend."""
 
+import importlib
 import json
 import os
 
@@ -18,22 +19,44 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import pytest  # noqa: E402
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures")
+# Reference data from real torch / DeepSpeed runs, kept in the repository (tests/fixtures/README.md).
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+
+
+def missing(what, path):
+    """Fail (never skip) the calling test: ``what`` was not found at ``path``."""
+    pytest.fail(
+        f"{what} not found at {path}: the reference fixtures live in the repository under "
+        "tests/fixtures; restore them from git (`git checkout -- tests/fixtures`)",
+        pytrace=False,
+    )
+
+
+def require(module, extra):
+    """Import ``module`` or fail the test (or its module, at collection) naming the install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        error = err
+    pytest.fail(
+        f"{module} is needed by this test and is not installed ({error}); install the test "
+        f"dependencies with `make test` (pip install -e '.[{extra}]')",
+        pytrace=False,
+    )
 
 
 @pytest.fixture(scope="session")
 def fixtures_dir():
-    path = os.path.abspath(FIXTURES)
-    if not os.path.isdir(path):
-        pytest.skip(f"shared fixtures not found at {path}")
-    return path
+    if not os.path.isdir(FIXTURES):
+        missing("the fixtures directory", FIXTURES)
+    return FIXTURES
 
 
 def fixture_case(fixtures_dir, *parts):
-    """``(directory, manifest)`` of the shared fixture case ``fixtures_dir/*parts``
-    (skips the test when the case is absent)."""
+    """``(directory, manifest)`` of the fixture case ``fixtures_dir/*parts`` (fails the test
+    when the case is absent)."""
     d = os.path.join(fixtures_dir, *parts)
-    if not os.path.isdir(d):
-        pytest.skip(f"fixture {d} not found")
+    if not os.path.isfile(os.path.join(d, "manifest.json")):
+        missing(f"fixture case {'/'.join(parts)}", d)
     with open(os.path.join(d, "manifest.json")) as f:
         return d, json.load(f)

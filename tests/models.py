@@ -32,7 +32,7 @@ class Block(nn.Module):
     def __call__(self, x):
         # No projection biases: the key bias has an exactly-zero true gradient (softmax is
         # shift-invariant), so Adam turns float noise in it into O(lr) updates that no two
-        # summation orders agree on (see shared/fixtures/README.md, section B).
+        # summation orders agree on (see tests/fixtures/README.md, section B).
         h = nn.MultiHeadDotProductAttention(num_heads=self.heads, use_bias=False, name="attn")(x, x)
         x = nn.LayerNorm(name="norm1")(x + h)
         h = nn.Dense(self.ff, name="linear1")(x)

@@ -1,5 +1,5 @@
 """``jaxzero convert`` (jaxzero.convert): torch ZeRO(AdamW) <-> jaxzero Orbax checkpoints,
-checked against the real-PyTorch fixture shared/fixtures/B_zero_trajectory/mlp_ws2.
+checked against the real-PyTorch fixture tests/fixtures/B_zero_trajectory/mlp_ws2.
 
 Expected values come from the fixture files (torch), never from jaxzero.
 """
@@ -12,11 +12,12 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import fixture_case, require
 
 import jaxzero as jz
 from jaxzero import cli
 
-torch = pytest.importorskip("torch")
+torch = require("torch", "torch")
 
 
 @pytest.fixture
@@ -28,11 +29,7 @@ def run_cli(monkeypatch):
 
 @pytest.fixture(scope="module")
 def fx(fixtures_dir, tmp_path_factory):
-    d = os.path.join(fixtures_dir, "B_zero_trajectory", "mlp_ws2")
-    if not os.path.isdir(d):
-        pytest.skip(f"fixture {d} not found")
-    with open(os.path.join(d, "manifest.json")) as f:
-        man = json.load(f)
+    d, man = fixture_case(fixtures_dir, "B_zero_trajectory", "mlp_ws2")
     names = [p["name"] for p in man["params_in_module_order"]]
     params = dict(np.load(os.path.join(d, "params.npz")))
     work = tmp_path_factory.mktemp("convert_fx")

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO checkpoints in and out (jaxzero.interop.deepspeed), checked against the real
-DeepSpeed 0.19.8 fixtures of shared/fixtures/E_deepspeed, against torch.optim.AdamW run here,
+DeepSpeed 0.19.8 fixtures of tests/fixtures/E_deepspeed, against torch.optim.AdamW run here,
 and against real DeepSpeed (2 gloo processes on 127.0.0.1) loading what jaxzero writes.
 
 Expected numbers come from the fixtures, torch or DeepSpeed, never from jaxzero.
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import missing, require
 
 import jaxzero as jz
 from jaxzero.interop.deepspeed import DeepSpeedCheckpointError, read_checkpoint
@@ -24,7 +25,7 @@ from jaxzero.interop.deepspeed.jax_state import adamw, from_train_state, to_trai
 from jaxzero.interop.deepspeed.writer import write_checkpoint
 from jaxzero.interop.safe_pickle import UnsafeFileError, load_torch_file
 
-torch = pytest.importorskip("torch")
+torch = require("torch", "torch")
 
 FIXTURES = [
     "z1_mlp_a_ws2_fp32",
@@ -40,8 +41,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "ds_worker.py")
 
 def fixture(fixtures_dir, name):
     d = os.path.join(fixtures_dir, "E_deepspeed", name)
-    if not os.path.isdir(d):
-        pytest.skip(f"fixture {d} not found")
+    if not os.path.isfile(os.path.join(d, "hparams.json")):
+        missing(f"fixture case E_deepspeed/{name}", d)
     with open(os.path.join(d, "hparams.json")) as f:
         hp = json.load(f)
     return d, hp, np.load(os.path.join(d, "trajectory.npz"))
@@ -392,7 +393,7 @@ def test_deepspeed_export_then_continue_in_deepspeed(fixtures_dir, tmp_path):
     the written checkpoints gives jaxzero's weights bitwise. The bf16 fixture written for
     ZeRO 1, 2, 3 loads into a bf16 DeepSpeed job that saves back the same fp32 master, moments
     and bf16 weights, bitwise."""
-    pytest.importorskip("deepspeed")
+    require("deepspeed", "dev")
     d, hp, _ = fixture(fixtures_dir, "z2_mlp_b_ws2_fp32")
     ckpt = read_checkpoint(os.path.join(d, "ckpt"))
     first, second = new_batches("mlp_b", 2, 12, seed=7)
@@ -730,7 +731,7 @@ def test_deepspeed_reads_more_real_layouts(fixtures_dir, tmp_path):
     (1e-6) and zero_to_fp32 (bitwise); bf16 runs: the bf16 module
     == bf16(master) bitwise, zero_to_fp32 bitwise where it reads them, and within bf16 noise
     of the fp32 reference."""
-    pytest.importorskip("deepspeed")
+    require("deepspeed", "dev")
     d, hp, _ = fixture(fixtures_dir, "z2_mlp_a_ws2_fp32")
     world, rng = 4, np.random.default_rng(1)
     data = {

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 import test_ema as base
+from conftest import require
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -352,7 +353,7 @@ def test_checkpoint_round_trip_any_mode_any_n(tmp_path):
 
 
 def test_torch_export_import_match_per_leaf():
-    torch = pytest.importorskip("torch")
+    torch = require("torch", "torch")
     from jaxzero import torch_interop as ti
 
     params, _, _ = base.problem("mlp32")

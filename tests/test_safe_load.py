@@ -28,7 +28,7 @@ import sys
 import numpy as np
 import optax
 import pytest
-from conftest import fixture_case
+from conftest import fixture_case, missing, require
 
 import jaxzero as jz
 from jaxzero import cli
@@ -36,7 +36,7 @@ from jaxzero import torch_interop as ti
 from jaxzero.interop.deepspeed import read_checkpoint
 from jaxzero.interop.safe_pickle import UnsafeFileError, load_torch_file
 
-torch = pytest.importorskip("torch")
+torch = require("torch", "torch")
 
 REFUSED = r"was refused.*not on the allowlist.*will not execute code.*nothing from it was executed"
 
@@ -204,7 +204,7 @@ def test_ultralytics_file_with_pickled_model_is_refused_with_a_recipe(tmp_path):
 def ds_copy(fixtures_dir, tmp_path):
     d = os.path.join(fixtures_dir, "E_deepspeed", "z2_mlp_a_ws2_fp32", "ckpt")
     if not os.path.isdir(d):
-        pytest.skip(f"fixture {d} not found")
+        missing("fixture case E_deepspeed/z2_mlp_a_ws2_fp32", d)
     save = tmp_path / "ds"
     shutil.copytree(d, save)
     return save

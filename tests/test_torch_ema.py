@@ -22,34 +22,38 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, fixture_case, missing, require
 
 import jaxzero as jz
 from jaxzero import torch_interop as ti
 
-torch = pytest.importorskip("torch")
+torch = require("torch", "torch")
 
-ROOT = os.path.abspath(FIXTURES)
-C_CASES = sorted(
-    os.path.basename(os.path.dirname(p))
-    for p in glob.glob(os.path.join(ROOT, "C_dist_modelema", "*", "manifest.json"))
-)
+ROOT = FIXTURES
+# The cases shipped in tests/fixtures, named here so that a missing one fails its test.
+C_CASES = ["mlp_ws2_bucket0", "mlp_ws2_bucket1"]
+D_CASES = ["mlp_d0.9999_tau2000", "mlp_d0.9_tau1"]
 D_MANIFEST = os.path.join(ROOT, "D_ultralytics_ema", "manifest.json")
 
 
 def _json(path):
+    if not os.path.isfile(path):
+        missing("fixture file", path)
     with open(path) as f:
         return json.load(f)
 
 
-D_CASES = sorted(_json(D_MANIFEST)["cases"]) if os.path.exists(D_MANIFEST) else []
+def test_every_shipped_ema_case_is_tested():
+    c = glob.glob(os.path.join(ROOT, "C_dist_modelema", "*", "manifest.json"))
+    assert sorted(os.path.basename(os.path.dirname(p)) for p in c) == C_CASES
+    assert sorted(_json(D_MANIFEST)["cases"]) == D_CASES
+
+
 F64_ATOL = 5e-7
 
 
 def c_case(case):
-    d = os.path.join(ROOT, "C_dist_modelema", case)
-    with open(os.path.join(d, "manifest.json")) as f:
-        man = json.load(f)
+    d, man = fixture_case(ROOT, "C_dist_modelema", case)
     traj = np.load(os.path.join(ROOT, "C_dist_modelema", f"{man['model']}_trajectory.npz"))
     return d, man, traj
 
@@ -248,7 +252,6 @@ def ultralytics_mlp():
     return m
 
 
-@pytest.mark.skipif(not D_CASES, reason="D_ultralytics_ema fixture not found")
 def test_ultralytics_checkpoint_import_export():
     """``{"ema": deepcopy(model).half(), "updates": n, ...}`` (an ultralytics checkpoint)
     imports into a Flax-layout EmaState (kernels transposed, fp16 cast up) and exports back

@@ -1,6 +1,6 @@
 """torch <-> jaxzero interop: weights, AdamW/SGD optimizer state (consolidated and per-rank
 ZeroRedundancyOptimizer) checked against the real-PyTorch fixtures of
-shared/fixtures/B_zero_trajectory/mlp_ws2 and against torch itself run in the test.
+tests/fixtures/B_zero_trajectory/mlp_ws2 and against torch itself run in the test.
 
 Expected numbers come from the fixture files or from torch, never from jaxzero.
 """
@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import fixture_case
+from conftest import fixture_case, require
 
 import jaxzero as jz
 from jaxzero import torch_interop as ti
 
-torch = pytest.importorskip("torch")
+torch = require("torch", "torch")
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
 _CACHE = {}
