@@ -1,33 +1,78 @@
 """The package's shape, checked on every run: no import cycle and no oversized module, class
-or function (the team's structure tool), and the step's phases named in the compiled HLO."""
+or function (tests/structure_check.py, shown to catch each on a small package that breaks it),
+and the step's phases named in the compiled HLO."""
 
 import os
-import subprocess
-import sys
+import pathlib
 
 import jax
 import optax
 import pytest
+import structure_check
 from models import make_problem
 
 import jaxzero as jz
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "..", "shared", "tools", "structure.py")
+PACKAGE = os.path.dirname(os.path.abspath(jz.__file__))
 
 
-def test_structure_check_passes():
-    assert os.path.isfile(TOOL), f"the structure tool is missing at {TOOL}"
-    out = subprocess.run(
-        [sys.executable, TOOL, "jaxzero", "--check"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+def test_jaxzero_keeps_its_structure_limits():
+    assert "jaxzero.zero.config" in structure_check.modules(pathlib.Path(PACKAGE))
+    assert structure_check.problems(PACKAGE) == []
+
+
+def _write(root, files):
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def _cycles(found):
+    """Each reported cycle as its modules in import order, starting at the smallest name."""
+    out = set()
+    for line in found:
+        if line.startswith("import cycle: "):
+            names = line.removeprefix("import cycle: ").split(" -> ")
+            assert names[0] == names[-1], line
+            i = names.index(min(names[:-1]))
+            out.add(tuple(names[i:-1] + names[:i]))
+    return out
+
+
+def test_the_check_reports_each_broken_limit(tmp_path, capsys):
+    """A package with one module, class and function one line over each limit (and one
+    function exactly at it), a cycle through a deferred absolute import and one through
+    relative imports in a subpackage's __init__: each problem reported, nothing else."""
+    body = lambda n: "".join(f"    v{i} = {i}\n" for i in range(n))
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/big.py": "x = 0\n" * 401,
+            "pkg/cls.py": "class Wide:\n" + body(250),
+            "pkg/fn.py": "import pkg\n\n\ndef at_limit():\n" + body(79) + "\n\n"
+            "def over():\n" + body(80),
+            "pkg/a.py": "from . import b\n",
+            "pkg/b.py": "def later():\n    from pkg import a\n",
+            "pkg/sub/__init__.py": "from .c import x\n",
+            "pkg/sub/c.py": "from ..e import y\n\nx = 1\n",
+            "pkg/e.py": "from .sub import x\n\ny = 1\n",
+        },
     )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "import cycles: none" in out.stdout
-    assert "structure: 0 problems" in out.stdout
+    found = structure_check.problems(tmp_path / "pkg")
+    sizes = sorted(p for p in found if not p.startswith("import cycle"))
+    assert sizes == [
+        "class pkg.cls:1 Wide: 251 lines > 250",
+        "function pkg.fn:86 over: 81 lines > 80",
+        "module pkg.big: 401 lines > 400",
+    ], found
+    assert _cycles(found) == {("pkg.a", "pkg.b"), ("pkg.e", "pkg.sub", "pkg.sub.c")}, found
+    assert len(found) == 5, found
+    assert structure_check.main([str(tmp_path / "pkg")]) == 1
+    assert "structure: 5 problems" in capsys.readouterr().out
+    limits = {"module": 401, "class": 251, "function": 81}
+    assert len(structure_check.problems(tmp_path / "pkg", limits)) == 2  # the cycles stay
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
