@@ -2,13 +2,17 @@
 
 python tests/ds_worker.py JOBS.json, with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
 JOBS: a list of job specs, run one after the other in the same process group. A job: model
-(mlp_a/mlp_b), config (ds_config), load (a save dir or null), seed, data (npz
-with x[step, rank, micro, f], y[step, rank, micro]), steps, out (save dir), tag.
+(mlp_a/mlp_b/mlp_c), config (ds_config), load (a save dir or null), seed, data (npz
+with x[step, rank, micro, f], y[step, rank, micro]), steps, out (save dir), tag; optionally
+saves ({"k": tag}: also save after step k) and record (an npz path: DeepSpeed's own full fp32
+params after every step, from deepspeed.utils.safe_get_full_fp32_param).
 Builds the fixtures' models, optionally loads a checkpoint, trains, saves with DeepSpeed.
 """
 
 import json
 import os
+import socket
+import subprocess
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -43,6 +47,23 @@ class MlpB(torch.nn.Module):
         return self.fc3(F.gelu(self.fc2(h)))
 
 
+class MlpC(torch.nn.Module):
+    """Every dimension divisible by 8 (sharded at N=8); MSE on large targets: gradient norms
+    above 1, so DeepSpeed's default clipping acts."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(32, 64)
+        self.fc2 = torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+MODELS = {"mlp_a": MlpA, "mlp_b": MlpB, "mlp_c": MlpC}
+MSE = ("mlp_a", "mlp_c")
+
+
 def groups(model, name, spec=None):
     named = dict(model.named_parameters())
     if spec:
@@ -64,7 +85,7 @@ def run(spec, rank):
     import deepspeed
 
     torch.manual_seed(spec.get("seed", 0))
-    model = MlpA() if spec["model"] == "mlp_a" else MlpB()
+    model = MODELS[spec["model"]]()
     params = groups(model, spec["model"], spec.get("groups"))
     optimizer = None
     if spec.get("client_adamw"):  # a torch AdamW built by the user, not by the ds_config
@@ -77,18 +98,82 @@ def run(spec, rank):
         assert path is not None, "DeepSpeed did not load the checkpoint"
     data = np.load(spec["data"])
     dtype = next(engine.module.parameters()).dtype
-    losses = []
+    losses, norms, record = [], [], {}
+    saves = spec.get("saves") or {}
     for s in range(spec["steps"]):
         x = torch.from_numpy(data["x"][s, rank]).to(dtype)
         out = engine(x).float()
         y = torch.from_numpy(data["y"][s, rank])
-        loss = F.mse_loss(out, y) if spec["model"] == "mlp_a" else F.cross_entropy(out, y)
+        loss = F.mse_loss(out, y) if spec["model"] in MSE else F.cross_entropy(out, y)
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
-    engine.save_checkpoint(spec["out"], tag=spec.get("tag", "after"))
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+        if spec.get("record"):
+            record.update(full_state(engine, s + 1))
+        if str(s + 1) in saves:
+            engine.save_checkpoint(spec["out"], tag=saves[str(s + 1)])
+    if spec.get("tag", "after") is not None:  # "tag": null saves only at the `saves` steps
+        engine.save_checkpoint(spec["out"], tag=spec.get("tag", "after"))
     if rank == 0:
-        json.dump({"losses": losses}, open(os.path.join(spec["out"], "losses.json"), "w"))
+        info = {"losses": losses, "grad_norms": norms}
+        json.dump(info, open(os.path.join(spec["out"], "losses.json"), "w"))
+        if spec.get("record"):
+            np.savez(spec["record"], **record)
+
+
+def full_state(engine, k):
+    """``{"params/k/name": DeepSpeed's full fp32 master after step k}`` (a collective at ZeRO
+    3: every rank calls it)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {
+        f"params/{k}/{name}": safe_get_full_fp32_param(p).detach().cpu().numpy()
+        for name, p in engine.module.named_parameters()
+    }
+
+
+def launch(jobs, work_dir, world=2, timeout=400):
+    """Run ``jobs`` on ``world`` ranks of this worker (gloo on 127.0.0.1, DeepSpeed's CPU
+    accelerator); raises AssertionError with the ranks' output tails when one fails."""
+    path = os.path.join(work_dir, "jobs.json")
+    with open(path, "w") as f:
+        json.dump(jobs, f)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            DS_ACCELERATOR="cpu",
+            OMP_NUM_THREADS="1",
+            JAX_PLATFORMS="cpu",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), path],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        raise AssertionError("DeepSpeed workers failed:\n" + "\n".join(o[-4000:] for o in outs))
 
 
 def main():

@@ -8,7 +8,6 @@ Expected numbers come from the fixtures, torch or DeepSpeed, never from jaxzero.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -36,7 +35,6 @@ FIXTURES = [
     "z2_mlp_a_ws2_bf16",
 ]
 FP32 = [f for f in FIXTURES if f.endswith("fp32")]
-WORKER = os.path.join(os.path.dirname(__file__), "ds_worker.py")
 
 
 def fixture(fixtures_dir, name):
@@ -344,47 +342,11 @@ def test_deepspeed_groups_with_their_own_lr_and_betas(fixtures_dir):
 
 
 # --------------------------------------------------------------------------- (c) export
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_deepspeed(jobs, tmp_path, world=2, timeout=400):
-    path = os.path.join(tmp_path, "jobs.json")
-    with open(path, "w") as f:
-        json.dump(jobs, f)
-    port, procs = free_port(), []
-    for r in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(r),
-            LOCAL_RANK=str(r),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            DS_ACCELERATOR="cpu",
-            OMP_NUM_THREADS="1",
-            JAX_PLATFORMS="cpu",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, path],
-                env=env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        raise AssertionError("DeepSpeed workers failed:\n" + "\n".join(o[-4000:] for o in outs))
+    sys.path.insert(0, os.path.dirname(__file__))
+    import ds_worker
+
+    ds_worker.launch(jobs, tmp_path, world=world, timeout=timeout)
 
 
 def test_deepspeed_export_then_continue_in_deepspeed(fixtures_dir, tmp_path):
@@ -480,7 +442,7 @@ def test_deepspeed_roundtrip_layouts_without_deepspeed(fixtures_dir, tmp_path):
                 (3, 5, {}),
             ]
         ):
-            cfg = {"zero_optimization": {"stage": stage, **zopt}}
+            cfg = {"zero_optimization": {"stage": stage, **zopt}, "gradient_clipping": 0.0}
             save = tmp_path / f"{name}_{i}"
             files = write_checkpoint(save, ckpt, stage=stage, world_size=w, ds_config=cfg)
             optim = [os.path.basename(f) for f in files if f.endswith("optim_states.pt")]

@@ -1,8 +1,9 @@
 """Inert stand-ins for the three DeepSpeed classes its checkpoint files pickle.
 
-DeepSpeed 0.19.8 pickles ``LossScaler`` (fp16 loss-scale state), ``ZeroStageEnum`` (the ZeRO
-stage) and ``fragment_address`` (a parameter's ``numel``/``start`` in a partition). The reader
-maps exactly these three names to the classes below (plain attribute holders, no methods that
+DeepSpeed 0.19.8 pickles ``LossScaler`` (loss-scale state; ``DynamicLossScaler`` in fp16 runs
+with dynamic loss scaling), ``ZeroStageEnum`` (the ZeRO stage) and ``fragment_address`` (a
+parameter's ``numel``/``start`` in a partition). The reader maps exactly these names to the
+classes below (plain attribute holders, no methods that
 run anything); the writer pickles the stand-ins under DeepSpeed's names so that DeepSpeed
 loads its own classes. DeepSpeed itself is never imported.
 """
@@ -28,6 +29,11 @@ class LossScaler:
 
     def __repr__(self):
         return f"LossScaler({self.__dict__})"
+
+
+class DynamicLossScaler(LossScaler):
+    """``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``: attributes only (read so that
+    an fp16 checkpoint is refused for what it is, not as an unknown class)."""
 
 
 class ZeroStageEnum(enum.IntEnum):
@@ -58,6 +64,7 @@ class fragment_address:  # noqa: N801 - DeepSpeed's name
 
 STAND_INS = {
     "deepspeed.runtime.fp16.loss_scaler.LossScaler": LossScaler,
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": DynamicLossScaler,
     "deepspeed.runtime.zero.config.ZeroStageEnum": ZeroStageEnum,
     "deepspeed.utils.tensor_fragment.fragment_address": fragment_address,
 }

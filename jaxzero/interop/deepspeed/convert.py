@@ -47,6 +47,7 @@ class ConversionResult:
     param_groups: list[dict]
     params: list[dict]
     written: list[str] = dataclasses.field(default_factory=list)
+    update: list[str] = dataclasses.field(default_factory=list)
     dry_run: bool = False
     state: Any = None
     zero: Any = None
@@ -63,6 +64,7 @@ class ConversionResult:
                 f"group {i}: {len(g['names'])} params, lr={g['lr']}, betas={tuple(g['betas'])}, "
                 f"eps={g['eps']}, weight_decay={g['weight_decay']}"
             )
+        lines += [f"update: {u}" for u in self.update]
         for p in self.params:
             lines.append(f"  {p['name']:<36} {str(tuple(p['shape'])):<14} {p['path']}")
         verb = "would write" if self.dry_run else "wrote"
@@ -91,6 +93,7 @@ def deepspeed_to_jax(
     stage: int = 2,
     devices: int | None = None,
     name_map=None,
+    allow=(),
     dry_run: bool = False,
 ) -> ConversionResult:
     """Convert a DeepSpeed ZeRO checkpoint into a jaxzero Orbax checkpoint.
@@ -101,11 +104,12 @@ def deepspeed_to_jax(
       stage, devices: the jaxzero ZeRO stage and mesh size (default: all devices).
       name_map: a JSON file or dict ``{torch_name: "a/b/kernel"}`` (Linear weights become
         transposed kernels); default: the tree is keyed by the torch names, torch layout.
+      allow: settings :func:`adamw` refuses, to convert anyway; ``update`` lists the rest.
     """
     import jax
 
     from jaxzero import checkpoint
-    from jaxzero.interop.deepspeed.jax_state import adamw, to_train_state
+    from jaxzero.interop.deepspeed.jax_state import adamw, settings_of, to_train_state
     from jaxzero.mesh import data_parallel_mesh
     from jaxzero.zero.config import ZeRO
 
@@ -119,7 +123,7 @@ def deepspeed_to_jax(
     n_dev = len(jax.devices())
     if devices is not None and not 1 <= devices <= n_dev:
         raise ValueError(f"devices={devices}: this process sees {n_dev} devices")
-    tx = adamw(ckpt, template, name_map=nm)
+    tx = adamw(ckpt, template, name_map=nm, allow=allow, report=None)
     zero = ZeRO(tx, data_parallel_mesh(devices), stage=stage, precision=_precision(ckpt.dtype))
     state = to_train_state(ckpt, zero, template, name_map=nm, model_state=None)
     if ckpt.buffers and state.model_state is None:
@@ -142,13 +146,14 @@ def deepspeed_to_jax(
         ckpt.dtype,
         ckpt.param_groups,
         params,
+        update=settings_of(tx).lines(),
         dry_run=dry_run,
         state=state,
         zero=zero,
     )
     if dry_run:
         return res
-    record = _record(save_dir, tag, ckpt, nm, template)
+    record = _record(save_dir, tag, ckpt, nm, template, settings_of(tx))
     checkpoint.save(
         out,
         ckpt.step,
@@ -162,7 +167,7 @@ def deepspeed_to_jax(
     return res
 
 
-def _record(save_dir, tag, ckpt, nm, template) -> dict:
+def _record(save_dir, tag, ckpt, nm, template, settings) -> dict:
     """The metadata ``deepspeed2jax`` stores (``user["deepspeed"]``) for the way back."""
     return {
         "format": FORMAT,
@@ -183,6 +188,8 @@ def _record(save_dir, tag, ckpt, nm, template) -> dict:
         },
         "dtype": ckpt.dtype,
         "step": ckpt.step,
+        # jax2deepspeed rebuilds the chain (the opt_state's structure depends on the clipping)
+        "update": {"gradient_clipping": settings.gradient_clipping},
     }
 
 
@@ -248,7 +255,7 @@ def jax_to_deepspeed(
 
     abstract = _nest(leaves)
     nm = NameMap(entries=tuple((n, tuple(p.split("/")), k) for n, p, k in rec["name_map"]))
-    tx = adamw(groups, abstract, name_map=nm)
+    tx = adamw(groups, abstract, name_map=nm, ds_config=rec.get("update"), report=None)
     zero = ZeRO(
         tx,
         data_parallel_mesh(devices),

@@ -9,14 +9,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jaxzero.interop.deepspeed.update as U
 from jaxzero.interop.deepspeed.reader import DeepSpeedCheckpoint
 from jaxzero.interop.torch import names as ti_names
 from jaxzero.interop.torch import optimizer_state as ti_opt
 
-__all__ = ["adamw", "name_map_for", "to_train_state", "from_train_state"]
+__all__ = [
+    "adamw",
+    "name_map_for",
+    "settings_of",
+    "to_train_state",
+    "from_train_state",
+]
 
-# tx -> the param groups it was built for (so write_checkpoint can recover them from a ZeRO)
-_GROUPS: dict[int, tuple[optax.GradientTransformation, list[dict]]] = {}
+# tx -> the param groups and update settings it was built for (so write_checkpoint can recover
+# them from a ZeRO)
+_GROUPS: dict[int, tuple[optax.GradientTransformation, list[dict], U.UpdateSettings]] = {}
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
@@ -76,23 +84,67 @@ def _key(path) -> tuple[str, ...]:
     )
 
 
-def adamw(param_groups, params_template, *, name_map=None) -> optax.GradientTransformation:
-    """An optax AdamW reproducing torch/DeepSpeed param groups on ``params_template``.
+def adamw(
+    param_groups,
+    params_template,
+    *,
+    name_map=None,
+    ds_config=None,
+    allow=(),
+    report=print,
+) -> optax.GradientTransformation:
+    """The optax chain reproducing a DeepSpeed (or torch) AdamW update on ``params_template``.
 
-    One ``scale_by_adam`` with per-group decoupled weight decay (masked
-    ``add_decayed_weights``) when the groups share lr, betas and eps; otherwise an
-    ``optax.multi_transform`` of one ``optax.adamw`` per group. Bias correction continues from
-    the optax ``count`` (set from the checkpoint's step by :func:`to_train_state`).
+    From a checkpoint, every ``ds_config`` setting that changes the update is reproduced, with
+    DeepSpeed 0.19.8's defaults for absent keys, or refused (:class:`DeepSpeedSettingError`
+    naming it, before anything is built): gradient clipping (DeepSpeed clips at global norm 1.0
+    unless ``gradient_clipping`` says otherwise; ZeRO 1/2 optimizer files' ``clip_grad`` wins),
+    the gradient reduction, fp16 loss scaling and lr schedulers (refused), and the param groups:
+
+    ``optax.chain([optax.clip_by_global_norm(c)], scale_by_adam, masked add_decayed_weights per
+    distinct weight decay, scale_by_learning_rate)`` when the groups share lr, betas and eps;
+    ``[optax.chain(clip,] optax.multi_transform(one optax.adamw per group)[)]`` otherwise. Bias
+    correction continues from the optax ``count`` (set from the checkpoint's step by
+    :func:`to_train_state`).
+
+    Args:
+      param_groups: a :class:`DeepSpeedCheckpoint`, or a list of torch-style groups (``names``,
+        ``lr``, ``betas``, ``eps``, ``weight_decay``).
+      params_template: the JAX params tree (None: keyed by the torch names).
+      name_map: see :func:`name_map_for`.
+      ds_config: with a list of groups only: the DeepSpeed config whose settings to reproduce
+        (DeepSpeed's defaults for absent keys, so ``{}`` clips at 1.0). None: a plain torch
+        AdamW, no clipping.
+      allow: refused settings to continue without (see :func:`update.read_settings`).
+      report: called once with the text, one line per setting (value, whether it was
+        DeepSpeed's default, what the chain does); None: silent.
     """
-    groups = _check_groups(
-        param_groups.param_groups if isinstance(param_groups, DeepSpeedCheckpoint) else param_groups
-    )
+    if isinstance(param_groups, DeepSpeedCheckpoint):
+        if ds_config is not None:
+            raise ValueError("ds_config= is for a list of param groups; a checkpoint's own is used")
+        settings = U.update_settings(param_groups, allow)
+        groups = _check_groups(param_groups.param_groups)
+    else:
+        groups = _check_groups(param_groups)
+        settings = U.config_settings(ds_config, allow)
     names = {n: None for g in groups for n in g["names"]}
     if params_template is None:
         params_template = {n: jax.ShapeDtypeStruct((), jnp.float32) for n in names}
         nm = ti_names.NameMap(entries=tuple((n, (n,), "identity") for n in names))
     else:
         nm = _names_only_map(list(names), params_template, name_map)
+    parts = [*settings.transforms(), *_adamw_groups(groups, nm, params_template)]
+    tx = parts[0] if len(parts) == 1 else optax.chain(*parts)
+    _GROUPS[id(tx)] = (tx, groups, settings)
+    if report is not None:
+        report(settings.report(groups))
+    return tx
+
+
+def _adamw_groups(groups, nm, params_template) -> list[optax.GradientTransformation]:
+    """AdamW with the groups' hyperparameters, as the parts of a chain (one Adam when they
+    share lr, betas and eps; without clipping the chain is what it was before clipping was
+    read, so older jaxzero checkpoints of it restore)."""
     shared = {tuple(g[k] for k in ("lr", "betas", "eps")) for g in groups}
     if len(shared) == 1:
         lr, (b1, b2), eps = groups[0]["lr"], groups[0]["betas"], groups[0]["eps"]
@@ -102,23 +154,22 @@ def adamw(param_groups, params_template, *, name_map=None) -> optax.GradientTran
                 groups, nm, params_template, lambda i, wd=wd: float(groups[i]["weight_decay"]) == wd
             )
             decays.append(optax.add_decayed_weights(wd, mask=mask))
-        tx = optax.chain(
-            optax.scale_by_adam(b1=b1, b2=b2, eps=eps), *decays, optax.scale_by_learning_rate(lr)
+        return [
+            optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+            *decays,
+            optax.scale_by_learning_rate(lr),
+        ]
+    inner = {
+        str(i): optax.adamw(
+            g["lr"],
+            b1=g["betas"][0],
+            b2=g["betas"][1],
+            eps=g["eps"],
+            weight_decay=float(g["weight_decay"]),
         )
-    else:
-        inner = {
-            str(i): optax.adamw(
-                g["lr"],
-                b1=g["betas"][0],
-                b2=g["betas"][1],
-                eps=g["eps"],
-                weight_decay=float(g["weight_decay"]),
-            )
-            for i, g in enumerate(groups)
-        }
-        tx = optax.multi_transform(inner, _label_tree(groups, nm, params_template, str))
-    _GROUPS[id(tx)] = (tx, groups)
-    return tx
+        for i, g in enumerate(groups)
+    }
+    return [optax.multi_transform(inner, _label_tree(groups, nm, params_template, str))]
 
 
 def _names_only_map(names, params_template, name_map):
@@ -135,10 +186,24 @@ def groups_of(tx) -> list[dict] | None:
     return hit[1] if hit is not None and hit[0] is tx else None
 
 
-def _check_tx(zero, groups) -> None:
+def settings_of(tx) -> U.UpdateSettings | None:
+    """The update settings :func:`adamw` built ``tx`` with (None for other transformations)."""
+    hit = _GROUPS.get(id(tx))
+    return hit[2] if hit is not None and hit[0] is tx else None
+
+
+def _check_tx(zero, ckpt: DeepSpeedCheckpoint, groups) -> None:
     mine = groups_of(zero.tx)
     if mine is None:
         return
+    theirs = U.effective_clipping(ckpt.ds_config, ckpt.gradient_clipping)
+    clip = settings_of(zero.tx).gradient_clipping
+    if clip != theirs:
+        raise U.DeepSpeedSettingError(
+            f"zero.tx clips gradients at {clip or 'no norm'} but the checkpoint's run clips at "
+            f"{theirs or 'no norm'} (gradient_clipping); build it with "
+            "jaxzero.interop.deepspeed.adamw(ckpt, params_template)"
+        )
     diff = [
         f"group {i}: {k}={a[k]!r} vs checkpoint {b[k]!r}"
         for i, (a, b) in enumerate(zip(mine, groups, strict=False))
@@ -191,7 +256,7 @@ def to_train_state(
     if not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}")
     groups = _check_groups(ckpt.param_groups)
-    _check_tx(zero, groups)
+    _check_tx(zero, ckpt, groups)
     names = ckpt.param_names
     nm = name_map_for(ckpt, params_template, name_map)
     template = (
@@ -243,7 +308,9 @@ def from_train_state(
 
     ``param_groups`` (names, lr, betas, eps, weight_decay per group) default to those ``zero.tx``
     was built for by :func:`adamw`. ``buffers`` default to ``state.model_state`` when that is a
-    flat ``{torch name: array}`` dict.
+    flat ``{torch name: array}`` dict. The checkpoint's ``gradient_clipping`` is the chain's
+    (from :func:`adamw`; a ``ds_config`` that clips otherwise is refused), or, for a chain
+    built elsewhere, ``ds_config["gradient_clipping"]``, which must then be given.
     """
     groups = (
         param_groups
@@ -256,6 +323,7 @@ def from_train_state(
             "weight_decay}, ...] or a zero whose tx was built by jaxzero.interop.deepspeed.adamw"
         )
     groups = _check_groups(groups)
+    clip = U.chain_clipping(settings_of(zero.tx) if zero is not None else None, ds_config)
     names = [n for g in groups for n in g["names"]]
     master = state.master if state.master is not None else state.params
     nm = (
@@ -291,7 +359,8 @@ def from_train_state(
         param_groups=[{**g, "betas": list(g["betas"])} for g in groups],
         zero_stage=getattr(zero, "stage", 0) if zero is not None else 0,
         world_size=getattr(zero, "num_shards", 1) if zero is not None else 1,
-        ds_config=dict(ds_config or {}),
+        ds_config=dict(ds_config or {"gradient_clipping": clip}),
         dtype=dtype,
         optimizer="FusedAdam",
+        gradient_clipping=clip,
     )

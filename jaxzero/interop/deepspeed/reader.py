@@ -47,6 +47,11 @@ class DeepSpeedCheckpoint:
       dtype: the compute dtype, ``"fp32"``, ``"bf16"`` or ``"fp16"``.
       optimizer: ``"FusedAdam"`` (DeepSpeed's AdamW) or ``"torch.optim.AdamW"``.
       global_steps: the engine's step counter (counts skipped fp16 steps too).
+      gradient_clipping: the max gradient norm the run clips to when known apart from
+        ``ds_config``: ZeRO 1/2 optimizer files record it (``clip_grad``) and a DeepSpeed run
+        loaded from them continues with it; None: as ``ds_config`` says (DeepSpeed's default
+        1.0 when absent).
+      lr_scheduler: the saved client lr scheduler state (model states' ``lr_scheduler``).
     """
 
     params: dict[str, np.ndarray]
@@ -63,6 +68,8 @@ class DeepSpeedCheckpoint:
     dtype: str = "fp32"
     optimizer: str = "FusedAdam"
     global_steps: int | None = None
+    gradient_clipping: float | None = None
+    lr_scheduler: object = None
 
     @property
     def param_names(self) -> list[str]:
@@ -261,4 +268,15 @@ def _read(tag_dir) -> DeepSpeedCheckpoint:
         dtype=dtype,
         optimizer=kind,
         global_steps=ms.get("global_steps"),
+        gradient_clipping=None if zero3 else _clip_grad(osds[0], paths[0]),
+        lr_scheduler=ms.get("lr_scheduler"),
     )
+
+
+def _clip_grad(osd, path) -> float | None:
+    value = osd.get("clip_grad")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _err(path, f"clip_grad is {value!r}, expected a number")
+    return float(value)

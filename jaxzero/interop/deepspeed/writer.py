@@ -12,6 +12,7 @@ import numpy as np
 
 import jaxzero.interop.deepspeed._pickle as _pickle
 import jaxzero.interop.deepspeed.layout as L
+import jaxzero.interop.deepspeed.update as U
 from jaxzero.interop.deepspeed._pickle import LossScaler, ZeroStageEnum, fragment_address
 from jaxzero.interop.deepspeed.reader import (
     MODEL_FILE,
@@ -47,8 +48,10 @@ def _t(a):
 
 def default_ds_config(ckpt: DeepSpeedCheckpoint, stage: int, world_size: int) -> dict:
     """A ds_config for the written checkpoint: the checkpoint's own with the stage replaced, or
-    a minimal AdamW one (``torch_adam`` true, so nothing is compiled)."""
+    a minimal AdamW one (``torch_adam`` true, so nothing is compiled); ``gradient_clipping``
+    is always written out (the checkpoint's)."""
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (ckpt.ds_config or {}).items()}
+    cfg["gradient_clipping"] = U.effective_clipping(ckpt.ds_config, ckpt.gradient_clipping)
     if "optimizer" not in cfg:
         g = ckpt.param_groups[0]
         cfg["optimizer"] = {
@@ -129,7 +132,7 @@ def _model_states(ckpt, cfg, world_size: int, shapes, zero3: bool) -> dict:
     }
 
 
-def _zero12_files(ckpt, cfg, world_size: int, stage: int, torch_opt: bool):
+def _zero12_files(ckpt, cfg, world_size: int, stage: int, torch_opt: bool, clip: float):
     """(param_shapes, [rank optimizer_state_dict]) for ZeRO 1/2."""
     zcfg = cfg.get("zero_optimization", {})
     elsize = 4 if ckpt.dtype == "fp32" else 2
@@ -173,7 +176,7 @@ def _zero12_files(ckpt, cfg, world_size: int, stage: int, torch_opt: bool):
                 "loss_scaler": LossScaler(1.0, False),
                 "dynamic_loss_scale": False,
                 "overflow": False,
-                "clip_grad": float(cfg.get("gradient_clipping", 0.0)),
+                "clip_grad": clip,  # DeepSpeed's loader takes it over its config's
                 "base_optimizer_state": {
                     "state": {
                         i: _adam_state(ckpt.step, m, v, torch_opt)
@@ -275,6 +278,9 @@ def write_ds_checkpoint(
         raise ValueError(f"stage={stage!r}: DeepSpeed ZeRO checkpoints are stage 1, 2 or 3")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int")
+    clip = U.effective_clipping(ckpt.ds_config, ckpt.gradient_clipping)
+    if ds_config is not None:
+        U.check_config_clipping(ds_config, clip, "the checkpoint's run")
     cfg = dict(ds_config) if ds_config is not None else default_ds_config(ckpt, stage, world_size)
     cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": stage}
     for key in ("bf16", "fp16"):
@@ -288,7 +294,7 @@ def write_ds_checkpoint(
     if stage == 3:
         shapes, osds = _zero3_files(ckpt, cfg, world_size, torch_opt)
     else:
-        shapes, osds = _zero12_files(ckpt, cfg, world_size, stage, torch_opt)
+        shapes, osds = _zero12_files(ckpt, cfg, world_size, stage, torch_opt, clip)
     model = _model_states(ckpt, cfg, world_size, shapes, stage == 3)
     written = []
     model_files = (
@@ -336,10 +342,17 @@ def write_checkpoint(
       tag: default ``global_step{step}``. ds_config: stored in the files (default: the
         checkpoint's, or a minimal AdamW one); its ``round_robin_gradients``,
         ``parameter_alignment`` and ``sub_group_size`` shape the layout, so give the config the
-        DeepSpeed job will use.
+        DeepSpeed job will use. Its ``gradient_clipping`` (DeepSpeed's default 1.0 when
+        absent) must be the chain's: the clipping ``zero.tx`` does when :func:`adamw` built it
+        (recorded in the default config), else the config must set it. ZeRO 1/2 files also
+        record it (``clip_grad``), and DeepSpeed continues with that value.
 
     Returns:
       The files written.
+
+    Raises:
+      DeepSpeedSettingError: the ds_config clips otherwise than the state's chain, or the
+        chain's clipping cannot be told and the ds_config does not set it.
     """
     from jaxzero.interop.deepspeed.jax_state import from_train_state
 
@@ -347,7 +360,12 @@ def write_checkpoint(
         ckpt = state_or_ckpt
     else:
         ckpt = from_train_state(
-            state_or_ckpt, zero, param_groups=param_groups, name_map=name_map, buffers=buffers
+            state_or_ckpt,
+            zero,
+            param_groups=param_groups,
+            name_map=name_map,
+            buffers=buffers,
+            ds_config=ds_config,
         )
     return write_ds_checkpoint(
         ckpt, save_dir, stage=stage, world_size=world_size, tag=tag, ds_config=ds_config
