@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import FIXTURES, missing, require
 
 import jaxzero as jz
 from jaxzero.interop.deepspeed import (
@@ -31,9 +32,9 @@ from jaxzero.interop.deepspeed import (
 )
 from jaxzero.interop.deepspeed import _pickle as dspickle
 
-torch = pytest.importorskip("torch")
+torch = require("torch", "torch")
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed_default_clipping")
+FIXTURE = os.path.join(FIXTURES, "deepspeed_default_clipping")
 DEFAULT_LINE = (
     "gradient_clipping = 1.0 (DeepSpeed default, key absent): optax.clip_by_global_norm(1) on "
     "the averaged gradient, before AdamW"
@@ -42,7 +43,8 @@ DEFAULT_LINE = (
 
 def run_dir(stage):
     d = os.path.join(FIXTURE, f"z{stage}")
-    assert os.path.isdir(d), f"{d} is missing: run .venv/bin/python tests/make_ds_fixture.py"
+    if not os.path.isfile(os.path.join(d, "losses.json")):
+        missing(f"fixture case deepspeed_default_clipping/z{stage}", d)
     with open(os.path.join(d, "losses.json")) as f:
         info = json.load(f)
     return d, info, np.load(os.path.join(d, "trajectory.npz"))
@@ -258,7 +260,7 @@ def test_deepspeed_continues_a_written_checkpoint_with_the_clipping(tmp_path):
     """jaxzero's step 4 from the ZeRO-2 run, written for ZeRO 2 at W=2 with the recorded
     clipping, loads into real DeepSpeed (the run's own config, no gradient_clipping key), whose
     step 5 equals DeepSpeed's uninterrupted step 5 within 1e-6."""
-    pytest.importorskip("deepspeed")
+    require("deepspeed", "dev")
     sys.path.insert(0, os.path.dirname(__file__))
     import ds_worker
 
