@@ -10,6 +10,7 @@ jaxzero cannot reproduce are refused by name; ``write_checkpoint`` records the c
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -188,16 +189,41 @@ def test_deepspeed_settings_misuse_and_no_effect_settings():
     assert DEFAULT_LINE in reported[2].splitlines()
 
 
-def test_deepspeed_convert_refuses_before_writing(tmp_path):
-    """``deepspeed_to_jax`` of a checkpoint whose config has an lr scheduler fails naming it
-    and creates nothing."""
-    save = tmp_path / "ds"
-    shutil.copytree(os.path.join(run_dir(2)[0], "ckpt"), save)
-    states = save / "step3" / "mp_rank_00_model_states.pt"
+def add_scheduler(step_dir):
+    states = step_dir / "mp_rank_00_model_states.pt"
     sd = dspickle.load(states, "t")
     sd["ds_config"]["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 9}}
     dspickle.save(sd, states)
-    with pytest.raises(DeepSpeedSettingError, match="scheduler = 'WarmupDecayLR'"):
+
+
+def make_fp16(step_dir):
+    """An fp16 run with dynamic loss scaling: fp16 in the config, and the DynamicLossScaler
+    DeepSpeed pickles into each optimizer file."""
+    states = step_dir / "mp_rank_00_model_states.pt"
+    sd = dspickle.load(states, "t")
+    sd["ds_config"]["fp16"] = {"enabled": True, "loss_scale": 0}
+    dspickle.save(sd, states)
+    for r in range(2):
+        path = step_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        sd = dspickle.load(path, "t")
+        scaler = dspickle.DynamicLossScaler(65536.0, True)
+        scaler.__dict__.update(cur_iter=3, last_overflow_iter=-1, cur_hysteresis=2)
+        sd["optimizer_state_dict"].update(loss_scaler=scaler, dynamic_loss_scale=True)
+        dspickle.save(sd, path)
+
+
+@pytest.mark.parametrize(
+    "edit,pattern",
+    [(add_scheduler, "scheduler = 'WarmupDecayLR'"), (make_fp16, "fp16 = {'enabled': True")],
+)
+def test_deepspeed_convert_refuses_before_writing(tmp_path, edit, pattern):
+    """``deepspeed_to_jax`` of a checkpoint whose run used an lr scheduler, or fp16 with
+    dynamic loss scaling (its DynamicLossScaler reads), fails naming the setting and creates
+    nothing."""
+    save = tmp_path / "ds"
+    shutil.copytree(os.path.join(run_dir(2)[0], "ckpt"), save)
+    edit(save / "step3")
+    with pytest.raises(DeepSpeedSettingError, match=re.escape(pattern)):
         deepspeed_to_jax(save, tmp_path / "out", stage=2, devices=8)
     assert not (tmp_path / "out").exists()
 
