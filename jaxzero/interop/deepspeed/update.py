@@ -231,13 +231,13 @@ def _reduction(r: _Reader, stage, world_size) -> None:
 
 def _batches(r: _Reader) -> None:
     gas = r.cfg.get("gradient_accumulation_steps")
-    r.add(
-        "gradient_accumulation_steps",
-        gas if gas is not None else 1,
-        gas is None,
+    effect = (
         "the gradient is the mean over every micro-batch of the step: give one jaxzero step "
-        "the global batch (train_batch_size examples; accum_steps= splits it)",
+        "the global batch (train_batch_size examples; accum_steps= splits it)"
     )
+    if gas is None:
+        effect = "absent, DeepSpeed derives it from the batch sizes; " + effect
+    r.add("gradient_accumulation_steps", gas, gas is None, effect)
 
 
 def _precision(r: _Reader, dtype: str) -> None:
