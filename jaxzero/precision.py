@@ -45,7 +45,7 @@ class Precision:
         step casts each shard to ``param_dtype`` as it gathers it; ``itemsize(param_dtype)``
         Phi/N less per device, the same numbers and the same bytes on the wire. Then
         ``jz.gather(state.params)`` returns ``master_dtype`` weights, as FSDP's full state
-        dict does (pass ``dtype=`` to :func:`jaxzero.evaluate` to evaluate in ``param_dtype``).
+        dict does (``jz.ema_params(state, dtype=param_dtype)`` evaluates in ``param_dtype``).
     """
 
     param_dtype: object = jnp.float32

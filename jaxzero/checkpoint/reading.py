@@ -84,7 +84,7 @@ def restore(
       FileNotFoundError: no such directory, no complete step, or ``step`` not complete.
       ValueError: the stored tree differs from the target (the first missing / mis-shaped /
         extra leaf path is named); nothing is restored.
-      CheckpointDamagedError (a ValueError): the step (with ``fallback``: every step) is
+      CheckpointDamagedError: (a ValueError) the step (with ``fallback``: every step) is
         damaged; the step and the leaf are named.
     """
     if not isinstance(zero, ZeRO):

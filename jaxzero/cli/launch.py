@@ -25,8 +25,8 @@ to ``--grace`` seconds (default 0) for the others to stop by themselves, then te
 This is a single-node launcher (for testing and one multi-GPU machine); on a cluster use the
 scheduler (``srun``) and let :func:`jaxzero.distributed.initialize` auto-detect it.
 
-This is the command line only (``parse_args``, ``main``); the library side (``launch``,
-``process_env``, ``free_port``) is :mod:`jaxzero.distributed.launch`. ``python -m
+This is the command line only (``build_parser``, ``parse_args``, ``main``); the library side
+(``launch``, ``process_env``, ``free_port``) is :mod:`jaxzero.distributed.launch`. ``python -m
 jaxzero.launch`` runs :func:`main` through the thin module :mod:`jaxzero.launch`.
 """
 
@@ -40,7 +40,8 @@ from jaxzero.cli.command import pick
 from jaxzero.distributed.launch import launch
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's argument parser (``python -m jaxzero.launch --help``)."""
     ap = argparse.ArgumentParser(
         prog="python -m jaxzero.launch",
         description="Run a jax program in several local processes (jaxzero.distributed).",
@@ -75,7 +76,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("-m", dest="module", action="store_true", help="run a module (python -m)")
     ap.add_argument("script", help="the script (or with -m, the module) to run")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The launcher's arguments parsed from ``argv`` (default ``sys.argv[1:]``)."""
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -319,7 +319,7 @@ def check_same_on_all_processes(tree, what: str = "tree") -> None:
     Host arrays given to jit on several processes are taken as the same replicated value
     everywhere without being compared: initial params drawn with a different seed per process
     give a "replicated" state that silently differs per process. Only a CRC32 per leaf is
-    exchanged. Leaves that already are global (not fully addressable) ``jax.Array``s are
+    exchanged. Leaves that already are global (not fully addressable) ``jax.Array`` values are
     consistent by construction and skipped; abstract trees (tracers, ShapeDtypeStructs) are
     not checked. Every process must call it (it is a collective).
     """

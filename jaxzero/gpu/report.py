@@ -189,7 +189,7 @@ def compile_report(
       state_or_shapes: a :class:`jaxzero.TrainState` (concrete or abstract; re-sharded onto the
         step's mesh) or the params' shapes (``jax.eval_shape`` of the init), from which
         ``zero.abstract_state(shapes, ema=step.ema, model_state=, rng=)`` is built.
-      batch_shapes: the GLOBAL batch as arrays or ``ShapeDtypeStruct``s.
+      batch_shapes: the GLOBAL batch as arrays or ``ShapeDtypeStruct`` values.
       kind: the GPU kind for the memory verdict; default: read from the mesh's devices.
       compiler_options: XLA debug options for this compile only, e.g.
         ``jaxzero.gpu.xla_options(jaxzero.gpu.recommended_xla_flags())``

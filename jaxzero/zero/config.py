@@ -61,12 +61,14 @@ def _precision(precision, stage) -> Precision:
 class ZeRO:
     """ZeRO stage 0-3 sharding around any ``optax.GradientTransformation``.
 
-    | stage | compute params | reduced gradients | master + optimizer state | EMA |
-    |---|---|---|---|---|
-    | 0 | replicated | all-reduced, replicated | replicated | sharded |
-    | 1 | replicated | all-reduced, sliced | sharded 1/N | sharded |
-    | 2 | replicated | reduce-scattered, 1/N | sharded 1/N | sharded |
-    | 3 | sharded 1/N, gathered for use | reduce-scattered | sharded 1/N | sharded |
+    =====  ==============================  ========================  ==============  =======
+    stage  compute params                  reduced gradients         master + opt.   EMA
+    =====  ==============================  ========================  ==============  =======
+    0      replicated                      all-reduced, replicated   replicated      sharded
+    1      replicated                      all-reduced, sliced       sharded 1/N     sharded
+    2      replicated                      reduce-scattered, 1/N     sharded 1/N     sharded
+    3      sharded 1/N, gathered for use   reduce-scattered          sharded 1/N     sharded
+    =====  ==============================  ========================  ==============  =======
 
     Args:
       tx: the optax transformation (any chain: masks, clipping, schedules, MultiSteps...).
@@ -151,7 +153,7 @@ class ZeRO:
 
     @property
     def per_layer(self) -> bool:
-        """Stage 3 with named layer stacks: parameters are gathered one layer at a time."""
+        """True at stage 3 with named layer stacks (parameters gathered one layer at a time)."""
         return self.stage == 3 and bool(self.layers)
 
     @property

@@ -36,14 +36,18 @@ class DeepSpeedCheckpoint:
     """A DeepSpeed checkpoint, gathered: every array is full (unpartitioned), in torch layout.
 
     Attributes:
-      params, exp_avg, exp_avg_sq: name -> float32 array: the fp32 master and Adam moments.
+      params: name -> float32 array: the fp32 master.
+      exp_avg: name -> float32 array: Adam's first moment.
+      exp_avg_sq: name -> float32 array: Adam's second moment.
       module: name -> compute-dtype weights (bfloat16/float16 arrays for bf16/fp16 runs).
       buffers: name -> the module's persistent buffers, as saved.
       step: the optimizer's step (Adam bias correction continues from it).
       param_groups: one dict per param group: ``names``, ``lr``, ``betas`` (a list, as
         saved), ``eps``, ``weight_decay``.
-      zero_stage, world_size: how DeepSpeed ran (1 for ``BF16_Optimizer``).
-      ds_config, ds_version: as saved.
+      zero_stage: the ZeRO stage DeepSpeed ran (1 for ``BF16_Optimizer``).
+      world_size: the data-parallel world size DeepSpeed ran on.
+      ds_config: the DeepSpeed config, as saved.
+      ds_version: the DeepSpeed version, as saved.
       dtype: the compute dtype, ``"fp32"``, ``"bf16"`` or ``"fp16"``.
       optimizer: ``"FusedAdam"`` (DeepSpeed's AdamW) or ``"torch.optim.AdamW"``.
       global_steps: the engine's step counter (counts skipped fp16 steps too).
@@ -206,7 +210,7 @@ def read_checkpoint(save_dir, tag=None) -> DeepSpeedCheckpoint:
       tag: the sub-directory; None reads the one named in ``save_dir/latest``.
 
     Raises:
-      DeepSpeedCheckpointError (a ValueError): damaged, partial (a rank file missing) or
+      DeepSpeedCheckpointError: (a ValueError) damaged, partial (a rank file missing) or
         unsupported (model/pipeline parallel, an optimizer other than AdamW) checkpoints;
         the message names the file and what is wrong.
       UnsafeFileError: a file asks for code outside the allowlist.

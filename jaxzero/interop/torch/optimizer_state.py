@@ -134,8 +134,9 @@ def export_optimizer_state(opt_state, param_names, *, hyperparams, name_map=None
         or ``param_names`` matched against the tree by the rules).
 
     Returns:
-      ``{"state": {i: {"step", "exp_avg", "exp_avg_sq"} or {"momentum_buffer"}},
-      "param_groups": [{**hyperparams, "params": [i, ...]}, ...]}`` with float32 ``step``.
+      The state dict ``{"state": {i: state_i}, "param_groups": [group, ...]}``: ``state_i`` is
+      ``{"step", "exp_avg", "exp_avg_sq"}`` (float32 ``step``) or ``{"momentum_buffer"}``,
+      each group is ``hyperparams`` plus ``"params": [i, ...]``.
     """
     groups = _groups(param_names)
     names = [n for g in groups for n in g]
