@@ -5,7 +5,7 @@ The GPU compiles run in this pytest process next to the simulated CPU devices: j
 plugin builds compile-only devices from a target config (``get_topology_desc``) without
 touching the default backend, so ``JAX_PLATFORMS=cpu`` (tests/conftest.py) keeps the numerical
 tests on CPU and the plugin never looks for a driver. These tests need the plugin
-(``pip install -e '.[cuda12]'``, as ``make test`` does) and fail, not skip, without it.
+(``pip install -e '.[gpu-compile]'``, as ``make test`` does) and fail, not skip, without it.
 
 Expected numbers are restated here from the sharding rule and the ZeRO accounting (DESIGN /
 tests/test_stages.py), not read from jaxzero: a leaf is split N ways on its largest dimension

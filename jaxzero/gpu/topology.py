@@ -39,7 +39,8 @@ __all__ = [
 
 INSTALL_HINT = (
     'install jax\'s CUDA plugin: pip install "jax[cuda12]==0.10.2" '
-    "(or, in a jaxzero checkout, pip install -e '.[cuda12]')"
+    "(or, in a jaxzero checkout, pip install -e '.[gpu-compile]': the plugin and cuDNN "
+    "without the other CUDA wheels)"
 )
 GPUS_PER_HOST = 8
 
