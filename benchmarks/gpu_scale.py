@@ -24,7 +24,7 @@ compiled for a compile-only mesh (``jaxzero.gpu.compile_only_mesh``) and never r
    and with XLA's reference attention, which materialises the per-layer f32 scores.
 
 Writes ``benchmarks/results/gpu_scale.md`` and ``gpu_scale.json`` (parts not rerun are kept
-from the JSON).
+from the JSON), then copies the tables into docs/benchmarks.md (``benchmarks/docs_tables.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxzero as jz  # noqa: E402
 from jaxzero import gpu  # noqa: E402
 from jaxzero.gpu.models import model_shape  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import docs_tables  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GB = 1e9
@@ -344,29 +347,9 @@ def main(argv=None):
             with open(path, "w") as f:
                 json.dump(results, f, indent=1)
             print(write(results, args.gpu, args.devices, args.out), flush=True)
-    with open(args.out) as f:
-        into_build_notes(f.read())
+    if os.path.abspath(args.out) == os.path.join(HERE, "results", "gpu_scale.md"):
+        docs_tables.sync()  # docs/benchmarks.md shows the last run's tables
     return 0
-
-
-BEGIN, END = "<!-- gpu_scale.md: begin -->", "<!-- gpu_scale.md: end -->"
-
-
-NOTES = os.path.join(HERE, "..", "BUILD_NOTES.md")
-
-
-def into_build_notes(md: str, path: str = NOTES) -> None:
-    """Replace BUILD_NOTES.md's section between the gpu_scale markers with ``md`` (its headings
-    one level down), so the notes always hold the last run's table."""
-    with open(path) as f:
-        notes = f.read()
-    if BEGIN not in notes or END not in notes:
-        print(f"{path} has no {BEGIN} ... {END} section; table not copied there")
-        return
-    body = "\n".join("#" + line if line.startswith("#") else line for line in md.splitlines())
-    head, rest = notes.split(BEGIN, 1)
-    with open(path, "w") as f:
-        f.write(head + BEGIN + "\n" + body.strip() + "\n" + END + rest.split(END, 1)[1])
 
 
 if __name__ == "__main__":

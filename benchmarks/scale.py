@@ -446,8 +446,8 @@ def render(rows: list[dict], meta: dict) -> str:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--gpu" in argv or any(a.startswith("--gpu=") for a in argv):
-        # Deviceless XLA:GPU compiles (jax[cuda12]): benchmarks/gpu_scale.py, whose table also
-        # goes into BUILD_NOTES.md.
+        # Deviceless XLA:GPU compiles (jax[cuda12]): benchmarks/gpu_scale.py, whose tables also
+        # go into docs/benchmarks.md.
         sys.path.insert(0, HERE)
         import gpu_scale
 

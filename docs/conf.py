@@ -11,6 +11,8 @@ docstring that drifts from its code into a warning:
   libraries are not in the reference; the build runs offline, without intersphinx).
 * ``check_public_names_documented``: every name in ``jaxzero.__all__`` appears in the API
   reference.
+* ``check_benchmark_tables``: every table in ``benchmarks.md`` equals the results file its
+  command wrote (``benchmarks/docs_tables.py``).
 
 The command-line page shows each parser's ``--help`` text, generated here at build time from
 ``jaxzero.cli.build_parser`` and ``jaxzero.cli.launch.build_parser`` (the ``jaxzero-help``
@@ -204,7 +206,17 @@ class HelpDirective(SphinxDirective):
         return sections
 
 
+def check_benchmark_tables(app):
+    """Warn for each table of benchmarks.md that differs from its results file."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import docs_tables
+
+    for problem in docs_tables.stale():
+        _log.warning("benchmarks.md: %s", problem, type="jaxzero", subtype="benchmark-tables")
+
+
 def setup(app):
+    app.connect("builder-inited", check_benchmark_tables)
     app.add_directive("jaxzero-help", HelpDirective)
     # After napoleon (priority 500) has turned Google sections into :param: fields.
     app.connect("autodoc-process-docstring", check_documented_parameters, priority=900)

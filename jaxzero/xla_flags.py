@@ -1,10 +1,11 @@
 """The XLA GPU flags jaxzero recommends, and applying them before a GPU backend starts.
 
 Each flag is kept because it measurably changes the compiled GPU step (the hidden share of
-collective bytes or the memory; BUILD_NOTES "XLA GPU flags" records the before/after, regenerated
-by ``python benchmarks/overlap.py``). ``XLA_FLAGS`` is read once, when the first backend starts:
-:func:`apply_xla_flags` must run before that (``jaxzero.distributed.initialize()`` calls it
-first; the launcher puts the flags in each process's environment). For one compile, pass
+collective bytes or the memory; docs/decisions/28-xla-gpu-flags.md records the before/after,
+and ``python benchmarks/overlap.py`` regenerates the peer table in docs/benchmarks.md).
+``XLA_FLAGS`` is read once, when the first backend starts: :func:`apply_xla_flags` must run
+before that (``jaxzero.distributed.initialize()`` calls it first; the launcher puts the flags
+in each process's environment). For one compile, pass
 :func:`xla_options` to ``jax.jit(f).lower(...).compile(compiler_options=...)`` instead
 (``jaxzero.gpu.compile_report(..., compiler_options=)``).
 
@@ -29,7 +30,7 @@ __all__ = [
 
 OPT_OUT_ENV = "JAXZERO_NO_XLA_FLAGS"
 
-# name -> value. Kept flags only (see the module docstring); BUILD_NOTES has the figures.
+# name -> value. Kept flags only (see the module docstring and docs/decisions/28-xla-gpu-flags.md).
 # Measured and left out: xla_gpu_enable_while_loop_double_buffering (hides 6-12% more all-gather
 # bytes of stage 3 per layer, but at N = 8 on the 8-layer GPT it halves the hidden share of the
 # per-layer reduce-scatters of stage 2, 74% -> 37%, and adds 5% memory);
@@ -39,13 +40,12 @@ _RECOMMENDED = {
     # Start layer i+1's all-gather in layer i's loop iteration (per-layer stage 3): hidden
     # share of all-gather bytes 0% -> 36-37% (4-layer test decoder; 8-layer GPT, width 1024).
     "xla_gpu_enable_pipelined_all_gather": "true",
-    # Move each layer's all-reduce under the next layer's backward (stage 0 per layer, session
-    # 8): hidden share of all-reduce bytes 1.5% -> 74%, args+temp 2468.4 -> 2410.0 MB (8-layer
-    # GPT, N = 8).
+    # Move each layer's all-reduce under the next layer's backward (stage 0 per layer): hidden
+    # share of all-reduce bytes 1.5% -> 74%, args+temp 2468.4 -> 2410.0 MB (8-layer GPT, N = 8).
     "xla_gpu_enable_pipelined_all_reduce": "true",
     # Combine a layer's all-gathers into one (XLA's default threshold, 30 MiB, splits a wide
     # layer into one gather per leaf, and the scheduler keeps one all-gather in flight at a
-    # time, so only the last covers the layer's gemms; session 9): LLaMA-7B, N = 64, stage 3
+    # time, so only the last covers the layer's gemms): LLaMA-7B, N = 64, stage 3
     # per layer: hidden share of all-gather bytes 36% -> 95%, peak 4.03 -> 4.00 GB; stages 1/2
     # per layer 35.55 -> 32.36 GB. 1 GiB (MaxText's value): a layer up to 1 GiB in one gather.
     "xla_gpu_all_gather_combine_threshold_bytes": "1073741824",
