@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO checkpoints in and out of jaxzero (see ``docs_deepspeed.md``).
+"""DeepSpeed ZeRO checkpoints in and out of jaxzero (guide: ``docs/guide/deepspeed.md``;
+running DeepSpeed itself on a CPU: ``docs/guide/deepspeed-cpu.md``).
 
 * :func:`read_checkpoint`: a DeepSpeed 0.19.8 ZeRO 1/2/3 checkpoint -> full numpy arrays
   (fp32 master, Adam moments, compute weights, buffers, step, param groups). DeepSpeed is not
