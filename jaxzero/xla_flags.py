@@ -15,9 +15,11 @@ Only a process that will run on NVIDIA GPUs gets them: a CPU run is never given 
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 import sys
+import warnings
+
+from jaxzero._compat import compile_option_accepted, cuda_plugin, unknown_xla_flags
 
 __all__ = [
     "OPT_OUT_ENV",
@@ -36,33 +38,82 @@ OPT_OUT_ENV = "JAXZERO_NO_XLA_FLAGS"
 # per-layer reduce-scatters of stage 2, 74% -> 37%, and adds 5% memory);
 # xla_gpu_enable_pipelined_reduce_scatter (already XLA's default; the per-layer reduce-scatters
 # of stages 2/3 rely on it: off, their hidden share drops from 94% to 0%);
-_RECOMMENDED = {
+# One entry per recommended setting: its spellings, newest XLA first, each as
+# (XLA_FLAGS flag, compile-option value). XLA renamed the two pipelining switches (jax >= 0.11:
+# an enum, xla_gpu_pipeline_*=on; the old boolean is gone from the compile options and kept in
+# XLA_FLAGS as a deprecated alias); the first spelling the running XLA knows is used.
+_RECOMMENDED = (
     # Start layer i+1's all-gather in layer i's loop iteration (per-layer stage 3): hidden
     # share of all-gather bytes 0% -> 36-37% (4-layer test decoder; 8-layer GPT, width 1024).
-    "xla_gpu_enable_pipelined_all_gather": "true",
+    (
+        ("--xla_gpu_pipeline_all_gather=on", "COLLECTIVE_PIPELINING_MODE_ON"),
+        ("--xla_gpu_enable_pipelined_all_gather=true", True),
+    ),
     # Move each layer's all-reduce under the next layer's backward (stage 0 per layer): hidden
     # share of all-reduce bytes 1.5% -> 74%, args+temp 2468.4 -> 2410.0 MB (8-layer GPT, N = 8).
-    "xla_gpu_enable_pipelined_all_reduce": "true",
+    (
+        ("--xla_gpu_pipeline_all_reduce=on", "COLLECTIVE_PIPELINING_MODE_ON"),
+        ("--xla_gpu_enable_pipelined_all_reduce=true", True),
+    ),
     # Combine a layer's all-gathers into one (XLA's default threshold, 30 MiB, splits a wide
     # layer into one gather per leaf, and the scheduler keeps one all-gather in flight at a
     # time, so only the last covers the layer's gemms): LLaMA-7B, N = 64, stage 3
     # per layer: hidden share of all-gather bytes 36% -> 95%, peak 4.03 -> 4.00 GB; stages 1/2
     # per layer 35.55 -> 32.36 GB. 1 GiB (MaxText's value): a layer up to 1 GiB in one gather.
-    "xla_gpu_all_gather_combine_threshold_bytes": "1073741824",
-}
+    (("--xla_gpu_all_gather_combine_threshold_bytes=1073741824", 1 << 30),),
+)
+
+
+def _name(flag: str) -> str:
+    return flag.lstrip("-").partition("=")[0]
+
+
+def _pick(known) -> list[tuple[str, object]]:
+    """The first spelling of each recommended setting that ``known(flag, option)`` accepts;
+    a setting with none is left out with a warning naming it."""
+    out = []
+    for spellings in _RECOMMENDED:
+        chosen = next((s for s in spellings if known(*s)), None)
+        if chosen is None:
+            warnings.warn(
+                f"jaxzero: this XLA (jaxlib {_jaxlib_version()}) knows none of "
+                f"{', '.join(f for f, _ in spellings)}; that recommended XLA flag is left out",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        else:
+            out.append(chosen)
+    return out
+
+
+def _jaxlib_version() -> str:
+    from importlib.metadata import version
+
+    return version("jaxlib")
 
 
 def recommended_xla_flags() -> list[str]:
-    """``["--xla_gpu_enable_pipelined_all_gather=true", ...]``: XLA GPU flags jaxzero
-    recommends for training (see the module docstring for why each is kept)."""
-    return [f"--{k}={v}" for k, v in _RECOMMENDED.items()]
+    """``["--xla_gpu_pipeline_all_gather=on", ...]``: the XLA GPU flags jaxzero recommends for
+    training (see the module docstring for why each is kept), spelled as this XLA's
+    ``XLA_FLAGS`` parser knows them (checked by :func:`jaxzero._compat.unknown_xla_flags`, in
+    a child process); a flag this XLA does not know is left out with a warning."""
+    unknown = unknown_xla_flags(tuple(f for spellings in _RECOMMENDED for f, _ in spellings))
+    return [flag for flag, _ in _pick(lambda flag, _: _name(flag) not in unknown)]
 
 
 def xla_options(flags: list[str] | None = None) -> dict[str, object]:
-    """``{"xla_gpu_enable_pipelined_all_gather": True, ...}``: ``flags`` (default
-    :func:`recommended_xla_flags`) as ``compile(compiler_options=...)`` takes them."""
+    """``{"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON", ...}``: ``flags`` as
+    ``compile(compiler_options=...)`` takes them. Default: the recommended flags, each in the
+    first spelling this XLA's compile options accept (checked by compiling a scalar function,
+    :func:`jaxzero._compat.compile_option_accepted`); one it does not take is left out with a
+    warning."""
+    if flags is None:
+        return {
+            _name(flag): value
+            for flag, value in _pick(lambda f, v: compile_option_accepted(_name(f), v))
+        }
     out: dict[str, object] = {}
-    for flag in recommended_xla_flags() if flags is None else flags:
+    for flag in flags:
         name, _, value = flag.lstrip("-").partition("=")
         out[name] = (
             int(value)
@@ -72,15 +123,10 @@ def xla_options(flags: list[str] | None = None) -> dict[str, object]:
     return out
 
 
-CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
-
-
 def cuda_plugin_installed() -> bool:
-    """Whether jax's CUDA plugin is importable: ``jax[cuda12]`` (what jaxzero installs) or
-    ``jax[cuda13]`` (a CUDA 13 machine's jax); either carries XLA's GPU compiler."""
-    if importlib.util.find_spec("jax_plugins") is None:
-        return False
-    return any(importlib.util.find_spec(p) is not None for p in CUDA_PLUGINS)
+    """Whether jax's CUDA plugin is importable: ``jax[cuda12]`` or ``jax[cuda13]``
+    (:data:`jaxzero._compat.CUDA_PLUGINS`); either carries XLA's GPU compiler."""
+    return cuda_plugin() is not None
 
 
 def gpu_present(environ=None) -> bool:

@@ -23,6 +23,8 @@ from jaxzero.memory import (
     max_device_bytes,
     measure,
     parse_bytes,
+    replica_group_size,
+    replica_groups,
 )
 
 GB = 10**9
@@ -244,8 +246,61 @@ def test_psum_all_reduce_bytes(mesh):
     assert ar["count"] == 1 and ar["bytes"] == 8 * 32 * 4
     op = ar["ops"][0]
     assert op.shape == "f32[8,32]" and op.dtypes == ("f32",) and not op.is_async
-    assert op.replica_groups == "{{0,1,2,3,4,5,6,7}}"
+    # jax 0.10 prints {{0,...,7}}, jax 0.12 mesh['data'=8] {'data'}: the same one group.
+    assert replica_groups(op.replica_groups) == (tuple(range(8)),)
     assert set(s) == set(COLLECTIVE_KINDS)
+
+
+def test_replica_groups_on_a_two_axis_mesh():
+    """Groups read from the compiled HLO (either syntax) match the mesh layout: a psum over
+    "data" groups each replica row, a gather over "replica" each column."""
+    mesh2 = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def f(a):
+        return jax.lax.psum(a, "data"), jax.lax.all_gather(a, "replica")
+
+    hlo = _hlo(mesh2, f, P(("replica", "data")), (P("replica"), P("data")), jnp.ones((16, 4)))
+    s = collective_bytes(hlo)
+    (ar,), (ag,) = s["all-reduce"]["ops"], s["all-gather"]["ops"]
+    assert replica_groups(ar.replica_groups) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert replica_groups(ag.replica_groups) == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert replica_group_size(ar.replica_groups) == 4 and replica_group_size(ag.replica_groups) == 2
+
+
+# Collective lines as XLA prints them: jax 0.10 on CPU (explicit), XLA:GPU (iota), jax 0.12
+# (mesh axes). Expected groups written by hand from each syntax's definition.
+GROUP_SYNTAXES = [
+    ("{{0,1,2,3},{4,5,6,7}}", ((0, 1, 2, 3), (4, 5, 6, 7))),
+    ("{{0,4},{1,5},{2,6},{3,7}}", ((0, 4), (1, 5), (2, 6), (3, 7))),
+    ("[1,8]<=[8]", ((0, 1, 2, 3, 4, 5, 6, 7),)),
+    ("[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
+    ("[4,2]<=[2,4]T(1,0)", ((0, 4), (1, 5), (2, 6), (3, 7))),
+    ("mesh['data'=8] {'data'}", ((0, 1, 2, 3, 4, 5, 6, 7),)),
+    ("mesh['r'=2,'d'=4] {'d'}", ((0, 1, 2, 3), (4, 5, 6, 7))),
+    ("mesh['r'=2,'d'=4] {'r'}", ((0, 4), (1, 5), (2, 6), (3, 7))),
+    ("mesh['a'=2,'b'=2,'c'=2] {'a','c'}", ((0, 1, 4, 5), (2, 3, 6, 7))),
+    ("mesh['a'=2,'b'=2,'c'=2] {'b'}", ((0, 2), (1, 3), (4, 6), (5, 7))),
+]
+
+
+@pytest.mark.parametrize("text,groups", GROUP_SYNTAXES)
+def test_replica_groups_read_in_every_syntax(text, groups):
+    line = (
+        f"  %rs = f32[1,4]{{1,0}} reduce-scatter(%p), channel_id=1, replica_groups={text}, "
+        "use_global_device_ids=true, dimensions={0}, to_apply=%add"
+    )
+    (op,) = collective_ops(f"ENTRY %main {{\n{line}\n}}")
+    assert op.replica_groups == text
+    assert replica_groups(text) == groups
+    assert replica_group_size(text) == len(groups[0])
+
+
+def test_replica_groups_not_stated():
+    assert replica_groups(None) is None and replica_group_size(None) is None
+    # A mesh form with a device order beyond axes and sizes: the groups are not expanded, the
+    # group size still is.
+    odd = "mesh['r'=2,'d'=4] device_ids=[7,6,5,4,3,2,1,0] {'d'}"
+    assert replica_groups(odd) is None and replica_group_size(odd) == 4
 
 
 def test_all_gather_bytes(mesh):

@@ -11,6 +11,7 @@ import pytest
 from models import make_problem
 
 import jaxzero as jz
+from jaxzero._compat import scan_counts
 from jaxzero.memory import collective_bytes, device_bytes
 
 N = 8
@@ -66,8 +67,7 @@ def accumulator_shapes(step, state, batch):
     def walk(jp):
         for eqn in jp.eqns:
             if eqn.primitive.name == "scan":
-                n_consts = eqn.params["num_consts"]
-                n_carry = eqn.params["num_carry"]
+                n_consts, n_carry = scan_counts(eqn.params)  # renamed in jax 0.12
                 found.extend(v.aval.shape for v in eqn.invars[n_consts : n_consts + n_carry])
             for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else []:
                 walk(sub)

@@ -6,35 +6,71 @@ from __future__ import annotations
 
 import os
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import jaxzero
-from jaxzero import xla_flags
+from jaxzero import _compat, xla_flags
 from jaxzero.distributed.launch import launch_base_env
 
-FLAGS = [
-    "--xla_gpu_enable_pipelined_all_gather=true",
-    "--xla_gpu_enable_pipelined_all_reduce=true",
-    "--xla_gpu_all_gather_combine_threshold_bytes=1073741824",
-]
+# XLA renamed the two pipelining switches in jax 0.11 (an enum, xla_gpu_pipeline_*); jax 0.10.2
+# has only the booleans. Pinned per version: what each end of the supported range must pick.
+RENAMED = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+THRESHOLD = "--xla_gpu_all_gather_combine_threshold_bytes=1073741824"
+if RENAMED:
+    FLAGS = ["--xla_gpu_pipeline_all_gather=on", "--xla_gpu_pipeline_all_reduce=on", THRESHOLD]
+    OPTIONS = {
+        "xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON",
+        "xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON",
+    }
+else:
+    FLAGS = [
+        "--xla_gpu_enable_pipelined_all_gather=true",
+        "--xla_gpu_enable_pipelined_all_reduce=true",
+        THRESHOLD,
+    ]
+    OPTIONS = {
+        "xla_gpu_enable_pipelined_all_gather": True,
+        "xla_gpu_enable_pipelined_all_reduce": True,
+    }
+OPTIONS["xla_gpu_all_gather_combine_threshold_bytes"] = 1 << 30
 
 
 def test_recommended_flags_and_their_compile_options():
     assert xla_flags.recommended_xla_flags() == FLAGS
     assert jaxzero.gpu.recommended_xla_flags() == FLAGS
-    assert xla_flags.xla_options() == {
-        "xla_gpu_enable_pipelined_all_gather": True,
-        "xla_gpu_enable_pipelined_all_reduce": True,
-        "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30,
-    }
+    assert xla_flags.xla_options() == OPTIONS
+    # XLA takes them all at once (a CPU compile reads the GPU fields of DebugOptions too).
+    f = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((), jnp.float32))
+    f.compile(compiler_options=OPTIONS)
     assert xla_flags.xla_options(["--xla_gpu_foo=3", "--xla_gpu_bar=x1"]) == {
         "xla_gpu_foo": 3,
         "xla_gpu_bar": "x1",
     }
 
 
+def test_flags_this_xla_does_not_know_are_left_out_with_a_warning(monkeypatch):
+    """The running XLA decides: a made-up newest spelling falls back to the older real one, and
+    a setting with no spelling XLA knows is left out, named in a warning (both routes)."""
+    table = (
+        (("--xla_gpu_jaxzero_no_such_flag=on", "ON"), (THRESHOLD, 1 << 30)),
+        (("--xla_gpu_jaxzero_gone=true", True),),
+    )
+    monkeypatch.setattr(xla_flags, "_RECOMMENDED", table)
+    with pytest.warns(RuntimeWarning, match="knows none of --xla_gpu_jaxzero_gone=true"):
+        assert xla_flags.recommended_xla_flags() == [THRESHOLD]
+    with pytest.warns(RuntimeWarning, match="knows none of --xla_gpu_jaxzero_gone=true"):
+        assert xla_flags.xla_options() == {"xla_gpu_all_gather_combine_threshold_bytes": 1 << 30}
+    assert _compat.unknown_xla_flags((THRESHOLD, "--xla_gpu_jaxzero_gone=1")) == {
+        "xla_gpu_jaxzero_gone"
+    }
+    assert not _compat.compile_option_accepted("xla_gpu_jaxzero_gone", True)
+
+
 def test_user_setting_and_opt_out_win():
-    env = {"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false --xla_dump_to=/tmp/d"}
+    name = FLAGS[0].partition("=")[0]
+    env = {"XLA_FLAGS": f"{name}=false --xla_dump_to=/tmp/d"}
     out, applied = xla_flags.with_xla_flags(env, [*FLAGS, "--xla_gpu_foo=1"])
     assert applied == [*FLAGS[1:], "--xla_gpu_foo=1"]
     assert out["XLA_FLAGS"].split() == [*env["XLA_FLAGS"].split(), *FLAGS[1:], "--xla_gpu_foo=1"]
@@ -63,7 +99,7 @@ def test_gpu_runs_get_them_from_initialize_and_the_launcher(monkeypatch, capsys)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
     assert jaxzero.distributed.initialize() is False  # a single process: flags still applied
     assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", *FLAGS]
-    assert "applied XLA GPU flags --xla_gpu_enable_pipelined_all_gather" in capsys.readouterr().err
+    assert f"applied XLA GPU flags {FLAGS[0]}" in capsys.readouterr().err
     assert xla_flags.apply_xla_flags() == []  # already set: nothing twice
     monkeypatch.setenv("XLA_FLAGS", "")
     assert jaxzero.distributed.initialize(xla_flags=False) is False

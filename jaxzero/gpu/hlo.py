@@ -13,7 +13,7 @@ import dataclasses
 import re
 
 from jaxzero.memory import collective_ops
-from jaxzero.memory.hlo import INSTR_RE, OPCODE_RE
+from jaxzero.memory.hlo import INSTR_RE, OPCODE_RE, replica_group_size
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -224,16 +224,6 @@ def _dtype_bytes(shape: str) -> dict[str, int]:
     return out
 
 
-def _group_size(groups: str | None, default: int) -> int:
-    if not groups:
-        return default
-    if groups.startswith("{"):
-        first = re.search(r"\{([0-9, ]*)\}", groups[1:])
-        return len([x for x in first.group(1).split(",") if x.strip()]) if first else default
-    m = re.match(r"\[([0-9,]*)\]", groups)  # iota form [groups,size]<=[...]
-    return int(m.group(1).split(",")[-1]) if m else default
-
-
 def collective_payloads(hlo: str, group_size: int, mult: dict[str, int] | None = None):
     """``[(CollectiveOp, {dtype: payload bytes per step}), ...]``: each collective's payload
     (see :class:`CollectiveTotal`) times how often its computation runs (``mult``, default
@@ -242,7 +232,9 @@ def collective_payloads(hlo: str, group_size: int, mult: dict[str, int] | None =
     out = []
     for op in collective_ops(hlo):
         k = mult.get(op.computation, 1)
-        scale = _group_size(op.replica_groups, group_size) if op.kind == "reduce-scatter" else 1
+        scale = 1
+        if op.kind == "reduce-scatter":
+            scale = replica_group_size(op.replica_groups) or group_size
         out.append((op, {dt: b * scale * k for dt, b in _dtype_bytes(op.shape).items()}))
     return out
 
@@ -250,8 +242,8 @@ def collective_payloads(hlo: str, group_size: int, mult: dict[str, int] | None =
 def collectives_per_step(hlo: str, group_size: int) -> tuple[CollectiveTotal, ...]:
     """Collectives by (kind, dtype), with payload bytes multiplied by loop trip counts.
 
-    ``group_size`` is used for reduce-scatters whose replica groups the text does not spell
-    out (XLA:GPU's ``mesh[...]`` notation): the size of the data axis.
+    ``group_size`` is used for reduce-scatters whose replica groups the text does not state
+    in a form :func:`jaxzero.memory.replica_group_size` reads: the size of the data axis.
     """
     mult, _ = computation_multipliers(hlo)
     acc: dict[tuple[str, str], list[int]] = {}

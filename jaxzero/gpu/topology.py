@@ -4,8 +4,9 @@ The steps, in order (each named where it happens below):
 
 1. **env**: ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` before jax's CUDA plugin initialises, so the
    plugin does not demand a driver (``cuInit``) it will never use;
-2. **plugin**: jax's CUDA PJRT plugin (``jax_plugins.xla_cuda12``, from
-   ``pip install "jax[cuda12]"``) must be importable: it holds XLA's GPU compiler;
+2. **plugin**: jax's CUDA PJRT plugin (``jax_plugins.xla_cuda12`` from ``jax[cuda12]``, or
+   ``jax_plugins.xla_cuda13`` from ``jax[cuda13]``, jax >= 0.11) must be importable: it holds
+   XLA's GPU compiler;
 3. **topology**: ``jax.experimental.topologies.get_topology_desc(platform="cuda",
    target_config=<GpuTargetConfigProto text>, topology="1xHxG")`` (H hosts of G GPUs) returns
    compile-only device objects;
@@ -24,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxzero._compat import gpu_compile_extra
 from jaxzero.gpu.targets import gpu_spec, target_config
 from jaxzero.xla_flags import cuda_plugin_installed, recommended_xla_flags, xla_options
 
@@ -37,9 +39,10 @@ __all__ = [
     "xla_options",
 ]
 
+_CHECKOUT_EXTRA = "gpu-compile-cuda13" if "cuda13" in gpu_compile_extra() else "gpu-compile"
 INSTALL_HINT = (
-    'install jax\'s CUDA plugin: pip install "jax[cuda12]==0.10.2" '
-    "(or, in a jaxzero checkout, pip install -e '.[gpu-compile]': the plugin and cuDNN "
+    f"install jax's CUDA plugin: {gpu_compile_extra()} "
+    f"(or, in a jaxzero checkout, pip install -e '.[{_CHECKOUT_EXTRA}]': the plugin and cuDNN "
     "without the other CUDA wheels)"
 )
 GPUS_PER_HOST = 8
@@ -77,8 +80,8 @@ def _topology_devices(kind: str, devices: int):
     # step 2, plugin: jax's CUDA plugin carries XLA:GPU.
     if not cuda_plugin_installed():
         raise PluginMissingError(
-            f"compiling for {kind} GPUs needs jax's CUDA plugin (jax_plugins.xla_cuda12), which "
-            f"is not installed; {INSTALL_HINT}."
+            f"compiling for {kind} GPUs needs jax's CUDA plugin (jax_plugins.xla_cuda12 or "
+            f"xla_cuda13), which is not installed; {INSTALL_HINT}."
         )
     from jax.experimental import topologies
 

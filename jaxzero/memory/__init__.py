@@ -30,6 +30,8 @@ from jaxzero.memory.hlo import COLLECTIVE_KINDS as COLLECTIVE_KINDS
 from jaxzero.memory.hlo import CollectiveOp as CollectiveOp
 from jaxzero.memory.hlo import collective_bytes as collective_bytes
 from jaxzero.memory.hlo import collective_ops as collective_ops
+from jaxzero.memory.hlo import replica_group_size as replica_group_size
+from jaxzero.memory.hlo import replica_groups as replica_groups
 from jaxzero.memory.measured import STATE_FIELDS as STATE_FIELDS
 from jaxzero.memory.measured import device_bytes as device_bytes
 from jaxzero.memory.measured import max_device_bytes as max_device_bytes
@@ -49,4 +51,6 @@ __all__ = [
     "max_device_bytes",
     "measure",
     "parse_bytes",
+    "replica_group_size",
+    "replica_groups",
 ]

@@ -7,6 +7,8 @@ import math
 import re
 from typing import Any
 
+import numpy as np
+
 COLLECTIVE_KINDS = (
     "all-reduce",
     "all-gather",
@@ -19,9 +21,16 @@ INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
 _COMP_RE = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
 _LAYOUT_RE = re.compile(r"\{[^{}]*\}|/\*.*?\*/")
-_GROUPS_RE = re.compile(  # explicit {{0,1},{2,3}} or iota [2,4]<=[8] / [2,4]<=[4,2]T(1,0)
-    r"replica_groups=(\{[{}0-9, ]*\}|\[[0-9,]*\]<=\[[0-9,]*\](?:T\([0-9,]*\))?)"
+# replica_groups= in the three syntaxes XLA prints: explicit {{0,1},{2,3}} (jax 0.10 on CPU);
+# iota [2,4]<=[8] / [2,4]<=[4,2]T(1,0) (XLA:GPU); mesh axes mesh['r'=2,'d'=4] {'d'} (jax 0.12).
+_GROUPS_RE = re.compile(
+    r"replica_groups=(\{[{}0-9, ]*\}"
+    r"|\[[0-9,]*\]<=\[[0-9,]*\](?:T\([0-9,]*\))?"
+    r"|mesh\[[^\]]*\][^{,]*\{[^}]*\})"
 )
+_IOTA_RE = re.compile(r"\[([0-9,]*)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?")
+_MESH_RE = re.compile(r"mesh\[([^\]]*)\]\s*(.*?)\s*\{([^}]*)\}")
+_MESH_AXIS_RE = re.compile(r"'([^']+)'(?:=|:\(\d+\))(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +44,63 @@ class CollectiveOp:
     dtypes: tuple[str, ...]
     is_async: bool
     computation: str | None
-    replica_groups: str | None
+    replica_groups: str | None  # as printed; read it with replica_groups() / replica_group_size()
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def replica_groups(text: str | None) -> tuple[tuple[int, ...], ...] | None:
+    """The device ids of each replica group, from a collective's ``replica_groups=`` text
+    (:attr:`CollectiveOp.replica_groups`) in any of XLA's three syntaxes:
+
+    - explicit ``{{0,1},{2,3}}``;
+    - iota ``[G,S]<=[d0,d1,...]`` with an optional transpose ``T(p0,p1,...)``: the ids
+      ``0..n-1`` laid out as ``[d0,d1,...]``, transposed, read as G groups of S;
+    - mesh axes ``mesh['r'=2,'d'=4] {'d'}`` (jax >= 0.12): the ids laid out on the mesh in
+      order; a group is the devices that differ only along the listed axes.
+
+    ``None`` when ``text`` is None or its device order is not the plain one (a mesh form with
+    more than axes and sizes); :func:`replica_group_size` still reads those.
+
+    Examples: ``replica_groups("[2,4]<=[4,2]T(1,0)") == ((0, 2, 4, 6), (1, 3, 5, 7))``;
+    ``replica_groups("mesh['r'=2,'d'=4] {'r'}") == ((0, 4), (1, 5), (2, 6), (3, 7))``.
+    """
+    if text is None:
+        return None
+    if text.startswith("{"):
+        return tuple(tuple(_ints(g)) for g in re.findall(r"\{([0-9, ]*)\}", text[1:-1]))
+    iota = _IOTA_RE.fullmatch(text)
+    if iota:
+        shape, dims = _ints(iota.group(1)), _ints(iota.group(2))
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose(_ints(iota.group(3)))
+        return tuple(tuple(int(i) for i in g) for g in ids.reshape(shape[0], -1))
+    mesh = _MESH_RE.fullmatch(text)
+    if mesh is None or mesh.group(2):
+        return None
+    axes = _MESH_AXIS_RE.findall(mesh.group(1))
+    names = [a for a, _ in axes]
+    chosen = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(3))]
+    ids = np.arange(math.prod(int(n) for _, n in axes)).reshape([int(n) for _, n in axes])
+    kept = [i for i in range(len(axes)) if i not in chosen]
+    size = math.prod(ids.shape[i] for i in chosen)
+    return tuple(tuple(int(i) for i in g) for g in ids.transpose(kept + chosen).reshape(-1, size))
+
+
+def replica_group_size(text: str | None) -> int | None:
+    """Devices per replica group of a ``replica_groups=`` text (any syntax, see
+    :func:`replica_groups`), or None when ``text`` is None or unreadable."""
+    groups = replica_groups(text)
+    if groups:
+        return len(groups[0])
+    mesh = _MESH_RE.fullmatch(text or "")
+    if mesh is None:
+        return None
+    sizes = dict(_MESH_AXIS_RE.findall(mesh.group(1)))
+    return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(3)))
 
 
 def _element_bits(dtype: str) -> int | None:
