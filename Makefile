@@ -18,7 +18,7 @@ DOCS_STAMP := $(VENV)/.docs-installed-$(shell cat pyproject.toml Makefile | cksu
 # 2 pytest workers on the 2-core CI machine; each worker simulates 8 CPU devices.
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test test-all test-loaded lint bench docs clean
+.PHONY: install demo test test-all test-loaded lint bench docs clean test-latest
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -64,5 +64,31 @@ $(DOCS_STAMP): $(STAMP)
 docs: $(DOCS_STAMP)
 	$(BIN)/python -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
 
+# `make test-latest`: the other end of the supported range, the newest jax (pinned in
+# constraints-latest.txt) on Python >= 3.12, in its own venv. The interpreter: LATEST_PY when
+# given, else python3.13 / python3.12 on PATH, else the newest of pyenv's 3.13.x / 3.12.x builds.
+# torch and DeepSpeed are not installed there (PyPI's torch for Python >= 3.12 is the CUDA build,
+# several GB), so the interop-marked tests are deselected and the run says how many.
+LATEST_VENV := .venv-latest
+LATEST_BIN := $(LATEST_VENV)/bin
+LATEST_STAMP := $(LATEST_VENV)/.installed-$(shell cat pyproject.toml Makefile constraints-latest.txt | cksum | cut -d' ' -f1)
+LATEST_PY ?= $(shell for p in python3.13 python3.12 $$(ls -d $$(pyenv root 2>/dev/null)/versions/3.1[23].*/bin/python3.1[23] 2>/dev/null | sort -rV); do \
+	$$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { command -v $$p; break; }; done)
+
+$(LATEST_BIN)/python:
+	@test -n "$(LATEST_PY)" || { echo "make test-latest: no Python >= 3.12 found (looked for python3.13/python3.12 on PATH and in pyenv's versions). Install one (e.g. pyenv install 3.12) or pass LATEST_PY=/path/to/python3.12." >&2; exit 1; }
+	@$(LATEST_PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' || { echo "make test-latest: LATEST_PY=$(LATEST_PY) is older than Python 3.12, which jax >= 0.11 needs; pass LATEST_PY=/path/to/python3.12 (or 3.13)." >&2; exit 1; }
+	$(LATEST_PY) -m venv $(LATEST_VENV)
+	$(LATEST_BIN)/python -m pip install -q --upgrade pip
+
+$(LATEST_STAMP): $(LATEST_BIN)/python pyproject.toml Makefile constraints-latest.txt
+	$(LATEST_BIN)/python -m pip install -q -c constraints-latest.txt -e '.[dev,gpu-compile-cuda13]'
+	rm -f $(LATEST_VENV)/.installed-*
+	touch $(LATEST_STAMP)
+
+test-latest: $(LATEST_STAMP)
+	@$(LATEST_BIN)/python -c 'import sys, jax, flax; print(f"make test-latest: Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")'
+	$(LATEST_BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow and not interop" tests
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache docs/_build
+	rm -rf $(VENV) $(LATEST_VENV) runs .pytest_cache docs/_build

@@ -17,6 +17,7 @@ from conftest import fixture_case, require
 import jaxzero as jz
 from jaxzero import cli
 
+pytestmark = pytest.mark.interop  # torch and DeepSpeed (tests/conftest.py)
 torch = require("torch", "torch")
 
 

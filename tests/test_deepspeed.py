@@ -24,6 +24,7 @@ from jaxzero.interop.deepspeed.jax_state import adamw, from_train_state, to_trai
 from jaxzero.interop.deepspeed.writer import write_checkpoint
 from jaxzero.interop.safe_pickle import UnsafeFileError, load_torch_file
 
+pytestmark = pytest.mark.interop  # torch and DeepSpeed (tests/conftest.py)
 torch = require("torch", "torch")
 
 FIXTURES = [
@@ -355,7 +356,7 @@ def test_deepspeed_export_then_continue_in_deepspeed(fixtures_dir, tmp_path):
     the written checkpoints gives jaxzero's weights bitwise. The bf16 fixture written for
     ZeRO 1, 2, 3 loads into a bf16 DeepSpeed job that saves back the same fp32 master, moments
     and bf16 weights, bitwise."""
-    require("deepspeed", "dev")
+    require("deepspeed", "torch")
     d, hp, _ = fixture(fixtures_dir, "z2_mlp_b_ws2_fp32")
     ckpt = read_checkpoint(os.path.join(d, "ckpt"))
     first, second = new_batches("mlp_b", 2, 12, seed=7)
@@ -693,7 +694,7 @@ def test_deepspeed_reads_more_real_layouts(fixtures_dir, tmp_path):
     (1e-6) and zero_to_fp32 (bitwise); bf16 runs: the bf16 module
     == bf16(master) bitwise, zero_to_fp32 bitwise where it reads them, and within bf16 noise
     of the fp32 reference."""
-    require("deepspeed", "dev")
+    require("deepspeed", "torch")
     d, hp, _ = fixture(fixtures_dir, "z2_mlp_a_ws2_fp32")
     world, rng = 4, np.random.default_rng(1)
     data = {

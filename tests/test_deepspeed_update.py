@@ -33,6 +33,7 @@ from jaxzero.interop.deepspeed import (
 )
 from jaxzero.interop.deepspeed import _pickle as dspickle
 
+pytestmark = pytest.mark.interop  # torch and DeepSpeed (tests/conftest.py)
 torch = require("torch", "torch")
 
 FIXTURE = os.path.join(FIXTURES, "deepspeed_default_clipping")
@@ -286,7 +287,7 @@ def test_deepspeed_continues_a_written_checkpoint_with_the_clipping(tmp_path):
     """jaxzero's step 4 from the ZeRO-2 run, written for ZeRO 2 at W=2 with the recorded
     clipping, loads into real DeepSpeed (the run's own config, no gradient_clipping key), whose
     step 5 equals DeepSpeed's uninterrupted step 5 within 1e-6."""
-    require("deepspeed", "dev")
+    require("deepspeed", "torch")
     sys.path.insert(0, os.path.dirname(__file__))
     import ds_worker
 

@@ -352,6 +352,7 @@ def test_checkpoint_round_trip_any_mode_any_n(tmp_path):
     assert rows.tobytes() == np.asarray(jax.device_get(state.ema.ema.bucket[0])).tobytes()
 
 
+@pytest.mark.interop
 def test_torch_export_import_match_per_leaf():
     torch = require("torch", "torch")
     from jaxzero import torch_interop as ti

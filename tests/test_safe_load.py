@@ -36,6 +36,7 @@ from jaxzero import torch_interop as ti
 from jaxzero.interop.deepspeed import read_checkpoint
 from jaxzero.interop.safe_pickle import UnsafeFileError, load_torch_file
 
+pytestmark = pytest.mark.interop  # torch and DeepSpeed (tests/conftest.py)
 torch = require("torch", "torch")
 
 REFUSED = r"was refused.*not on the allowlist.*will not execute code.*nothing from it was executed"

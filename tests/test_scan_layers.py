@@ -92,8 +92,14 @@ def test_scan_layers_per_layer_outputs_match_single_device(stage, layers):
         TX(), jz.data_parallel_mesh(8), stage=stage, layers="layers" if stage >= 2 else None
     )
     state = train(zero, loss_fn, params, batches)
-    chex.assert_trees_all_close(jz.gather(state), ref_params, atol=1e-5)
-    chex.assert_trees_all_close(jz.gather(state.opt_state), ref_opt, atol=1e-5)
+    # Stage 2 on 3 layers: 6e-5. Against the same Adam run in float64 (the ground truth), plain
+    # single-device optax in float32 is 4.5e-5 off on jax 0.10.2 (attention query/key kernels)
+    # and 1.8e-6 off on jax 0.12 (another XLA, other fusions); jaxzero is 4.5e-5 off on both.
+    # Two valid float32 evaluations of plain optax differ by 4.5e-5 here, so 1e-5 would test
+    # XLA's rounding, not jaxzero.
+    atol = 6e-5 if (stage, layers) == (2, 3) else 1e-5
+    chex.assert_trees_all_close(jz.gather(state), ref_params, atol=atol)
+    chex.assert_trees_all_close(jz.gather(state.opt_state), ref_opt, atol=atol)
     # the ys carry gradient of their own: without them the trajectory differs
     no_ys, _, _ = _problem(layers)
     assert jax.tree.structure(no_ys) == jax.tree.structure(params)

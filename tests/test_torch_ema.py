@@ -27,6 +27,7 @@ from conftest import FIXTURES, fixture_case, missing, require
 import jaxzero as jz
 from jaxzero import torch_interop as ti
 
+pytestmark = pytest.mark.interop  # torch and DeepSpeed (tests/conftest.py)
 torch = require("torch", "torch")
 
 ROOT = FIXTURES

@@ -21,6 +21,7 @@ from conftest import fixture_case, require
 import jaxzero as jz
 from jaxzero import torch_interop as ti
 
+pytestmark = pytest.mark.interop  # torch and DeepSpeed (tests/conftest.py)
 torch = require("torch", "torch")
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
