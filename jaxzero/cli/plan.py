@@ -217,6 +217,20 @@ def _table(rows) -> str:
     )
 
 
+def _fallback_note(rows) -> str | None:
+    """A line naming the stages compiled without Triton gemms (``CompileReport
+    .triton_gemm_fallback``) and why, or None when every stage compiled as asked."""
+    hit = [r for r in rows if r.report.triton_gemm_fallback]
+    if not hit:
+        return None
+    return (
+        f"without Triton gemms (stage {', '.join(r.label for r in hit)}): XLA:GPU's Triton gemm "
+        f"emitter failed ({hit[0].report.triton_gemm_fallback}), so the step was compiled "
+        "again with xla_gpu_enable_triton_gemm=False (gemms by cuBLAS); the figures are that "
+        "compile's."
+    )
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     """Compile every requested stage and print the table; returns the exit code."""
     shape = _shape(args, parser)
@@ -264,6 +278,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         return 1
     close()
     print(_table(rows))
+    note = _fallback_note(rows)
+    if note:
+        print(note)
     print(
         "GPU-compiled: arguments + outputs - donated aliases + temporaries per device "
         "(XLA:GPU memory_analysis); estimate: jaxzero.estimate_memory with activations "

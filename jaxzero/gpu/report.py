@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Sequence
 
@@ -22,7 +23,14 @@ from jaxzero.gpu.topology import gpu_kind_of
 from jaxzero.memory import format_bytes
 from jaxzero.train.state import TrainState
 
-__all__ = ["CompileReport", "compile_report", "format_gb"]
+__all__ = ["TRITON_GEMM_OFF", "CompileReport", "compile_report", "format_gb"]
+
+# The XLA:GPU of jax 0.10 finds no Triton tiling for some small dots (a ViT's attention output
+# projection over 4 images x 17 tokens per device: "Couldn't find output tile sizes that satisfy
+# hlo: %dot = f32[68,64]"); the same step compiles with the gemms left to cuBLAS, so
+# compile_report retries with this option (tests/test_gpu_fallback.py).
+TRITON_GEMM_OFF = {"xla_gpu_enable_triton_gemm": False}
+_TRITON_TILING = re.compile(r"Couldn't find output tile sizes[^%]*(%\S+ = \S+)?")
 
 
 def format_gb(nbytes: int) -> str:
@@ -42,7 +50,10 @@ class CompileReport:
     :func:`jaxzero.gpu.hlo.kernels_per_step`); ``overlap`` is per collective kind the payload
     bytes and those the schedule hides behind compute (:mod:`jaxzero.gpu.overlap`; read with
     :meth:`hidden_share`); ``compiler_options`` the XLA options the step was compiled with;
-    ``hlo_text`` is the scheduled HLO.
+    ``hlo_text`` is the scheduled HLO. ``triton_gemm_fallback`` is None, or XLA's error when
+    the first compile failed in its Triton gemm emitter ("Couldn't find output tile sizes
+    ...") and the figures are those of the retry with ``xla_gpu_enable_triton_gemm=False``
+    (:data:`TRITON_GEMM_OFF`: cuBLAS gemms; :meth:`verdict` says so).
 
     The verdict compares with the whole HBM; a JAX process gets 75% of it unless
     ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (e.g. ``.95``) or ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
@@ -63,6 +74,7 @@ class CompileReport:
     hlo_text: str = dataclasses.field(repr=False, compare=False)
     overlap: tuple[OverlapTotal, ...] = ()
     compiler_options: tuple[tuple[str, str], ...] = ()
+    triton_gemm_fallback: str | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -109,12 +121,15 @@ class CompileReport:
         return {c.dtype for c in self.collectives if c.kind == kind}
 
     def verdict(self) -> str:
-        """``"fits in 85.00 GB with 12.30 GB to spare"`` or ``"short by 3.10 GB of 85.00 GB"``."""
+        """``"fits in 85.00 GB with 12.30 GB to spare"`` or ``"short by 3.10 GB of 85.00 GB"``,
+        followed by ``" (without Triton gemms)"`` when :attr:`triton_gemm_fallback` is set."""
+        note = " (without Triton gemms)" if self.triton_gemm_fallback else ""
         if self.hbm_bytes is None:
-            return f"needs {format_gb(self.peak_bytes)} (no GPU kind to compare with)"
+            return f"needs {format_gb(self.peak_bytes)} (no GPU kind to compare with){note}"
         if self.fits:
-            return f"fits in {format_gb(self.hbm_bytes)} with {format_gb(self.headroom_bytes)} to spare"
-        return f"short by {format_gb(-self.headroom_bytes)} of {format_gb(self.hbm_bytes)}"
+            spare = format_gb(self.headroom_bytes)
+            return f"fits in {format_gb(self.hbm_bytes)} with {spare} to spare{note}"
+        return f"short by {format_gb(-self.headroom_bytes)} of {format_gb(self.hbm_bytes)}{note}"
 
     def collective_summary(self) -> str:
         """``"all-gather bf16 1.20 GB x64, ..."``: payload per step and launches, per kind and
@@ -171,6 +186,20 @@ def _memory(compiled) -> dict[str, int]:
     }
 
 
+def _compile(lowered, options: dict) -> tuple[object, dict, str | None]:
+    """``(compiled, options used, fallback)``: ``lowered.compile(options)``; where XLA:GPU's
+    Triton gemm emitter cannot tile a dot, it compiles again with :data:`TRITON_GEMM_OFF`
+    added, and ``fallback`` is the first error's words naming the dot (else None)."""
+    try:
+        return lowered.compile(options or None), options, None
+    except Exception as e:  # jaxlib's JaxRuntimeError
+        found = _TRITON_TILING.search(str(e))
+        if found is None or options.get("xla_gpu_enable_triton_gemm") is False:
+            raise
+    retry = {**options, **TRITON_GEMM_OFF}
+    return lowered.compile(retry), retry, found.group(0).strip()
+
+
 def compile_report(
     step,
     state_or_shapes,
@@ -197,7 +226,10 @@ def compile_report(
         may differ between compiles of one process.
 
     Nothing is allocated or run: ``step.jitted.lower(abstract state, abstract batch)
-    .compile(compiler_options)``.
+    .compile(compiler_options)``. When XLA:GPU's Triton gemm emitter finds no tiling for a dot
+    ("Couldn't find output tile sizes that satisfy hlo: %dot = f32[68,64]", seen on a ViT at
+    some batch sizes), the step is compiled again with ``xla_gpu_enable_triton_gemm=False``
+    and the report says so (``triton_gemm_fallback``, :meth:`CompileReport.verdict`).
     """
     if not hasattr(step, "jitted") or not hasattr(step, "zero"):
         raise TypeError(
@@ -209,7 +241,7 @@ def compile_report(
     state = _abstract_state(step, state_or_shapes, model_state, rng)
     batch = _abstract_batch(step, batch_shapes)
     t0 = time.perf_counter()
-    compiled = step.jitted.lower(state, batch).compile(compiler_options or None)
+    compiled, options, fallback = _compile(step.jitted.lower(state, batch), compiler_options or {})
     seconds = time.perf_counter() - t0
     hlo = compiled.as_text()
     mem = _memory(compiled)
@@ -227,5 +259,6 @@ def compile_report(
         compile_seconds=seconds,
         hlo_text=hlo,
         overlap=overlap_per_step(hlo, step.zero.num_shards),
-        compiler_options=tuple(sorted((k, str(v)) for k, v in (compiler_options or {}).items())),
+        compiler_options=tuple(sorted((k, str(v)) for k, v in options.items())),
+        triton_gemm_fallback=fallback,
     )
