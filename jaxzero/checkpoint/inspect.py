@@ -57,7 +57,41 @@ def _metadata_lines(meta: dict) -> list[str]:
     if meta.get("loss_scale"):
         lines.append(f"  loss scale: {meta['loss_scale']}")
     if meta.get("user") is not None:
-        lines.append(f"  user metadata: {meta['user']}")
+        lines += _outline("user metadata", meta["user"], "  ")
+    return lines
+
+
+WIDTH = 100  # a value whose repr fits in a line this wide stays on its key's line
+LIST_HEAD = 4  # a long list shows its first items, then how many more
+
+
+def _outline(key: str, value, indent: str) -> list[str]:
+    """``key: value`` as indented lines: a value that fits in :data:`WIDTH` on one line,
+    else a dict key by key and a list item by item (``- ...``, its first :data:`LIST_HEAD`
+    items and a count of the rest)."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(f"{indent}{key}: {text}") <= WIDTH or not isinstance(value, dict | list | tuple):
+        return [f"{indent}{key}: {text}"]
+    if isinstance(value, dict):
+        return [f"{indent}{key}:", *_entries(value, indent + "  ")]
+    return [f"{indent}{key}: ({len(value)} items)", *_items(value, indent + "  ")]
+
+
+def _entries(value: dict, indent: str) -> list[str]:
+    return [line for k, v in value.items() for line in _outline(str(k), v, indent)]
+
+
+def _items(value, indent: str) -> list[str]:
+    lines = []
+    for item in value[:LIST_HEAD]:
+        text = f"{indent}- {item!r}"
+        if len(text) <= WIDTH or not isinstance(item, dict) or not item:
+            lines.append(text)
+        else:  # a long dict item, YAML style: "- key: ..." then its other keys beneath
+            sub = _entries(item, indent + "  ")
+            lines += [f"{indent}- {sub[0][len(indent) + 2 :]}", *sub[1:]]
+    if len(value) > LIST_HEAD:
+        lines.append(f"{indent}- ... ({len(value) - LIST_HEAD} more)")
     return lines
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from jaxzero.cli.backend import select_cpu_without_gpu
 from jaxzero.cli.command import Command, Parser
 from jaxzero.cli.convert import COMMAND as CONVERT
 from jaxzero.cli.estimate import COMMAND as ESTIMATE
@@ -65,11 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``jaxzero`` with ``argv`` (default ``sys.argv[1:]``); return the exit code.
 
     Bad arguments print one ``jaxzero ...: error: ...`` line to stderr and raise
-    ``SystemExit(2)``.
+    ``SystemExit(2)``. On a machine without an NVIDIA GPU that has jax's CUDA plugin, the
+    command runs on jax's CPU platform (:mod:`jaxzero.cli.backend`: no CUDA plugin traceback;
+    deviceless GPU compiles still work).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.error(f"choose a command: {', '.join(COMMANDS)}")
+    select_cpu_without_gpu()
     code = args._command.run(args, args._parser)
     return 0 if code is None else code

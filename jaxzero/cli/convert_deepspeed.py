@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from jaxzero.cli.command import pick, positive_int, run_conversion
+from jaxzero.cli.params_from import deepspeed_name_map
 
 DIRECTIONS = ("deepspeed2jax", "jax2deepspeed")
 _DS2JAX = "DeepSpeed ZeRO checkpoint -> jaxzero Orbax checkpoint (params + AdamW state)"
@@ -13,8 +14,13 @@ _JAX2DS = "jaxzero Orbax checkpoint -> DeepSpeed ZeRO checkpoint for a stage and
 DESCRIPTION = """\
 DeepSpeed ZeRO 1/2/3 checkpoints (fp32/bf16, FusedAdam or torch AdamW) are read without
 DeepSpeed installed; what jax2deepspeed writes loads in DeepSpeed's engine.load_checkpoint.
+Without --params-from the jaxzero tree is keyed by the torch names in torch layout;
+--params-from MODULE:FUNCTION (a function returning the Flax params or their jax.eval_shape)
+writes that structure (Linear weights as transposed kernels, ...), which restores into the
+Flax model. On a machine without a GPU, --devices N simulates N CPU devices.
 examples:
   jaxzero convert deepspeed2jax ds_run/ --out ckpt/ --stage 2 --devices 8
+  jaxzero convert deepspeed2jax ds_run/ --out ckpt/ --params-from mymodel:params
   jaxzero convert jax2deepspeed ckpt/ --out ds_run/ --stage 3 --world-size 16
 """
 
@@ -31,7 +37,17 @@ def add_subcommands(sub) -> None:
     d.add_argument("--tag", help="checkpoint tag (default: the one in SAVE_DIR/latest)")
     d.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=2, help="jaxzero stage")
     d.add_argument("--devices", type=positive_int, metavar="N", help="mesh size (default: all)")
-    d.add_argument("--name-map", metavar="MAP.json", help='{"torch_name": "a/b/kernel"}')
+    d.add_argument(
+        "--params-from",
+        metavar="MODULE:FUNCTION",
+        help="the Flax params structure to write: a function of no arguments returning the "
+        "params or their jax.eval_shape (imported from the current directory or PYTHONPATH)",
+    )
+    d.add_argument(
+        "--name-map",
+        metavar="MAP.json",
+        help='{"torch_name": "a/b/kernel"} (with --params-from: overrides single names)',
+    )
     d.add_argument("--dry-run", action="store_true", help="print a summary, write nothing")
     d.set_defaults(_convert=_ds2jax, _convert_parser=d)
     j = sub.add_parser(
@@ -59,8 +75,15 @@ def _run(convert, args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 def _ds2jax(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from jaxzero.interop.deepspeed.convert import deepspeed_to_jax
 
-    kwargs = pick(args, "tag", "stage", "devices", "name_map", "dry_run")
-    return _run(lambda: deepspeed_to_jax(args.save_dir, args.out, **kwargs), args, parser)
+    def convert():
+        kwargs = pick(args, "tag", "stage", "devices", "name_map", "dry_run")
+        if args.params_from is not None:
+            kwargs["name_map"] = deepspeed_name_map(
+                args.save_dir, args.tag, args.params_from, args.name_map
+            )
+        return deepspeed_to_jax(args.save_dir, args.out, **kwargs)
+
+    return _run(convert, args, parser)
 
 
 def _jax2ds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
