@@ -461,19 +461,32 @@ def test_gpu_recommended_flags_start_the_next_layers_gather_early():
     compiler_options, next to the default compile in one process): the same bytes move, and
     the pipelined all-gather of the next layer now has the layer's gemms between its start and
     done (0% -> 24% of all-gather bytes hidden on the 2-layer decoder), for 5,376 more bytes of
-    temporaries (+1%: the next layer's gathered weights in flight)."""
+    temporaries on jax 0.10.2's XLA, 3,072 on jax 0.12's (+1%: the next layer's gathered weights
+    in flight)."""
     base, tuned = compiled(3, True, "bf16"), compiled(3, True, "bf16", flags=True)
+    # The pipelining switches in this XLA's spelling (jaxzero._compat picks it).
+    pipelined = (
+        (
+            ("xla_gpu_pipeline_all_gather", "COLLECTIVE_PIPELINING_MODE_ON"),
+            ("xla_gpu_pipeline_all_reduce", "COLLECTIVE_PIPELINING_MODE_ON"),
+        )
+        if RENAMED_XLA_FLAGS
+        else (
+            ("xla_gpu_enable_pipelined_all_gather", "True"),
+            ("xla_gpu_enable_pipelined_all_reduce", "True"),
+        )
+    )
     assert tuned.compiler_options == (
         ("xla_gpu_all_gather_combine_threshold_bytes", "1073741824"),
-        ("xla_gpu_enable_pipelined_all_gather", "True"),
-        ("xla_gpu_enable_pipelined_all_reduce", "True"),
+        *pipelined,
     )
     moved = lambda r: {(c.kind, c.dtype): (c.launches, c.bytes) for c in r.collectives}
     assert moved(tuned) == moved(base)
     assert base.hidden_share("all-gather") == 0
     assert tuned.hidden_share("all-gather") == pytest.approx(131328 / 558208)
     assert tuned.hidden_share("reduce-scatter") >= base.hidden_share("reduce-scatter")
-    assert tuned.temp_bytes - base.temp_bytes == 5376
+    # jax 0.12's XLA: 3,072 bytes (base temp 413,640); jax 0.10.2's: 5,376.
+    assert tuned.temp_bytes - base.temp_bytes == (3072 if RENAMED_XLA_FLAGS else 5376)
     assert tuned.temp_bytes <= 1.02 * base.temp_bytes
 
 
