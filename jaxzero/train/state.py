@@ -14,6 +14,7 @@ from jaxzero._tree import leaves_by_keystr
 from jaxzero.ema import placement
 from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.precision import LossScaleState
+from jaxzero.zero import offload
 from jaxzero.zero import specs as sh
 
 
@@ -132,6 +133,28 @@ def state_specs(zero: jaxzero.ZeRO, state: TrainState) -> TrainState:
     )
 
 
+def state_shardings(zero: jaxzero.ZeRO, state: TrainState) -> TrainState:
+    """NamedShardings for every leaf of ``state``; with ``zero.offload`` the master, the
+    optimizer state and the EMA in pinned host memory (:mod:`jaxzero.zero.offload`)."""
+    specs = state_specs(zero, state)
+    out = sh.named(zero.mesh, specs)
+    if not zero.offload:
+        return out
+    host = lambda t: None if t is None else offload.host_shardings(zero.mesh, t)
+    return out.replace(
+        master=host(specs.master), opt_state=host(specs.opt_state), ema=host(specs.ema)
+    )
+
+
+def constrain(zero: jaxzero.ZeRO, state: TrainState) -> TrainState:
+    """:meth:`jaxzero.ZeRO.constrain`: ``with_sharding_constraint`` every leaf to its ZeRO
+    sharding; with ``zero.offload``, ``device_put``, which also moves a leaf to its memory
+    kind (a constraint keeps the kind the leaf has)."""
+    if zero.offload:
+        return jax.device_put(state, state_shardings(zero, state))
+    return jax.lax.with_sharding_constraint(state, state_shardings(zero, state))
+
+
 def _init_raw(zero: jaxzero.ZeRO, params, ema: ShardedEMA | None, model_state, rng) -> TrainState:
     pol = zero.precision
     master_full = cast(params, pol.master_dtype)
@@ -161,7 +184,7 @@ def abstract_state(
     """The state's ShapeDtypeStructs, with shardings, without allocating anything."""
     rng = raw_key(rng)
     shapes = jax.eval_shape(lambda p, m, r: _init_raw(zero, p, ema, m, r), params, model_state, rng)
-    shardings = sh.named(zero.mesh, state_specs(zero, shapes))
+    shardings = state_shardings(zero, shapes)
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
     )

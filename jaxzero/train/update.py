@@ -14,6 +14,7 @@ import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
 from jaxzero._tree import check_same_structure
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.train.state import TrainState, cast, ema_target
+from jaxzero.zero import offload
 from jaxzero.zero import specs as sh
 
 
@@ -42,6 +43,8 @@ def _optax_update(zero: jaxzero.ZeRO, state: TrainState, master, grads):
     propagate the EMA's (sharded) layout backward into a stage-0 update and all-gather it."""
     updates, opt_state = zero.tx.update(grads, state.opt_state, master)
     new_master = optax.apply_updates(master, updates)
+    if zero.offload:  # on the host (decision 31): its outputs stay in their input shardings
+        return new_master, opt_state
     pin = lambda t: jax.lax.with_sharding_constraint(t, sh.named(zero.mesh, zero.shard_specs(t)))
     return pin(new_master), pin(opt_state)
 
@@ -83,6 +86,39 @@ def _new_ema(
     return new
 
 
+def _shard_update(zero: jaxzero.ZeRO, ema, state: TrainState, master, grads, model_state, apply):
+    """``(new_master, opt_state, ema, compute shards)``: the optax and EMA updates on the
+    shards (each leaf unchanged where not ``apply``) and ``cast(new_master)`` to
+    ``param_dtype`` (the master itself without a compute copy)."""
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
+    with jax.named_scope("optimizer_update"):
+        new_master, opt_state = _optax_update(zero, state, master, grads)
+    new_master = keep(new_master, master)
+    step = jnp.where(apply, state.step + 1, state.step)
+    new_ema = _new_ema(zero, state, ema, new_master, model_state, step, apply, keep)
+    compute = new_master
+    if zero.precision.compute_copy:
+        compute = cast(new_master, zero.precision.param_dtype)
+    return new_master, keep(opt_state, state.opt_state), new_ema, compute
+
+
+def _host_update(zero: jaxzero.ZeRO, ema, state: TrainState, master, grads, model_state, apply):
+    """:func:`_shard_update` on the devices' hosts (``zero.offload``, decision 31): the
+    gradient shards (and the master, when it is the device's params) go to host memory, the
+    new compute shards come back to the device."""
+    to_host = lambda t: offload.to_host(t, offload.host_shardings(zero.mesh, zero.shard_specs(t)))
+    grads = to_host(grads)
+    if state.master is None:
+        master = to_host(master)
+    update = lambda *a: _shard_update(zero, ema, *a)
+    # the compute params stay out: nothing on the device is copied to the host but the grads
+    slim = state.replace(params=None)
+    new_master, opt_state, new_ema, compute = offload.on_host(update)(
+        slim, master, grads, model_state, apply
+    )
+    return new_master, opt_state, new_ema, offload.to_device(compute)
+
+
 def apply_gradients(
     zero: jaxzero.ZeRO, state: TrainState, grads, *, ema: ShardedEMA | None = None, model_state=None
 ):
@@ -91,18 +127,16 @@ def apply_gradients(
     with jax.named_scope("optimizer_update"):
         grads = _unscaled(zero, state, grads)
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        new_master, opt_state = _optax_update(zero, state, master, grads)
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
-    new_master = keep(new_master, master)
+    update = _host_update if zero.offload else _shard_update
+    new_master, opt_state, new_ema, compute = update(
+        zero, ema, state, master, grads, model_state, apply
+    )
     step = jnp.where(apply, state.step + 1, state.step)
-    compute = new_master
-    if zero.precision.compute_copy:
-        compute = cast(new_master, zero.precision.param_dtype)
     if zero.stage in (1, 2):
         with jax.named_scope("gather_updated_params"):
             compute = zero.all_gather(compute)
-    new_ema = _new_ema(zero, state, ema, new_master, model_state, step, apply, keep)
     loss_scale = state.loss_scale
     if loss_scale is not None:
         loss_scale = zero.loss_scale.update(loss_scale, finite)
@@ -110,7 +144,7 @@ def apply_gradients(
         step=step,
         params=keep(compute, state.params),
         master=new_master if state.master is not None else None,
-        opt_state=keep(opt_state, state.opt_state),
+        opt_state=opt_state,
         skipped=state.skipped + jnp.where(apply, 0, 1).astype(jnp.int32),
         ema=new_ema,
         loss_scale=loss_scale,

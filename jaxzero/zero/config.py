@@ -27,6 +27,7 @@ from jaxzero.train import state as train_state
 from jaxzero.train import update as train_update
 from jaxzero.train.state import TrainState
 from jaxzero.zero import collectives, layers, vocab
+from jaxzero.zero import offload as host_memory
 from jaxzero.zero import specs as sh
 
 STAGES = (0, 1, 2, 3)
@@ -92,6 +93,8 @@ class ZeRO:
         embedding tables (e.g. ``"embed"``) that the loss gets as this device's rows, never
         gathered; the model looks them up and computes its tied head's cross-entropy with
         :class:`jaxzero.VocabParallelEmbed` (:mod:`jaxzero.zero.vocab`: pays at small N).
+      offload: None, or ``"optimizer"`` (stages 1-3, DeepSpeed's ``offload_optimizer``): the
+        master, optimizer state, EMA in host memory, updated there (:mod:`jaxzero.zero.offload`).
 
     Example:
       >>> zero = ZeRO(optax.adamw(3e-4), data_parallel_mesh(), stage=2)
@@ -107,6 +110,7 @@ class ZeRO:
     skip_nonfinite: bool = True
     layers: tuple[str, ...] | str | None = None
     vocab_parallel: tuple[str, ...] | str | None = None
+    offload: str | None = None
 
     def __post_init__(self):
         if self.stage not in STAGES or isinstance(self.stage, bool):
@@ -124,6 +128,7 @@ class ZeRO:
         object.__setattr__(self, "vocab_parallel", vocab.names(self.vocab_parallel, self.stage))
         object.__setattr__(self, "precision", _precision(self.precision, self.stage))
         check_loss_scale(self.loss_scale, self.precision)
+        host_memory.check(self.offload, self.stage, self.mesh)
 
     # -- mesh facts -------------------------------------------------------------------------
     @property
@@ -194,11 +199,11 @@ class ZeRO:
 
     def state_shardings(self, state: TrainState) -> TrainState:
         """NamedShardings for ``state`` (for ``jax.jit(in_shardings=, out_shardings=)``)."""
-        return sh.named(self.mesh, self.state_specs(state))
+        return train_state.state_shardings(self, state)
 
     def constrain(self, state: TrainState) -> TrainState:
-        """``with_sharding_constraint`` every leaf to its ZeRO sharding (inside jit)."""
-        return jax.lax.with_sharding_constraint(state, self.state_shardings(state))
+        """Every leaf to its ZeRO sharding and memory kind (inside jit)."""
+        return train_state.constrain(self, state)
 
     def _stacked_mask(self, tree, on: bool | None = None):  # layer-stack leaves, when `on`
         if not (self.per_layer if on is None else on):
@@ -234,10 +239,8 @@ class ZeRO:
     def bucket_ema(self, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
         """``ema_state`` in ``ema``'s storage for this mesh and stage (local, no communication);
         the inverse is :func:`jaxzero.unbucket_ema`."""
-        k = ema.bucket_leaves_up_to
-        return ema_storage.store(
-            ema_state, self.mesh, self.axis, k, self.stage, self.ema_leaf_specs
-        )
+        where = (self.mesh, self.axis, ema.bucket_leaves_up_to, self.stage, self.ema_leaf_specs)
+        return ema_storage.store(ema_state, *where)
 
     # -- inside shard_map (jaxzero.zero.collectives, jaxzero.zero.layers) ---------------------
     def gather_params(self, local_params, specs):
