@@ -25,6 +25,8 @@ examples:
       --batch 1 --gpu h100 --devices 64
   jaxzero plan --params 1.3B --gpu a100 --devices 16 --stage 3 --stage3 per-layer --ema
   jaxzero plan --params 1.3B --devices 8 --stage 2 --stage2 both --xla-flags
+  jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \
+      --batch 1 --gpu h100 --devices 8 --stage 3 --stage3 per-layer --offload optimizer
 """
 
 
@@ -50,6 +52,23 @@ def _add_per_layer_choices(group) -> None:
             help=f"stage {stage} {what} (per layer: ZeRO(layers=...) + jaxzero.gather_layer), "
             "or both rows (default: %(default)s)",
         )
+
+
+def _add_state_layout(group) -> None:
+    """``--no-compute-copy`` and ``--offload``: where the state lives."""
+    group.add_argument(
+        "--no-compute-copy",
+        dest="compute_copy",
+        action="store_false",
+        help="stage 3 in FSDP's layout: no 16-bit params copy beside the fp32 master "
+        "(jaxzero.Precision(compute_copy=False))",
+    )
+    group.add_argument(
+        "--offload",
+        choices=["optimizer"],
+        help="keep the fp32 master, Adam's state and the EMA in pinned host memory, updated "
+        "on the host (jaxzero.ZeRO(offload='optimizer'); stages 1-3, the default then)",
+    )
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -104,13 +123,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="gradient accumulation micro-batches (default: 1)",
     )
     train.add_argument("--ema", action="store_true", help="add a sharded fp32 parameter EMA")
-    train.add_argument(
-        "--no-compute-copy",
-        dest="compute_copy",
-        action="store_false",
-        help="stage 3 in FSDP's layout: no 16-bit params copy beside the fp32 master "
-        "(jaxzero.Precision(compute_copy=False))",
-    )
+    _add_state_layout(train)
     train.add_argument(
         "--vocab-parallel",
         action="store_true",
@@ -194,6 +207,8 @@ def _table(rows) -> str:
     from jaxzero.memory import format_bytes
 
     header = ["stage", "GPU-compiled", "estimate", "state", "verdict", "hidden AG+RS", "kernels"]
+    host = any(r.report.host_bytes or r.estimate.host for r in rows)
+    header[4:4] = ["host", "host est."] if host else []
     header.append("collectives per step (hidden share)")
     body = [
         [
@@ -201,6 +216,7 @@ def _table(rows) -> str:
             format_bytes(r.gpu_bytes),
             format_bytes(r.estimate.total),
             format_bytes(r.state_bytes),
+            *([format_bytes(r.report.host_bytes), format_bytes(r.estimate.host)] if host else []),
             r.verdict,
             _hidden(r.report),
             str(r.report.kernels_per_step),
@@ -251,10 +267,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         + (", EMA" if args.ema else "")
         + ("" if args.compute_copy else ", stage 3 without a compute copy")
         + (", stage 3 vocabulary-parallel embedding" if args.vocab_parallel else "")
+        + (f", offload {args.offload} to pinned host memory" if args.offload else "")
         + (f"; XLA flags {' '.join(recommended_xla_flags())}" if args.xla_flags else ""),
         flush=True,
     )
-    cases = plan_cases(args.stage, args.stage3, args.stage2, args.stage1)
+    stages = args.stage or ((1, 2, 3) if args.offload else None)
+    if args.offload and 0 in (stages or ()):
+        parser.error("--offload needs --stage 1, 2 or 3: stage 0 keeps the whole optimizer state")
+    cases = plan_cases(stages, args.stage3, args.stage2, args.stage1)
     on_case, close = _progress(len(cases))
     try:
         options = pick(
@@ -269,6 +289,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             "accum",
             "ema",
             "compute_copy",
+            "offload",
         )
         flags = xla_options() if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
@@ -284,7 +305,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     print(
         "GPU-compiled: arguments + outputs - donated aliases + temporaries per device "
         "(XLA:GPU memory_analysis); estimate: jaxzero.estimate_memory with activations "
-        "(ckpt_every=1) and f32 logits; state: persistent arguments less the batch; hidden: "
+        "(ckpt_every=1) and f32 logits; state: persistent arguments less the batch; host "
+        "(with --offload): the same sum in pinned host memory, next to the estimate's; hidden: "
         "the share of collective bytes per step whose start and done the GPU schedule "
         "separates by a gemm/conv/attention kernel (jaxzero.gpu.overlap), of max the share "
         "any schedule of the step's data flow could hide; kernels: device launches per step."

@@ -31,6 +31,7 @@ class PlanRow:
     ``state_bytes``: the compiled arguments less the batch (the persistent state per device);
     ``estimate``: :func:`jaxzero.estimate_memory` for the same setup (activations with
     ``ckpt_every=1`` and the f32 logits; the per-layer working set for stage 3 per layer).
+    With offload, ``report.host_bytes`` and ``estimate.host`` are the host memory's share.
     """
 
     stage: int
@@ -78,7 +79,9 @@ def plan_cases(
     return out
 
 
-def _estimate(shape: ModelShape, n: int, stage: int, per_layer: bool, precision, ema, copy=True):
+def _estimate(
+    shape: ModelShape, n: int, stage: int, per_layer: bool, precision, ema, copy=True, offload=None
+):
     """``estimate_memory`` for this shape and stage: activations of the whole scanned stack,
     plus one layer gathered (per-layer stage 3) or the whole model gathered (stage 3)."""
     dims = {k: getattr(shape, k) for k in ("batch", "seq", "hidden", "layers", "heads", "vocab")}
@@ -92,8 +95,21 @@ def _estimate(shape: ModelShape, n: int, stage: int, per_layer: bool, precision,
         layer_params=shape.layer_params if per_layer and stage == 3 else None,
         gather_model=stage == 3 and not per_layer,
         compute_copy=copy,
+        offload=offload,
         **dims,
     )
+
+
+def _plan_stages(stages, offload):
+    """The stages to plan: with ``offload`` 1-3 by default, and stage 0 refused."""
+    if offload and stages is None:
+        return (1, 2, 3)
+    if offload and 0 in stages:
+        raise ValueError(
+            f"offload={offload!r} needs stages 1-3 (got stages={tuple(stages)}): stage 0 "
+            "keeps the whole optimizer state on every device; leave stage 0 out."
+        )
+    return stages
 
 
 def _check_plan_args(precision, accum, devices, replicas):
@@ -122,6 +138,7 @@ def plan(
     on_case: Callable[[str, int, int], None] | None = None,
     compiler_options: dict | None = None,
     compute_copy: bool = True,
+    offload: str | None = None,
 ) -> list[PlanRow]:
     """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
 
@@ -134,6 +151,8 @@ def plan(
     (``Precision(compute_copy=False)``: no 16-bit params copy beside the fp32 master). A
     ``shape`` with ``vocab_parallel=True`` runs its stage-3 cases with
     ``ZeRO(vocab_parallel="embed")`` (the estimate column still gathers the table).
+    ``offload="optimizer"``: ``ZeRO(offload=...)``, the master, Adam and the EMA in host
+    memory (stages 1-3; the default stages are then 1, 2 and 3).
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -142,7 +161,7 @@ def plan(
       ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
     """
     _check_plan_args(precision, accum, devices, replicas)
-    cases = plan_cases(stages, stage3, stage2, stage1)
+    cases = plan_cases(_plan_stages(stages, offload), stage3, stage2, stage1)
     mesh = compile_only_mesh(gpu, devices, replicas=replicas)
     params = abstract_params(shape)
     loss_fn = make_loss(shape)
@@ -163,6 +182,7 @@ def plan(
             precision=Precision.create(precision, compute_copy=copy),
             layers="layers" if per_layer else None,
             vocab_parallel="embed" if shape.vocab_parallel and stage == 3 else None,
+            offload=offload,
         )
         step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
         report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
@@ -172,7 +192,7 @@ def plan(
                 per_layer=per_layer,
                 num_params=shape.num_params,
                 report=report,
-                estimate=_estimate(shape, n, stage, per_layer, precision, ema, copy),
+                estimate=_estimate(shape, n, stage, per_layer, precision, ema, copy, offload),
                 state_bytes=report.argument_bytes - batch_bytes,
             )
         )

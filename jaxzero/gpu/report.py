@@ -22,6 +22,7 @@ from jaxzero.gpu.targets import gpu_spec
 from jaxzero.gpu.topology import gpu_kind_of
 from jaxzero.memory import format_bytes
 from jaxzero.train.state import TrainState
+from jaxzero.zero import offload as host_memory
 
 __all__ = ["TRITON_GEMM_OFF", "CompileReport", "compile_report", "format_gb"]
 
@@ -43,7 +44,10 @@ class CompileReport:
     """Per-device figures of one compiled step (bytes unless noted).
 
     ``argument/output/alias/temp`` come from ``compiled.memory_analysis()``; ``peak_bytes`` is
-    ``argument + output - alias + temp`` (the donated state's outputs reuse its buffers);
+    ``argument + output - alias + temp`` (the donated state's outputs reuse its buffers), in
+    device memory; ``host_*`` are the same figures in host memory (``ZeRO(offload=...)``:
+    memory kind ``pinned_host``), and ``host_bytes`` their ``argument + output - alias +
+    temp``;
     ``hbm_bytes`` is the GPU's memory (None when the mesh is not a bundled GPU kind), and
     ``headroom_bytes = hbm_bytes - peak_bytes``. ``collectives`` are per (kind, dtype) with loop
     trip counts applied; ``kernels_per_step`` counts device launches (see
@@ -75,6 +79,19 @@ class CompileReport:
     overlap: tuple[OverlapTotal, ...] = ()
     compiler_options: tuple[tuple[str, str], ...] = ()
     triton_gemm_fallback: str | None = None
+    host_argument_bytes: int = 0
+    host_output_bytes: int = 0
+    host_alias_bytes: int = 0
+    host_temp_bytes: int = 0
+
+    @property
+    def host_bytes(self) -> int:
+        return (
+            self.host_argument_bytes
+            + self.host_output_bytes
+            - self.host_alias_bytes
+            + self.host_temp_bytes
+        )
 
     @property
     def peak_bytes(self) -> int:
@@ -180,10 +197,26 @@ def _memory(compiled) -> dict[str, int]:
         stats = stats[0] if stats else None
     if stats is None:
         raise RuntimeError("the compiler gave no memory analysis for this step.")
-    return {
-        k: int(getattr(stats, f"{k}_size_in_bytes", 0) or 0)
-        for k in ("argument", "output", "alias", "temp")
-    }
+    kinds = ("argument", "output", "alias", "temp")
+    kinds += tuple(f"host_{k}" for k in kinds)
+    return {k: int(getattr(stats, f"{k}_size_in_bytes", 0) or 0) for k in kinds}
+
+
+def _check_host(step, state, mem) -> None:
+    """An offloading step whose compile holds less in host memory than its offloaded state
+    lost the memory kinds on the way (compile-only devices drop them silently)."""
+    if not step.zero.offload:
+        return
+    want = host_memory.offloaded_bytes(state)
+    if mem["host_argument"] < want:
+        raise RuntimeError(
+            f"ZeRO(offload={step.zero.offload!r}) asked for {format_bytes(want)} per device of "
+            f"state in pinned host memory, and the compiled step takes "
+            f"{format_bytes(mem['host_argument'])} from the host: the memory kinds were "
+            f"dropped on the way to XLA (state shardings on a compile-only mesh's concrete "
+            f"devices lose them). Build the state with zero.abstract_state / "
+            f"zero.state_shardings and compile under jax.set_mesh(mesh)."
+        )
 
 
 def _compile(lowered, options: dict) -> tuple[object, dict, str | None]:
@@ -241,10 +274,13 @@ def compile_report(
     state = _abstract_state(step, state_or_shapes, model_state, rng)
     batch = _abstract_batch(step, batch_shapes)
     t0 = time.perf_counter()
-    compiled, options, fallback = _compile(step.jitted.lower(state, batch), compiler_options or {})
+    with host_memory.lowering(mesh, step.zero.offload):
+        lowered = step.jitted.lower(state, batch)
+    compiled, options, fallback = _compile(lowered, compiler_options or {})
     seconds = time.perf_counter() - t0
     hlo = compiled.as_text()
     mem = _memory(compiled)
+    _check_host(step, state, mem)
     return CompileReport(
         kind=kind,
         devices=math.prod(mesh.devices.shape),
@@ -261,4 +297,5 @@ def compile_report(
         overlap=overlap_per_step(hlo, step.zero.num_shards),
         compiler_options=tuple(sorted((k, str(v)) for k, v in options.items())),
         triton_gemm_fallback=fallback,
+        **{f"{k}_bytes": mem[k] for k in mem if k.startswith("host_")},
     )

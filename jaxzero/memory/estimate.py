@@ -56,7 +56,9 @@ class MemoryEstimate:
     """Per-device bytes for one ZeRO stage (all fields are bytes unless noted).
 
     ``optimizer`` includes the fp32 master weights under mixed precision;
-    ``activations`` is 0 when no activation shape was given; ``total`` is the sum.
+    ``activations`` is 0 when no activation shape was given; ``total`` is the sum, in device
+    memory. ``host`` is what ``offload="optimizer"`` keeps in host memory instead (then
+    ``optimizer`` and ``ema`` are 0); it is not part of ``total``.
     """
 
     stage: int
@@ -70,6 +72,7 @@ class MemoryEstimate:
     ema: int
     activations: int
     gathered: int = 0
+    host: int = 0
     total: int = dataclasses.field(init=False)
 
     def __post_init__(self):
@@ -150,6 +153,7 @@ def estimate_memory(
     layer_params=None,
     gather_model=False,
     compute_copy=True,
+    offload=None,
 ):
     """Estimate per-device training memory under ZeRO stage 0-3.
 
@@ -161,20 +165,18 @@ def estimate_memory(
         stage 2 (+ shard grads):   p*Φ + (g + K)*Φ/N
         stage 3 (+ shard params):  (p + g + K)*Φ/N
 
-    Mixed precision (bf16/fp16): p = g = 2 and K = optimizer state + 4 (fp32
-    master); adam K = 8+4 = 12, sgd-with-momentum K = 4+4 = 8, adafactor K ≈ 0+4
-    (its factored moments, 4 bytes per row + column, are approximated as 0 per
-    parameter). fp32: p = g = 4, no separate master, so adam K = 8, sgd 4,
-    adafactor ≈ 0. Sharded quantities use ceil(Φ/N) elements per device (the
-    padded flat shard). The EMA (``ema=True``) is fp32 and jaxzero shards it at
-    every stage, stage 0 included: 4*Φ/N.
+    Mixed precision (bf16/fp16): p = g = 2 and K = optimizer state + 4 (fp32 master); adam K =
+    8+4 = 12, sgd-with-momentum K = 4+4 = 8, adafactor K ≈ 0+4 (its factored moments, 4 bytes
+    per row + column, are approximated as 0 per parameter). fp32: p = g = 4, no separate master,
+    so adam K = 8, sgd 4, adafactor ≈ 0. Sharded quantities use ceil(Φ/N) elements per device
+    (the padded flat shard). The EMA (``ema=True``) is fp32 and jaxzero shards it at every
+    stage, stage 0 included: 4*Φ/N.
 
     Activations (with batch, seq, hidden, layers and heads) and stage 3's gathered layer (with
-    ``layer_params``) or whole model (``gather_model``) are added as the
-    ``jaxzero.memory.estimate`` module docstring describes.
+    ``layer_params``) or whole model (``gather_model``) are added as the module docstring says.
 
-    Example: Φ = 7.5e9, N = 64, adam, bf16 gives 120 / 31.4 / 16.6 / 1.9 GB for
-    stages 0 / 1 / 2 / 3 (the paper's Figure 1).
+    Example: Φ = 7.5e9, N = 64, adam, bf16 gives 120 / 31.4 / 16.6 / 1.9 GB for stages 0-3
+    (the paper's Figure 1).
 
     Args:
         num_params: total parameter count Φ (int, or an integral float like 7.5e9).
@@ -195,13 +197,15 @@ def estimate_memory(
             compute dtype (the step's peak under the default ``ZeRO(stage=3)``).
         compute_copy: False: stage 3 in FSDP's layout (``Precision(compute_copy=False)``,
             p = 0 in mixed precision); ``stage`` must be 3 or None.
+        offload: None, or "optimizer" (``ZeRO(offload=...)``, stages 1-3): the optimizer
+            state (with the fp32 master, if not the params) and the EMA go to ``host``.
 
     Returns:
         A :class:`MemoryEstimate`, or a list of four (stages 0..3) when stage is None.
         Raises ValueError / TypeError naming the bad argument and the accepted values.
     """
     phi, n = _whole(num_params, "num_params"), _whole(world_size, "world_size")
-    _check_choices(optimizer, precision, stage, compute_copy)
+    _check_choices(optimizer, precision, stage, compute_copy, offload)
     width = 2 if precision != "fp32" else 4  # bytes of one param, one grad (p = g)
     shape = (batch, seq, hidden, heads, ckpt_every, vocab)
     # layers also counts layer_params' layers: with it alone, it asks for no activations
@@ -209,12 +213,27 @@ def estimate_memory(
     act = _activation_bytes(batch, seq, hidden, act_layers, heads, ckpt_every, vocab, width)
     gathered = _gathered_bytes(phi, layer_params, layers, width, gather_model)
     sizes = (phi, n, optimizer, precision, ema, act, gathered, compute_copy)
-    if stage is not None:
-        return _one_stage(stage, *sizes)
-    return [_one_stage(s, *sizes) for s in range(4)]
+    one = lambda s: _offloaded(_one_stage(s, *sizes), offload, compute_copy, precision)
+    return one(stage) if stage is not None else [one(s) for s in range(4)]
 
 
-def _check_choices(optimizer, precision, stage, compute_copy=True) -> None:
+def _offloaded(e: MemoryEstimate, offload, compute_copy: bool, precision) -> MemoryEstimate:
+    """``e`` with the optimizer state and the EMA in host memory (``offload="optimizer"``)."""
+    if not offload:
+        return e
+    stay = 0  # FSDP's layout: the fp32 master is the device's params, 4 bytes of K
+    if not compute_copy and precision != "fp32":
+        stay = _MASTER_BYTES * -(-e.num_params // e.world_size)
+    host = e.optimizer - stay + e.ema
+    return dataclasses.replace(e, params=e.params + stay, optimizer=0, ema=0, host=host)
+
+
+def _check_choices(optimizer, precision, stage, compute_copy=True, offload=None) -> None:
+    if offload not in (None, "optimizer") or (offload and stage in (None, 0)):
+        raise ValueError(
+            f"offload={offload!r} with stage={stage}: use offload=None, or 'optimizer' with "
+            f"stage=1, 2 or 3 (as ZeRO(offload=...) does)"
+        )
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     if precision not in PRECISIONS:
@@ -256,9 +275,7 @@ def _gathered_bytes(phi: int, layer_params, layers, width: int, gather_model=Fal
     return (p + g) * one_layer + g * rest
 
 
-def _one_stage(
-    stage, phi, n, optimizer, precision, ema, act, gathered, compute_copy=True
-) -> MemoryEstimate:
+def _one_stage(stage, phi, n, optimizer, precision, ema, act, gathered, compute_copy=True):
     """The estimate of one stage from the checked sizes (see :func:`estimate_memory`)."""
     mixed = precision != "fp32"
     p = g = 2 if mixed else 4
@@ -342,12 +359,15 @@ def format_table(estimates, gpu_memory=None) -> str:
     cols = ["params", "grads", "optimizer"]
     cols += [c for c in ("ema", "activations", "gathered") if any(getattr(e, c) for e in rows)]
     header = ["stage", *cols, "total"] + (["fits"] if budget is not None else [])
+    host = ["host"] if any(e.host for e in rows) else []
+    header += host
     body = []
     for e in rows:
         cells = [str(e.stage)] + [format_bytes(getattr(e, c)) for c in cols]
         cells.append(format_bytes(e.total))
         if budget is not None:
             cells.append("yes" if e.fits(budget) else "NO")
+        cells += [format_bytes(e.host)] if host else []
         body.append(cells)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)).rstrip()

@@ -180,6 +180,9 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
         if model_state is not None:
             model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
         run = lambda ms, b, key: micro(params, specs, ms, b, key, scale)
+        if accum_steps > 1 and zero.offload:  # stacks' gradients come in param_dtype
+            out = zero.precision.output_dtype
+            run = lambda ms, b, key, run=run: _with_grads_in(out, run(ms, b, key))
         if accum_steps == 1:
             losses, auxes, g, model_state = run(model_state, batch, rng)
         else:
@@ -193,6 +196,13 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
         return loss, aux, g, model_state
 
     return fn
+
+
+def _with_grads_in(dtype, out):
+    """``(loss, aux, grads, model_state)`` with the grads cast to ``dtype`` (micro-batch sums
+    accumulate in it)."""
+    loss, aux, g, model_state = out
+    return loss, aux, jax.tree.map(lambda x: x.astype(dtype), g), model_state
 
 
 def _fold(rng, i):

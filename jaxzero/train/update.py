@@ -27,11 +27,14 @@ def master_view(zero: jaxzero.ZeRO, state: TrainState):
     return jax.lax.with_sharding_constraint(state.params, sh.named(zero.mesh, specs))
 
 
+def _pinned(zero: jaxzero.ZeRO, grads):
+    """The gradients in the master's shards."""
+    return jax.lax.with_sharding_constraint(grads, sh.named(zero.mesh, zero.shard_specs(grads)))
+
+
 def _unscaled(zero: jaxzero.ZeRO, state: TrainState, grads):
-    """The gradients in ``output_dtype``, in the master's shards, divided by the loss scale."""
-    grads = jax.lax.with_sharding_constraint(
-        cast(grads, zero.precision.output_dtype), sh.named(zero.mesh, zero.shard_specs(grads))
-    )
+    """The gradients in ``output_dtype``, divided by the loss scale."""
+    grads = cast(grads, zero.precision.output_dtype)
     if state.loss_scale is not None:
         inv = 1.0 / state.loss_scale.scale
         grads = jax.tree.map(lambda g: g * inv.astype(g.dtype), grads)
@@ -104,13 +107,14 @@ def _shard_update(zero: jaxzero.ZeRO, ema, state: TrainState, master, grads, mod
 
 def _host_update(zero: jaxzero.ZeRO, ema, state: TrainState, master, grads, model_state, apply):
     """:func:`_shard_update` on the devices' hosts (``zero.offload``, decision 31): the
-    gradient shards (and the master, when it is the device's params) go to host memory, the
-    new compute shards come back to the device."""
+    gradient shards (and the master, when it is the device's params) go to host memory as
+    they are (a per-layer stack's in ``param_dtype``: no ``output_dtype`` copy of them is made
+    on the device), are unscaled there, and the new compute shards come back."""
     to_host = lambda t: offload.to_host(t, offload.host_shardings(zero.mesh, zero.shard_specs(t)))
     grads = to_host(grads)
     if state.master is None:
         master = to_host(master)
-    update = lambda *a: _shard_update(zero, ema, *a)
+    update = lambda s, m, g, *a: _shard_update(zero, ema, s, m, _unscaled(zero, s, g), *a)
     # the compute params stay out: nothing on the device is copied to the host but the grads
     slim = state.replace(params=None)
     new_master, opt_state, new_ema, compute = offload.on_host(update)(
@@ -125,14 +129,16 @@ def apply_gradients(
     """:meth:`jaxzero.ZeRO.apply_gradients` (see there)."""
     master = master_view(zero, state)
     with jax.named_scope("optimizer_update"):
-        grads = _unscaled(zero, state, grads)
+        pinned = _pinned(zero, grads)
+        grads = _unscaled(zero, state, pinned)
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
-    update = _host_update if zero.offload else _shard_update
-    new_master, opt_state, new_ema, compute = update(
-        zero, ema, state, master, grads, model_state, apply
-    )
+    if zero.offload:  # the host unscales the gradients it gets (the norm below fuses its own)
+        update = _host_update(zero, ema, state, master, pinned, model_state, apply)
+    else:
+        update = _shard_update(zero, ema, state, master, grads, model_state, apply)
+    new_master, opt_state, new_ema, compute = update
     step = jnp.where(apply, state.step + 1, state.step)
     if zero.stage in (1, 2):
         with jax.named_scope("gather_updated_params"):
@@ -142,7 +148,7 @@ def apply_gradients(
         loss_scale = zero.loss_scale.update(loss_scale, finite)
     new_state = state.replace(
         step=step,
-        params=keep(compute, state.params),
+        params=compute if zero.offload else keep(compute, state.params),
         master=new_master if state.master is not None else None,
         opt_state=opt_state,
         skipped=state.skipped + jnp.where(apply, 0, 1).astype(jnp.int32),

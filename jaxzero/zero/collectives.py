@@ -117,7 +117,9 @@ def gather_params(comm: Comm, local_params, specs, stacked_mask=None):
     return jax.tree.map(gather, _keep(stacked_mask, local_params), local_params, specs)
 
 
-def params_for_loss(comm: Comm, local_params, specs, stacked_mask=None, whole_mask=None):
+def params_for_loss(
+    comm: Comm, local_params, specs, stacked_mask=None, whole_mask=None, keep_dtype=False
+):
     """The full compute params, ready to differentiate, from ``local_params``: the compute
     params, or (stage 3 with a separate master) the master shards themselves.
 
@@ -130,17 +132,32 @@ def params_for_loss(comm: Comm, local_params, specs, stacked_mask=None, whole_ma
     layer, cast to ``param_dtype``, and its backward reduces their gradients. Leaves where
     ``whole_mask`` is True (layer stacks of a per-layer stage 0) stay as they are,
     device-invariant: :func:`jaxzero.gather_layer` marks each layer varying where it is used,
-    and its backward all-reduces that layer's gradient, which comes back invariant.
+    and its backward all-reduces that layer's gradient, which comes back invariant. With
+    ``keep_dtype`` (offload: the stacks are the ``param_dtype`` params, the master being in
+    host memory) the stacks keep their dtype where their gradient is exact in it
+    (:func:`param_dtype_gradient_exact`), and so do their gradients: no ``output_dtype`` copy
+    of a stack is made on the device.
     """
+    keep_dtype = keep_dtype and param_dtype_gradient_exact(comm)
     with jax.named_scope("gather_params"):
         full = gather_params(comm, local_params, specs, stacked_mask)
 
     def prepare(stacked, whole, x):
         if whole:
             return x
-        return x.astype(comm.output_dtype) if stacked else to_varying(x, comm.batch_axes)
+        if stacked:
+            return x if keep_dtype else x.astype(comm.output_dtype)
+        return to_varying(x, comm.batch_axes)
 
     return jax.tree.map(prepare, _keep(stacked_mask, full), _keep(whole_mask, full), full)
+
+
+def param_dtype_gradient_exact(comm: Comm) -> bool:
+    """Whether a gradient reduced in ``reduce_dtype`` and divided by the number of batch
+    shards is exact in ``param_dtype``: the same dtype, and a power-of-two divisor (exact
+    unless the values reach the subnormal range)."""
+    n = comm.num_batch_shards
+    return comm.reduce_dtype == comm.param_dtype and n & (n - 1) == 0
 
 
 def reduce_gradients(

@@ -252,9 +252,9 @@ class ZeRO:
     def params_for_loss(self, local_params, specs):
         """The full compute params, marked device-varying, ready to differentiate."""
         tables = vocab.mask(self.vocab_parallel, local_params)  # stay rows, like the stacks
-        masks = (vocab.either(self._stacked_mask(local_params), tables),)
-        masks += (self._whole_mask(local_params),)
-        full = collectives.params_for_loss(self.comm, local_params, specs, *masks)
+        args = (vocab.either(self._stacked_mask(local_params), tables),)
+        args += (self._whole_mask(local_params), bool(self.offload))  # keep_dtype: decision 31
+        full = collectives.params_for_loss(self.comm, local_params, specs, *args)
         return vocab.varying(self.comm, tables, full)
 
     def layer_plan(self, local_params, specs):

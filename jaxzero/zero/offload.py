@@ -18,6 +18,7 @@ as :func:`jaxzero.gpu.compile_report` does), and every host sharding is checked 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import jax
 from jax.experimental.compute_on import compute_on
@@ -117,7 +118,18 @@ def on_host(fn):
     return compute_on("device_host")(jax.jit(fn))
 
 
-def lowering(mesh: Mesh):
-    """The context to lower a step in: ``jax.set_mesh(mesh)`` where host shardings live on
-    the abstract mesh (compile-only devices), else a no-op."""
-    return jax.set_mesh(mesh) if not memory_kinds(mesh) else contextlib.nullcontext()
+def offloaded_bytes(state) -> int:
+    """Bytes per device of what ``offload="optimizer"`` keeps in host memory: the master, the
+    optimizer state and the EMA of ``state`` (a TrainState of arrays or ShapeDtypeStructs
+    with shardings), whatever memory kind they were given."""
+    total = 0
+    for x in jax.tree.leaves((state.master, state.opt_state, state.ema)):
+        total += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
+def lowering(mesh: Mesh, offload):
+    """The context to lower a step in: ``jax.set_mesh(mesh)`` where it offloads and its host
+    shardings live on the abstract mesh (compile-only devices), else a no-op."""
+    abstract = offload and not memory_kinds(mesh)
+    return jax.set_mesh(mesh) if abstract else contextlib.nullcontext()
