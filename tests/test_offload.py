@@ -32,7 +32,7 @@ CASES = {
     "stage3_bf16": ("transformer", {"stage": 3, "precision": BF16}, {"accum_steps": 2}),
     # fp32 reduce: the stacks' gradients are not exact in bf16, so the loss gets fp32 stacks
     "stage3_per_layer_bf16": ("scanned", {"stage": 3, "precision": BF16, "layers": "layers"}, {}),
-    # "bf16" reduces in bf16 over 8 devices: the loss keeps the bf16 stacks (decision 31)
+    # "bf16" reduces in bf16 over 8 devices: the loss keeps the bf16 stacks (decision 32)
     "stage3_per_layer_bf16_reduce": (
         "scanned",
         {"stage": 3, "precision": "bf16", "layers": "layers"},

@@ -235,7 +235,7 @@ def loss_shards(zero: ZeRO, state: TrainState):
     so the wire stays 16-bit, and the per-layer stack's gradient comes back in fp32 with no
     fp32 copy of the stack made); otherwise ``state.params``. The two agree: ``params`` is
     ``cast(master)`` after every update. With ``zero.offload`` the master is in host memory,
-    so the loss is built from ``state.params`` (decision 31)."""
+    so the loss is built from ``state.params`` (decision 32)."""
     if zero.stage == 3 and state.master is not None and not zero.offload:
         return state.master
     return state.params

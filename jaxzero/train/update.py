@@ -46,7 +46,7 @@ def _optax_update(zero: jaxzero.ZeRO, state: TrainState, master, grads):
     propagate the EMA's (sharded) layout backward into a stage-0 update and all-gather it."""
     updates, opt_state = zero.tx.update(grads, state.opt_state, master)
     new_master = optax.apply_updates(master, updates)
-    if zero.offload:  # on the host (decision 31): its outputs stay in their input shardings
+    if zero.offload:  # on the host (decision 32): its outputs stay in their input shardings
         return new_master, opt_state
     pin = lambda t: jax.lax.with_sharding_constraint(t, sh.named(zero.mesh, zero.shard_specs(t)))
     return pin(new_master), pin(opt_state)
@@ -106,7 +106,7 @@ def _shard_update(zero: jaxzero.ZeRO, ema, state: TrainState, master, grads, mod
 
 
 def _host_update(zero: jaxzero.ZeRO, ema, state: TrainState, master, grads, model_state, apply):
-    """:func:`_shard_update` on the devices' hosts (``zero.offload``, decision 31): the
+    """:func:`_shard_update` on the devices' hosts (``zero.offload``, decision 32): the
     gradient shards (and the master, when it is the device's params) go to host memory as
     they are (a per-layer stack's in ``param_dtype``: no ``output_dtype`` copy of them is made
     on the device), are unscaled there, and the new compute shards come back."""

@@ -253,7 +253,7 @@ class ZeRO:
         """The full compute params, marked device-varying, ready to differentiate."""
         tables = vocab.mask(self.vocab_parallel, local_params)  # stay rows, like the stacks
         args = (vocab.either(self._stacked_mask(local_params), tables),)
-        args += (self._whole_mask(local_params), bool(self.offload))  # keep_dtype: decision 31
+        args += (self._whole_mask(local_params), bool(self.offload))  # keep_dtype: decision 32
         full = collectives.params_for_loss(self.comm, local_params, specs, *args)
         return vocab.varying(self.comm, tables, full)
 

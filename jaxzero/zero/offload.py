@@ -1,5 +1,5 @@
 """Offload to host memory: which state lives in pinned host memory, its shardings, and where
-its update runs (decision 31).
+its update runs (decision 32).
 
 ``ZeRO(offload="optimizer")`` keeps the fp32 master (when separate from the compute params),
 the optimizer state and the EMA in the host memory of each device (``memory_kind=
