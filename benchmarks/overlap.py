@@ -62,7 +62,17 @@ def _figures(hlo: str, mem, n: int) -> dict:
         "max": _ceiling(over),
         "args_temp": mem.argument_size_in_bytes + mem.temp_size_in_bytes,
         "kernels": gpu.kernels_per_step(hlo),
+        **_gather_scatter(over),
     }
+
+
+def _gather_scatter(over) -> dict:
+    """``ag_rs_bytes``: all-gather + reduce-scatter payload per step; ``ag_rs_hidden``: the
+    share of those bytes hidden behind compute (None when none move)."""
+    rows = [o for o in over if o.kind in KINDS[:2]]
+    total = sum(o.bytes for o in rows)
+    hidden = sum(o.hidden_bytes for o in rows) / total if total else None
+    return {"ag_rs_bytes": total, "ag_rs_hidden": hidden}
 
 
 def _ceiling(over) -> str:
@@ -77,7 +87,15 @@ def _ceiling(over) -> str:
     return " / ".join(cells)
 
 
-def jaxzero_row(shape, mesh, stage, per_layer, options, precision="bf16"):
+def _model(shape, model):
+    """``model`` (abstract params, loss_fn), or by default ``shape``'s Linen decoder's."""
+    return (abstract_params(shape), make_loss(shape)) if model is None else model
+
+
+def jaxzero_row(shape, mesh, stage, per_layer, options, precision="bf16", model=None, **zero):
+    """A jaxzero row; ``model``: (abstract params, loss_fn) in place of ``shape``'s Linen
+    decoder; ``zero``: further ``jz.ZeRO`` keyword arguments."""
+    params, loss_fn = _model(shape, model)
     zero = jz.ZeRO(
         optax.adam(1e-4),
         mesh,
@@ -85,31 +103,31 @@ def jaxzero_row(shape, mesh, stage, per_layer, options, precision="bf16"):
         precision=precision,
         layers="layers" if per_layer else None,
         vocab_parallel="embed" if shape.vocab_parallel else None,
+        **zero,
     )
-    step = jz.make_train_step(make_loss(shape), zero)
+    step = jz.make_train_step(loss_fn, zero)
     n = mesh.shape["data"]
-    rep = gpu.compile_report(
-        step, abstract_params(shape), batch_shapes(shape, n), compiler_options=options
-    )
+    rep = gpu.compile_report(step, params, batch_shapes(shape, n), compiler_options=options)
     return {
         "bytes": sum(c.bytes for c in rep.collectives),
         **{k: rep.hidden_share(k) if rep.payload(k) >= SCALARS else None for k in KINDS},
         "max": _ceiling(rep.overlap),
         "args_temp": rep.argument_bytes + rep.temp_bytes,
         "kernels": rep.kernels_per_step,
+        **_gather_scatter(rep.overlap),
     }
 
 
-def peer_row(shape, mesh, shard: bool, options):
-    """GSPMD FSDP (``shard``) or plain DP: fp32 params and Adam, bf16 compute, jit."""
+def peer_row(shape, mesh, shard: bool, options, model=None):
+    """GSPMD FSDP (``shard``) or plain DP: fp32 params and Adam, bf16 compute, jit;
+    ``model`` as in :func:`jaxzero_row`."""
     n = mesh.shape["data"]
-    params = abstract_params(shape)
+    params, loss_fn = _model(shape, model)
     tx = optax.adam(1e-4)
     opt = jax.eval_shape(tx.init, params)
     place = lambda t: sh.named(mesh, sh.tree_specs(t, n, "data", shard=shard, stacked=("layers",)))
     p_sh, o_sh = place(params), place(opt)
     b_sh = NamedSharding(mesh, P("data"))
-    loss_fn = make_loss(shape)
 
     def step(p, o, batch):
         bf16 = lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)

@@ -19,6 +19,12 @@ The layer stack is ``params["layers"]`` (for ``ZeRO(layers="layers")``). ``Model
 in flight while this one computes); ``"gather_layer"`` with ``nn.scan`` over an ``nn.remat``'d
 block that calls :func:`jaxzero.gather_layer` (each layer gathered where it is used). Both
 build the same params.
+
+Unscanned, as most Flax code is written: ``"python"`` is a Python loop of ``nn.remat``'d blocks
+named ``block_0`` ... ``block_{L-1}`` (``params["block_3"]`` is one layer's params, no layer
+axis; no :func:`jaxzero.gather_layer`), ``"python_noremat"`` the same loop without
+``nn.remat``. :func:`nnx_model` is the NNX twin: an ``nnx.List`` of blocks under ``layers``
+(``params["layers"][3]``), split by :func:`jaxzero.nnx.split`.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
+from jaxzero.flax_nnx import split
 from jaxzero.zero.layers import gather_layer
 from jaxzero.zero.scan import scan_layers, stacked_params
 from jaxzero.zero.vocab import VocabParallelEmbed
@@ -44,11 +52,13 @@ __all__ = [
     "batch_shapes",
     "make_loss",
     "model_shape",
+    "nnx_model",
 ]
 
 ARCHS = ("llama", "gpt")
 ATTENTION = ("auto", "xla")
-LOOPS = ("prefetch", "gather_layer")
+LOOPS = ("prefetch", "gather_layer", "python", "python_noremat")
+PYTHON_LOOPS = ("python", "python_noremat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,26 +166,44 @@ def _impl(shape: ModelShape, dtype) -> str | None:
     return None
 
 
+def _dense_widths(c: ModelShape) -> dict[str, tuple[int, int]]:
+    """A block's dense layers: name -> (inputs, outputs)."""
+    d, f = c.hidden, c.ffn
+    mlp = {"gate": (d, f), "up": (d, f)} if c.arch == "llama" else {"fc": (d, f)}
+    return {"qkv": (d, 3 * d), "out": (d, d), **mlp, "down": (f, d)}
+
+
+def _block(c: ModelShape, x, layer):
+    """One decoder block on ``x``; ``layer(name)`` is its sublayer ``name`` (a norm or a dense
+    layer of :func:`_dense_widths`), whichever Flax API built it."""
+    b, s, d = x.shape
+    qkv = layer("qkv")(layer("norm1")(x)).reshape(b, s, 3, c.heads, d // c.heads)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    h = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_impl(c, q.dtype))
+    x = x + layer("out")(h.reshape(b, s, d))
+    h = layer("norm2")(x)
+    if c.arch == "llama":
+        h = nn.silu(layer("gate")(h)) * layer("up")(h)
+    else:
+        h = nn.gelu(layer("fc")(h))
+    return x + layer("down")(h)
+
+
 class _Block(nn.Module):
     shape: ModelShape
 
     @nn.compact
     def __call__(self, x, _):
         c = self.shape
-        llama = c.arch == "llama"
-        b, s, d = x.shape
-        dense = lambda n, name: nn.Dense(n, use_bias=not llama, name=name)
-        norm = nn.RMSNorm if llama else nn.LayerNorm
-        qkv = dense(3 * d, "qkv")(norm(name="norm1")(x)).reshape(b, s, 3, c.heads, d // c.heads)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        h = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_impl(c, q.dtype))
-        x = x + dense(d, "out")(h.reshape(b, s, d))
-        h = norm(name="norm2")(x)
-        if llama:
-            h = nn.silu(dense(c.ffn, "gate")(h)) * dense(c.ffn, "up")(h)
-        else:
-            h = nn.gelu(dense(c.ffn, "fc")(h))
-        return x + dense(d, "down")(h), None
+        widths = _dense_widths(c)
+        norm = nn.RMSNorm if c.arch == "llama" else nn.LayerNorm
+
+        def layer(name):
+            if name in widths:
+                return nn.Dense(widths[name][1], use_bias=c.arch != "llama", name=name)
+            return norm(name=name)
+
+        return _block(c, x, layer), None
 
 
 class Decoder(nn.Module):
@@ -192,7 +220,11 @@ class Decoder(nn.Module):
         if c.arch == "gpt":
             pos = self.param("pos", nn.initializers.normal(0.02), (c.seq, c.hidden))
             x = x + pos[: tokens.shape[1]].astype(x.dtype)
-        if c.loop == "prefetch":
+        if c.loop in PYTHON_LOOPS:
+            block = nn.remat(_Block) if c.loop == "python" else _Block
+            for i in range(c.layers):
+                x = block(c, name=f"block_{i}")(x, None)[0]
+        elif c.loop == "prefetch":
             block = _Block(c, parent=None)
             stack = stacked_params(self, "layers", block, c.layers, x, None)
             x = scan_layers(lambda w, h: block.apply({"params": w}, h, None)[0], stack, x)
@@ -219,6 +251,12 @@ def abstract_params(shape: ModelShape):
     return jax.eval_shape(lambda t: model.init(jax.random.key(0), t, labels(t))["params"], tokens)
 
 
+def _xent(logits, labels):
+    """Mean next-token cross-entropy over f32 logits."""
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
 def make_loss(shape: ModelShape):
     """``loss_fn(params, {"x", "y"})``: mean next-token cross-entropy over f32 logits."""
     model = Decoder(shape)
@@ -226,10 +264,75 @@ def make_loss(shape: ModelShape):
     def loss_fn(params, batch):
         if shape.vocab_parallel:
             return model.apply({"params": params}, batch["x"], batch["y"])
-        logits = model.apply({"params": params}, batch["x"]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return _xent(model.apply({"params": params}, batch["x"]), batch["y"])
 
     return loss_fn
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, shape: ModelShape, dtype, rngs: nnx.Rngs):
+        c = self.shape = shape
+        norm = nnx.RMSNorm if c.arch == "llama" else nnx.LayerNorm
+        self.norm1 = norm(c.hidden, dtype=dtype, rngs=rngs)
+        self.norm2 = norm(c.hidden, dtype=dtype, rngs=rngs)
+        bias = c.arch != "llama"
+        for name, (n_in, n_out) in _dense_widths(c).items():
+            setattr(self, name, nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype, rngs=rngs))
+
+    def __call__(self, x):
+        return _block(self.shape, x, lambda name: getattr(self, name))
+
+
+class _NnxDecoder(nnx.Module):
+    """:class:`Decoder` with ``loop="python"``/``"python_noremat"`` as an NNX module: the
+    blocks in an ``nnx.List`` under ``layers``, the same params (``layers/i`` for
+    ``block_i``); every module computes in ``dtype``."""
+
+    def __init__(self, shape: ModelShape, dtype, rngs: nnx.Rngs):
+        c = self.shape = shape
+        self.embed = nnx.Embed(c.vocab, c.hidden, dtype=dtype, rngs=rngs)
+        if c.arch == "gpt":
+            self.pos = nnx.Param(nn.initializers.normal(0.02)(rngs.params(), (c.seq, c.hidden)))
+        self.layers = nnx.List([_NnxBlock(c, dtype, rngs) for _ in range(c.layers)])
+        norm = nnx.RMSNorm if c.arch == "llama" else nnx.LayerNorm
+        self.final_norm = norm(c.hidden, dtype=dtype, rngs=rngs)
+        if c.arch == "llama":
+            self.head = nnx.Linear(c.hidden, c.vocab, use_bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens):
+        c = self.shape
+        x = self.embed(tokens)
+        if c.arch == "gpt":
+            x = x + self.pos[: tokens.shape[1]].astype(x.dtype)
+        run = lambda block, x: block(x)
+        if c.loop == "python":
+            run = nnx.remat(run)
+        for block in self.layers:
+            x = run(block, x)
+        x = self.final_norm(x)
+        return self.embed.attend(x) if c.arch == "gpt" else self.head(x)
+
+
+def nnx_model(shape: ModelShape, dtype=jnp.bfloat16):
+    """The NNX twin of ``Decoder(shape)`` for ``loop="python"`` (``nnx.remat`` per block) or
+    ``"python_noremat"``: ``(params, loss_fn)``, the float32 params' ``ShapeDtypeStruct``s
+    (``nnx.eval_shape``: nothing allocated; ``params["layers"][i]`` is block i) and
+    ``loss_fn(params, {"x", "y"})`` through ``jaxzero.nnx.split``'s ``model_def.loss``.
+
+    Every module is built with ``dtype=dtype``, the compute dtype, as NNX models for bf16
+    training are written (an ``nnx.Embed`` without ``dtype=`` computes in its float32 param
+    dtype whatever the params it is given); ``Decoder`` computes in the params' dtype instead.
+    """
+    if shape.loop not in PYTHON_LOOPS:
+        raise ValueError(
+            f"nnx_model needs loop='python' or 'python_noremat' (a list of blocks), got "
+            f"loop={shape.loop!r}; use dataclasses.replace(shape, loop='python')."
+        )
+    if shape.vocab_parallel:
+        raise ValueError("nnx_model has no vocab_parallel form; use vocab_parallel=False.")
+    module = nnx.eval_shape(lambda: _NnxDecoder(shape, dtype, nnx.Rngs(0)))
+    model_def, params, _ = split(module)
+    return params, model_def.loss(lambda module, batch: _xent(module(batch["x"]), batch["y"]))
 
 
 def batch_shapes(shape: ModelShape, global_batch: int):

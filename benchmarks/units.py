@@ -1,0 +1,237 @@
+"""Stage 3 on unscanned models (issue 29): a Python loop of Linen blocks and an ``nnx.List`` of
+NNX blocks, jaxzero stage 3 (whole model gathered per micro-batch; without the compute copy;
+per unit, ``ZeRO(units=PATTERN)``) against the GSPMD-FSDP peer, compiled for 8 H100s without a
+GPU (``jaxzero.gpu.compile_only_mesh``), bf16, Adam, 1 x 512 tokens per device.
+
+    python benchmarks/units.py                    # GPT 12 x 1024, 16 x 2048, NNX 12 x 1024
+    python benchmarks/units.py --quick            # 4 blocks x 256, 128 tokens (about 2 min)
+    python benchmarks/units.py --out benchmarks/results/units.md
+
+The models are :mod:`jaxzero.gpu.models`' GPT decoder with ``loop="python"`` (``nn.remat`` per
+block, params ``block_0`` ... ``block_{L-1}``) and its NNX twin :func:`nnx_model` (params
+``layers/0`` ... ``layers/{L-1}``): LayerNorm, biases, GELU MLP of width 4h, learned
+positions, head tied to the embedding. The vocabulary (15,872) is the one that makes the
+issue's parameter counts with this decoder (168M for 12 x 1024, 839M for 16 x 2048).
+
+Per row, per device per step: peak = arguments + temporaries (``memory_analysis``, as in
+benchmarks/overlap.py), its ratio to the peer's, all-gather + reduce-scatter payload bytes (loop
+trip counts applied), the share of those bytes hidden behind compute
+(:meth:`jaxzero.gpu.CompileReport.hidden_share`), and kernels launched. The peer is
+benchmarks/overlap.py's :func:`peer_row`: fp32 params and Adam state sharded by
+``NamedSharding`` on the same dimension rule as jaxzero, bf16 compute, plain ``optax`` under
+``jax.jit``. The units column needs ``jz.ZeRO(units=)``; without it the column reads
+"n/a (units= not available)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import inspect
+import os
+import platform
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+import flax  # noqa: E402
+import jax  # noqa: E402
+import jaxlib  # noqa: E402
+import optax  # noqa: E402
+from overlap import jaxzero_row, peer_row  # noqa: E402
+
+import jaxzero as jz  # noqa: E402
+from jaxzero import gpu  # noqa: E402
+from jaxzero.gpu.models import abstract_params, make_loss, model_shape, nnx_model  # noqa: E402
+
+DEVICES = 8
+KIND = "h100"
+VOCAB = 15872  # 12 x 1024: 167.9M params, 16 x 2048: 839.3M (the issue's 168M and 839M)
+NA = "n/a (units= not available)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    label: str
+    shape: object  # jaxzero.gpu.models.ModelShape
+    nnx: bool  # the NNX twin (nnx_model) instead of the Linen decoder
+    units: str  # the ZeRO(units=) pattern naming one block's params
+
+    def build(self):
+        """(abstract params, loss_fn)."""
+        if self.nnx:
+            return nnx_model(self.shape)
+        return abstract_params(self.shape), make_loss(self.shape)
+
+
+def models(quick: bool) -> list[Model]:
+    def gpt(layers, hidden, seq=512, vocab=VOCAB):
+        return model_shape(
+            layers=layers, hidden=hidden, vocab=vocab, seq=seq, arch="gpt", loop="python"
+        )
+
+    if quick:
+        small = gpt(4, 256, seq=128, vocab=1024)
+        return [
+            Model("GPT, Python loop of nn.remat blocks, 4 x 256", small, False, r"block_\d+"),
+            Model("NNX, nnx.List of 4 blocks x 256", small, True, r"layers/\d+"),
+        ]
+    return [
+        Model("GPT, Python loop of nn.remat blocks, 12 x 1024", gpt(12, 1024), False, r"block_\d+"),
+        Model("GPT, Python loop of nn.remat blocks, 16 x 2048", gpt(16, 2048), False, r"block_\d+"),
+        Model("NNX, nnx.List of 12 blocks x 1024", gpt(12, 1024), True, r"layers/\d+"),
+    ]
+
+
+def units_available() -> bool:
+    """Whether this jaxzero's ``ZeRO`` takes ``units=``."""
+    return "units" in inspect.signature(jz.ZeRO).parameters
+
+
+def _no_copy():
+    return jz.Precision.create("bf16", compute_copy=False)
+
+
+# (label, row(model, mesh, options) -> figures or None when the variant is not available)
+VARIANTS = (
+    (
+        "jaxzero stage 3 (whole model)",
+        lambda m, mesh, o: jaxzero_row(m.shape, mesh, 3, False, o, model=m.build()),
+    ),
+    (
+        "jaxzero stage 3, compute_copy=False",
+        lambda m, mesh, o: jaxzero_row(m.shape, mesh, 3, False, o, _no_copy(), model=m.build()),
+    ),
+    ("GSPMD-FSDP peer", lambda m, mesh, o: peer_row(m.shape, mesh, True, o, model=m.build())),
+    (
+        "jaxzero stage 3 units",
+        lambda m, mesh, o: (
+            jaxzero_row(m.shape, mesh, 3, False, o, model=m.build(), units=m.units)
+            if units_available()
+            else None
+        ),
+    ),
+)
+PEER = "GSPMD-FSDP peer"
+
+
+def _mb(b: int) -> str:
+    return f"{b / 1e6:.0f} MB" if b >= 1e8 else f"{b / 1e6:.1f} MB"
+
+
+def measure(model: Model, mesh, options) -> dict:
+    """{variant label: figures or None}, printed as they come."""
+    out = {}
+    for label, row in VARIANTS:
+        out[label] = f = row(model, mesh, options)
+        got = NA if f is None else f"{_mb(f['args_temp'])}, {f['kernels']} kernels"
+        print(f"  {model.label} | {label}: {got}", file=sys.stderr, flush=True)
+    return out
+
+
+def model_table(model: Model, rows: dict) -> list[str]:
+    shape = model.shape
+    peer = rows[PEER]["args_temp"]
+    lines = [
+        f"### {model.label}: {shape.num_params:,} params, units=`{model.units}`",
+        "",
+        "| variant | peak (args + temp) | / peer | AG+RS bytes | hidden AG+RS | kernels |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, f in rows.items():
+        if f is None:
+            lines.append(f"| {label} | {NA} | | | | |")
+            continue
+        hidden = "-" if f["ag_rs_hidden"] is None else f"{f['ag_rs_hidden']:.2f}"
+        lines.append(
+            f"| {label} | {_mb(f['args_temp'])} | {f['args_temp'] / peer:.2f} | "
+            f"{_mb(f['ag_rs_bytes'])} | {hidden} | {f['kernels']} |"
+        )
+    return lines
+
+
+def summary_table(results: list[tuple[Model, dict]]) -> list[str]:
+    """The issue's layout: peak per device per model, ratio to the peer in parentheses."""
+    labels = [label for label, _ in VARIANTS]
+    lines = [
+        "| model | whole model in bf16 | " + " | ".join(labels) + " |",
+        "|---|---|" + "---|" * len(labels),
+    ]
+    for model, rows in results:
+        peer = rows[PEER]["args_temp"]
+        cells = [
+            NA
+            if rows[k] is None
+            else f"{_mb(rows[k]['args_temp'])} ({rows[k]['args_temp'] / peer:.2f})"
+            for k in labels
+        ]
+        bf16 = _mb(2 * model.shape.num_params)
+        params = f"{model.shape.num_params / 1e6:.0f}M params"
+        lines.append(f"| {model.label} ({params}) | {bf16} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def header(argv: list[str], flags: str) -> list[str]:
+    plugin = next(
+        (d.version for d in _distributions() if d.metadata["Name"].startswith("jax-cuda")), "none"
+    )
+    command = " ".join(["python", "benchmarks/units.py", *argv])
+    return [
+        "# Stage 3 on unscanned models against the GSPMD-FSDP peer",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Date: {datetime.date.today().isoformat()}. Machine: deviceless XLA:GPU compiles for "
+        f"{DEVICES} x {KIND.upper()} (`jz.gpu.compile_only_mesh`) on {platform.machine()} "
+        f"{platform.system()}, no GPU. Versions: jax {jax.__version__}, jaxlib "
+        f"{jaxlib.__version__}, CUDA plugin {plugin}, flax {flax.__version__}, optax "
+        f"{optax.__version__}, Python {platform.python_version()}.",
+        "",
+        f"bf16 (fp32 master), Adam, batch 1 per device, XLA flags: {flags}. Peak = arguments + "
+        f"temporaries per device; ratios in parentheses are against the GSPMD-FSDP peer "
+        f"compiled in the same process.",
+        "",
+    ]
+
+
+def _distributions():
+    from importlib import metadata
+
+    return metadata.distributions()
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4 blocks x 256, 128 tokens")
+    ap.add_argument(
+        "--flags",
+        choices=("default", "recommended"),
+        default="default",
+        help="XLA's default flags or jaxzero.gpu.recommended_xla_flags()",
+    )
+    ap.add_argument("--out", help="also write the markdown here")
+    args = ap.parse_args(argv)
+    options = gpu.xla_options() if args.flags == "recommended" else None
+    flags = "`" + " ".join(gpu.recommended_xla_flags()) + "`" if options else "XLA's defaults"
+    mesh = gpu.compile_only_mesh(KIND, DEVICES)
+    results = []
+    for model in models(args.quick):
+        tokens = model.shape.seq * model.shape.batch
+        print(f"{model.label}, {tokens} tokens per device", file=sys.stderr, flush=True)
+        results.append((model, measure(model, mesh, options)))
+    out = header(argv, flags) + summary_table(results) + [""]
+    for model, rows in results:
+        out += model_table(model, rows) + [""]
+    text = "\n".join(out)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+
+
+if __name__ == "__main__":
+    main()
