@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero.ema.ema import EmaState
 from jaxzero.ema.storage import to_per_leaf
-from jaxzero.train.state import TrainState
+from jaxzero.train.state import TrainState, check_not_donated
 
 
 def mesh_of(tree):
@@ -50,6 +50,7 @@ def gather(tree):
     leaves are stored in a bucket), a :class:`TrainState` (returns its gathered compute
     params) or any pytree of arrays on a mesh. Compiled once per tree structure and mesh.
     """
+    check_not_donated(tree)
     if isinstance(tree, EmaState):
         tree = tree.ema
     elif isinstance(tree, TrainState):
@@ -65,8 +66,11 @@ def ema_params(state: TrainState, dtype=None):
     passed to the model in place of ``state.params``; one extra full copy, nothing more."""
     if not isinstance(state, TrainState) or state.ema is None:
         raise ValueError(
-            "ema_params needs a TrainState with an EMA; create it with zero.init(params, ema=...)."
+            "ema_params needs a TrainState with an EMA; build the step with "
+            "make_train_step(..., ema=jaxzero.ShardedEMA(decay)) and its state with "
+            "step.init(params)."
         )
+    check_not_donated(state)
     dtype = jax.numpy.dtype(dtype or jax.tree.leaves(state.params)[0].dtype)
     tree = state.ema.ema
     # With a model state the EMA averages {"params", "model_state"}: keep "params".
@@ -77,6 +81,7 @@ def ema_params(state: TrainState, dtype=None):
 def ema_model_state(state: TrainState):
     """The EMA of the model state (e.g. BatchNorm statistics), replicated; the model's own
     state when the EMA does not cover one."""
+    check_not_donated(state)
     if state.ema is None or state.model_state is None:
         return state.model_state
     tree = state.ema.ema

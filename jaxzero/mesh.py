@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 
@@ -52,6 +53,8 @@ def data_parallel_mesh(
         )
     if not isinstance(replicas, int) or replicas < 1 or n % replicas:
         raise ValueError(f"replicas={replicas!r} must be a positive int dividing num_devices={n}.")
+    if num_devices is None and n == 1 and devices[0].platform == "cpu":
+        _warn_one_cpu_device()
     chosen = np.asarray(devices[:n], dtype=object)
     if replicas == 1:
         return Mesh(chosen, (axis,), axis_types=(AxisType.Auto,))
@@ -59,6 +62,20 @@ def data_parallel_mesh(
         chosen.reshape(replicas, n // replicas),
         (replica_axis, axis),
         axis_types=(AxisType.Auto, AxisType.Auto),
+    )
+
+
+@functools.cache
+def _warn_one_cpu_device() -> None:
+    """Warn (once per process) that a mesh of all devices is one CPU device."""
+    warnings.warn(
+        "jaxzero.data_parallel_mesh(): this process sees one CPU device, so nothing is "
+        "sharded: every stage runs as a one-device run. To simulate N devices on a CPU, call "
+        "jaxzero.simulate_cpu_devices(N) before the first jax call that touches devices (or "
+        "set XLA_FLAGS=--xla_force_host_platform_device_count=N before it); pass "
+        "num_devices=1 to ask for one device on purpose.",
+        UserWarning,
+        stacklevel=3,
     )
 
 

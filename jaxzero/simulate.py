@@ -11,8 +11,9 @@ anything a healthy run needs, so a slow machine is slow rather than dead.
 from __future__ import annotations
 
 import os
+import warnings
 
-from jaxzero.xla_flags import gpu_present
+from jaxzero.xla_flags import _backend_started, gpu_present
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 COLLECTIVE_TIMEOUT_FLAGS = (
@@ -40,15 +41,53 @@ def simulate_cpu_devices(devices: int | None = None) -> str:
     anything starts a jax backend (``jax.devices()``, creating arrays). It only affects the CPU
     platform: on GPUs the flags are inert. Returns the new value.
 
+    Raises:
+      RuntimeError: jax's CPU backend has started already with fewer devices than asked for
+        (XLA reads the flags only when it starts); nothing is changed. A backend started with
+        more devices warns that the count was not applied.
+
     Where jax would not start its CUDA backend (:func:`jaxzero.xla_flags.gpu_present`, the
     one GPU detection the launcher and the XLA flags use too) it also selects the CPU platform
     (unless ``JAX_PLATFORMS`` says otherwise): ``jax[cuda12]`` is installed for deviceless GPU
     compiles, and without a GPU jax's probe of the CUDA plugin prints a traceback before
     falling back to the CPU.
     """
-    os.environ["XLA_FLAGS"] = cpu_xla_flags(devices, os.environ.get("XLA_FLAGS", ""))
+    flags = cpu_xla_flags(devices, os.environ.get("XLA_FLAGS", ""))
+    _check_not_started(_device_count(flags))
+    os.environ["XLA_FLAGS"] = flags
     if "JAX_PLATFORMS" not in os.environ and not gpu_present():
         import jax
 
         jax.config.update("jax_platforms", "cpu")
     return os.environ["XLA_FLAGS"]
+
+
+def _device_count(flags: str) -> int:
+    """The device count the ``XLA_FLAGS`` value ``flags`` (from :func:`cpu_xla_flags`) asks for."""
+    counts = [p.split("=", 1)[1] for p in flags.split() if p.startswith(DEVICE_COUNT_FLAG + "=")]
+    return int(counts[-1])
+
+
+def _check_not_started(want: int) -> None:
+    """Raise when jax's CPU backend runs already with fewer than ``want`` devices (warn when
+    with more): simulated devices must be asked for before it starts."""
+    if not _backend_started():
+        return
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return  # a GPU run: the CPU flags are inert anyway
+    have = jax.local_device_count()
+    if have == want:
+        return
+    msg = (
+        f"simulate_cpu_devices({want}) was called after jax started its CPU backend with "
+        f"{have} device{'s' if have != 1 else ''}; XLA reads the device count only when the "
+        f"backend starts. Call jaxzero.simulate_cpu_devices({want}) before the first jax call "
+        f"that touches devices (jax.devices(), creating an array, jaxzero.data_parallel_mesh()),"
+        f" or set XLA_FLAGS={DEVICE_COUNT_FLAG}={want} (or "
+        f"jax.config.update('jax_num_cpu_devices', {want})) before it."
+    )
+    if have < want:
+        raise RuntimeError(msg)
+    warnings.warn(msg + f" This process keeps its {have} devices.", UserWarning, stacklevel=3)

@@ -121,16 +121,18 @@ def test_round_trip_is_bitwise(run):
         assert_equal(got[part], want[part])
 
 
-def test_save_skips_existing_and_interval_steps(run, tmp_path):
+def test_save_refuses_existing_and_skips_interval_steps(run, tmp_path):
     zero = run["step"].zero
     state = ck.restore(run["dir"], zero, run["params"], ema=ema())
-    assert ck.save(run["dir"], SAVE_AT, state, zero=zero) is False  # not newer than latest
+    with pytest.raises(ValueError, match=f"step {SAVE_AT} already exists"):
+        ck.save(run["dir"], SAVE_AT, state, zero=zero)  # Orbax would return False
     mngr = ck.manager(tmp_path / "interval", save_interval_steps=5, async_save=False)
     # Orbax's default policy also saves the very first step (InitialSavePolicy).
     assert ck.save(mngr, 3, state) is True
     assert ck.save(mngr, 4, state) is False
     assert ck.save(mngr, 5, state, wait=True) is True
-    assert ck.save(mngr, 5, state) is False
+    with pytest.raises(ValueError, match="step 5 already exists"):
+        ck.save(mngr, 5, state)
     assert mngr.all_steps() == [3, 5]
     mngr.close()
 

@@ -13,11 +13,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+import jaxzero.checkpoint.guards as guards
 import jaxzero.checkpoint.integrity as integrity
 from jaxzero.checkpoint.structure import EXTRA, METADATA, STATE, _flat, _name, describe
 from jaxzero.checkpoint.trust import check_metadata
 from jaxzero.ema import storage
-from jaxzero.train.state import TrainState
+from jaxzero.ema.ema import ShardedEMA
+from jaxzero.train.state import TrainState, check_not_donated
 from jaxzero.zero.config import ZeRO
 
 
@@ -138,6 +140,7 @@ def _resolve_step(mngr: ocp.CheckpointManager, step) -> int:
         hint = f" (only interrupted/in-progress saves: {', '.join(partial)})" if partial else ""
         raise FileNotFoundError(
             f"no complete checkpoint step in {os.fspath(mngr.directory)}{hint}."
+            + guards.step_directory_hint(mngr.directory)
         )
     if step is None:
         return steps[-1]
@@ -181,6 +184,7 @@ def save(
     state: TrainState,
     *,
     zero: ZeRO | None = None,
+    ema: ShardedEMA | None = None,
     metadata: dict | None = None,
     extra=None,
     optimizer: str | None = None,
@@ -196,6 +200,8 @@ def save(
       state: the :class:`~jaxzero.TrainState`.
       zero: the ``ZeRO`` that built ``state``: records stage, mesh axis, precision policy
         and optimizer in the metadata (optional but recommended).
+      ema: the ``ShardedEMA`` the step updates ``state.ema`` with: records its settings
+        (decay, schedule, ...), so that a restore with other settings warns.
       metadata: JSON-serialisable user metadata (stored under ``"user"``).
       extra: a small pytree of arrays/numbers saved alongside (e.g. the data-loader
         position); read back with ``restore(..., with_extra=True)``.
@@ -204,20 +210,31 @@ def save(
       force: save even when ``save_interval_steps`` would skip this step.
 
     Returns:
-      Whether a save was started (False when the manager's policy skips ``step`` or
-      ``step`` is not newer than the latest saved step).
+      Whether a save was started (False when the manager's ``save_interval_steps`` skips
+      ``step``).
+
+    Raises:
+      ValueError: ``state`` was donated to a train step; the directory holds files that are
+        not checkpoint steps; ``step`` exists already or is older than the newest step.
+        Nothing is written.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be a jaxzero.TrainState, got {type(state).__name__}.")
     if zero is not None and not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO or None, got {type(zero).__name__}.")
+    if ema is not None and not isinstance(ema, ShardedEMA):
+        raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
+    check_not_donated(state)
     step = int(np.asarray(step))
     # A bucketed EMA is stored per leaf (a local slice, no communication): the on-disk format
     # does not depend on ShardedEMA(bucket_leaves_up_to=...), N or the stage.
     state = storage.to_per_leaf(state)
     with _opened(manager_or_dir, read_only=False) as mngr:
+        guards.check_only_steps(mngr)
+        guards.check_new_step(mngr, step)
         meta = describe(state, zero=zero, optimizer=optimizer, metadata=metadata)
         meta["checkpoint_step"] = step
+        meta["ema"] = guards.ema_settings(ema)
         meta["has_extra"] = extra is not None
         extra = None if extra is None else _host_tree(extra)
         meta[integrity.KEY] = _checksums(state, extra)
@@ -237,7 +254,18 @@ def save(
 
 def wait(mngr: ocp.CheckpointManager) -> None:
     """Block until ``mngr``'s asynchronous save is committed. A failed write raises OSError
-    naming the step (``mngr.wait_until_finished()`` raises Orbax's own error instead)."""
+    naming the step (``mngr.wait_until_finished()`` raises Orbax's own error instead).
+
+    ``mngr`` must be the manager that saves: a directory is refused (TypeError), because a
+    manager opened on it anew has no save in flight and would return at once while the
+    training loop's manager is still writing."""
+    if not isinstance(mngr, ocp.CheckpointManager):
+        raise TypeError(
+            f"wait needs the CheckpointManager that saves (from jaxzero.checkpoint.manager), "
+            f"got {type(mngr).__name__} {mngr!r}; only that manager knows its saves in "
+            f"flight: mngr = jaxzero.checkpoint.manager(directory); "
+            f"jaxzero.checkpoint.save(mngr, ...); jaxzero.checkpoint.wait(mngr)."
+        )
     try:
         mngr.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - a write error is re-raised with the step

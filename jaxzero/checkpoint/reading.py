@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+import jaxzero.checkpoint.guards as guards
 import jaxzero.checkpoint.integrity as integrity
 from jaxzero.checkpoint.integrity import CheckpointDamagedError
 from jaxzero.checkpoint.io import _has_item, _opened, _read_metadata, _resolve_step
@@ -64,7 +65,8 @@ def restore(
       ema: the ``ShardedEMA`` when the state carries an EMA (must match the checkpoint). Its
         ``bucket_leaves_up_to`` decides the restored EMA's storage (given an abstract
         ``TrainState``, its EMA's storage does); the checkpoint, always per-leaf on disk,
-        restores into either.
+        restores into either. Settings (decay, schedule, ...) other than those
+        ``save(..., ema=)`` recorded give a warning naming both.
       model_state, rng: templates of those state fields, when the state has them.
       with_extra: also return the ``extra`` tree saved with the step (None if none was).
       check_dtypes: refuse leaves whose stored dtype differs from the target's; False casts
@@ -99,7 +101,8 @@ def restore(
     with _opened(manager_or_dir) as mngr:
         # Checkpoints hold the per-leaf EMA; a bucketed target is filled after the read.
         target, threshold = _target(zero, params_or_abstract_state, ema, model_state, rng)
-        state, extra = _first_that_verifies(mngr, step, target, check_dtypes, with_extra, fallback)
+        read = dict(check_dtypes=check_dtypes, with_extra=with_extra, ema=ema)
+        state, extra = _first_that_verifies(mngr, step, target, fallback, **read)
         if threshold:
             state = state.replace(
                 ema=storage.store(
@@ -109,16 +112,16 @@ def restore(
         return (state, extra) if with_extra else state
 
 
-def _first_that_verifies(mngr, step, target, check_dtypes: bool, with_extra: bool, fallback: bool):
+def _first_that_verifies(mngr, step, target, fallback: bool, **read):
     """``(state, extra)`` of ``step`` (None: the newest); with ``fallback``, of the newest step
-    that verifies, warning about the damaged steps passed over."""
+    that verifies, warning about the damaged steps passed over (``read``: _restore_step's)."""
     first = _resolve_step(mngr, step)
     if not fallback:
-        return _restore_step(mngr, first, target, check_dtypes, with_extra)
+        return _restore_step(mngr, first, target, **read)
     passed: list[CheckpointDamagedError] = []
     for s in sorted((s for s in mngr.all_steps() if s <= first), reverse=True):
         try:
-            out = _restore_step(mngr, s, target, check_dtypes, with_extra)
+            out = _restore_step(mngr, s, target, **read)
         except CheckpointDamagedError as e:
             passed.append(e)
             continue
@@ -140,9 +143,12 @@ def _passed_over(passed: list[CheckpointDamagedError], restored: int | None) -> 
     return f"{head}; restored step {restored}. {why}" if restored is not None else f"{head}. {why}"
 
 
-def _restore_step(mngr, step: int, target: TrainState, check_dtypes: bool, with_extra: bool):
+def _restore_step(
+    mngr, step: int, target: TrainState, *, check_dtypes: bool, with_extra: bool, ema=None
+):
     """``(state, extra)`` of one step: checked against ``target``, read in the stored dtypes,
-    verified against the saved checksums, then cast / given a master as ``target`` needs."""
+    verified against the saved checksums, then cast / given a master as ``target`` needs;
+    warns when ``ema``'s settings differ from those saved with the step."""
     directory = os.fspath(mngr.directory)
     meta = _damaged_if_raises(lambda: _read_metadata(mngr, step), step, directory, "metadata")
     stored = _damaged_if_raises(lambda: _stored_tree(mngr, step), step, directory, "state tree")
@@ -165,6 +171,7 @@ def _restore_step(mngr, step: int, target: TrainState, check_dtypes: bool, with_
     integrity.check(_named(state), sums, step=step, directory=directory)
     if extra is not None and sums:
         integrity.check(_named(extra, "extra."), sums, step=step, directory=directory)
+    guards.warn_ema_changed(meta, ema, step, directory)
     return finish(state), extra
 
 

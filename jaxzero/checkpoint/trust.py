@@ -137,6 +137,7 @@ _FIELDS: dict[str, Callable] = {
     "opt_state_types": _strings("opt_state_types"),
     "checksums": _checksums,
     "user": lambda v: _of(dict, "user", v, "an object"),
+    "ema": lambda v: _of(dict, "ema", v, "an object of EMA settings"),
 }
 
 

@@ -5,6 +5,7 @@ stages 0/1, reduce-scatter for 2/3), model state threaded through the micro-batc
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,14 @@ _NO_LAYER_GATHER = (
     "Block, 'params', trans_in_fn=jaxzero.gather_layer)), or run the stack with "
     "jaxzero.scan_layers (which also prefetches the next layer), or drop layers= to gather the "
     "whole model up front."
+)
+
+_NO_LAYER_REDUCE = (
+    "ZeRO(layers={}) at stages 1-2 reduces each layer's gradient in the backward only where "
+    "the model calls jaxzero.gather_layer or runs the stack with jaxzero.scan_layers; this "
+    "model never did, so the whole gradient is reduced after the backward, as without "
+    "layers=. Wrap the scanned block, e.g. nn.remat(nn.map_variables(Block, 'params', "
+    "trans_in_fn=jaxzero.gather_layer)), or drop layers=."
 )
 
 _NO_VOCAB_CALL = (
@@ -165,6 +174,8 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
                 raise ValueError(_NO_LAYER_GATHER.format(zero.layers)) from e
         if plan is not None and plan.gather and not plan.calls:
             raise ValueError(_NO_LAYER_GATHER.format(zero.layers))
+        if plan is not None and not (plan.gather or plan.invariant or plan.calls):
+            warnings.warn(_NO_LAYER_REDUCE.format(zero.layers), UserWarning, stacklevel=2)
         if tables is not None and not tables.calls:
             raise ValueError(_NO_VOCAB_CALL.format(zero.vocab_parallel))
         if reduce_each:

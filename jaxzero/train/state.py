@@ -50,6 +50,48 @@ class TrainState(struct.PyTreeNode):
     rng: Any = None
 
 
+def check_not_donated(tree, where: str = "a train step") -> None:
+    """Raise ValueError when ``tree`` (a state, or any tree of arrays) has deleted buffers:
+    it was donated to ``where``, which returned the state to use instead."""
+    deleted = [k for k, x in leaves_by_keystr(tree) if isinstance(x, jax.Array) and x.is_deleted()]
+    if deleted:
+        raise ValueError(
+            f"this state was donated to {where} (its buffers, e.g. "
+            f"{', '.join(deleted[:3])}, are deleted); use the state the step returned: "
+            f"state, metrics = step(state, batch). Build the step with donate=False to keep "
+            f"every state alive (at the cost of a second copy in memory)."
+        )
+
+
+def _placement(devices, shape=None) -> str:
+    ids = sorted(d.id for d in devices)
+    shown = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
+    where = f"{len(ids)} device{'s' if len(ids) != 1 else ''} [{shown}]"
+    return where if shape is None else f"mesh {dict(shape)} ({where})"
+
+
+def check_same_mesh(state, mesh) -> None:
+    """Raise ValueError when ``state`` (its first placed leaf) lives on other devices than
+    ``mesh``'s: a state built for another mesh, e.g. on 8 devices fed to a 4-device step."""
+    for x in jax.tree.leaves(state):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None or isinstance(x, jax.core.Tracer):
+            continue
+        if sharding.device_set == set(mesh.devices.flat):
+            return
+        have = _placement(
+            sharding.device_set, getattr(getattr(sharding, "mesh", None), "shape", None)
+        )
+        raise ValueError(
+            f"this state is placed on {have} but the step's ZeRO runs on "
+            f"{_placement(mesh.devices.flat, mesh.shape)}: it was built for another mesh. Move "
+            f"it through a checkpoint: jaxzero.checkpoint.save it, then "
+            f"jaxzero.checkpoint.restore(directory, zero, params) with this step's zero (a "
+            f"checkpoint restores onto any mesh and stage); or start afresh with "
+            f"zero.init(params) / step.init(params)."
+        )
+
+
 def check_params(params) -> None:
     """Every trainable leaf must be a floating array; list every offender otherwise."""
     bad = []
@@ -182,6 +224,7 @@ def abstract_state(
     zero: jaxzero.ZeRO, params, *, ema=None, model_state=None, rng=None
 ) -> TrainState:
     """The state's ShapeDtypeStructs, with shardings, without allocating anything."""
+    zero.check_layers(params)
     rng = raw_key(rng)
     shapes = jax.eval_shape(lambda p, m, r: _init_raw(zero, p, ema, m, r), params, model_state, rng)
     shardings = state_shardings(zero, shapes)

@@ -14,13 +14,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import batch_rows, leaves_by_keystr
+from jaxzero._tree import batch_rows
 from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.mesh import mesh_platform
 from jaxzero.train.grads import gradient_zero, local_gradients
-from jaxzero.train.state import TrainState
+from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh
 from jaxzero.zero.config import ZeRO
+from jaxzero.zero.layers import unused_reason
 
 
 def device_key(rng, step, axes):
@@ -28,8 +29,21 @@ def device_key(rng, step, axes):
     return jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(axes))
 
 
-def _deleted(x) -> bool:
-    return isinstance(x, jax.Array) and x.is_deleted()
+def check_no_torch(batch) -> None:
+    """Raise TypeError naming the batch leaves that are torch tensors (told by the type's
+    module: torch is never imported here), which jax cannot read."""
+    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+    tensors = [
+        jax.tree_util.keystr(k) or "(the batch itself)"
+        for k, x in flat
+        if type(x).__module__.split(".")[0] == "torch"
+    ]
+    if tensors:
+        raise TypeError(
+            f"batch leaves {', '.join(tensors[:5])} are torch tensors, which jax cannot read; "
+            f"convert them with .numpy() (.cpu().numpy() for a tensor on a GPU), e.g. "
+            f"batch = jax.tree.map(lambda t: t.numpy(), batch)."
+        )
 
 
 # XLA:CPU (simulated devices) admits at most 32 programs in flight per device and launches each
@@ -81,14 +95,8 @@ class TrainStep:
                 f"state must be a jaxzero.TrainState (from zero.init / step.init), got "
                 f"{type(state).__name__}."
             )
-        deleted = [k for k, x in leaves_by_keystr(state) if _deleted(x)]
-        if deleted:
-            raise ValueError(
-                f"this state was donated to the previous step call (its buffers, e.g. "
-                f"{', '.join(deleted[:3])}, are deleted); use the state it returned: "
-                f"state, metrics = step(state, batch). Build the step with donate=False to "
-                f"keep every state alive (at the cost of a second copy in memory)."
-            )
+        check_not_donated(state, "the previous step call")
+        check_same_mesh(state, self.zero.mesh)
         if self.ema is not None and state.ema is None:
             raise ValueError(
                 "this step updates an EMA but state has none; create the state with "
@@ -127,6 +135,7 @@ class TrainStep:
     def _checked_and_placed(self, batch):
         # One process: check the global batch, then place it. Several processes: each holds
         # only its rows, so assemble the global arrays first and check those.
+        check_no_torch(batch)
         if jax.process_count() > 1:
             batch = self.place_batch(batch)
             self.check_batch(batch)
@@ -222,6 +231,15 @@ def make_train_step(
         raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
     if ema is not None and not isinstance(ema, ShardedEMA):
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
+    unused = unused_reason(zero, accum_steps)
+    if unused:
+        warnings.warn(
+            f"ZeRO(stage={zero.stage}, layers={zero.layers!r}) reduces no layer's gradient in "
+            f"the backward in this step: {unused}. layers= then only keeps the stacks' layer "
+            f"axis unsplit, as stage 3 needs; drop it if per-layer reduction was the point.",
+            UserWarning,
+            stacklevel=2,
+        )
     reducing = gradient_zero(zero, accum_steps)
     grads_fn = local_gradients(reducing, loss_fn, accum_steps, stateful=stateful)
     step_fn = _step_fn(zero, reducing, grads_fn, ema)

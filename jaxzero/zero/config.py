@@ -84,9 +84,10 @@ class ZeRO:
       skip_nonfinite: skip the whole update (params, master, optimizer state, EMA and step
         unchanged) when any gradient on any device is non-finite.
       layers: names of the params subtrees that hold scanned layer stacks (``nn.scan`` puts
-        the layer index on axis 0 of every leaf), e.g. ``"layers"``. Those leaves, and the
-        optimizer-state and EMA leaves that mirror them, are never split along axis 0. With
-        stage 3 the step gathers the stacks one layer at a time (:func:`jaxzero.gather_layer`
+        the layer index on axis 0 of every leaf), e.g. ``"layers"``, a nested one as
+        ``"outer/inner"``; ``init`` refuses a subtree that is not such a stack. Those leaves,
+        and the optimizer-state and EMA leaves that mirror them, are never split along axis 0.
+        With stage 3 the step gathers the stacks one layer at a time (:func:`jaxzero.gather_layer`
         or :func:`jaxzero.scan_layers` in the model; peak: one layer's weights); stage 2, and
         stage 1 without micro-batches, reduce-scatter each layer's gradient in the backward.
       vocab_parallel: stage 3 only: names of params subtrees holding ``[vocab, width]``
@@ -234,7 +235,7 @@ class ZeRO:
 
     def check_layers(self, params) -> None:
         """Every name in ``layers`` must be a params subtree of arrays with a layer axis."""
-        layers.check_layers(params, self.layers)
+        layers.check_layers(params, self.layers, self.stage)
 
     def bucket_ema(self, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
         """``ema_state`` in ``ema``'s storage for this mesh and stage (local, no communication);

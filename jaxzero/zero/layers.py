@@ -45,14 +45,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import path_keys
+from jaxzero._tree import path_keys, path_strs
 from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying, varying_axes
-from jaxzero.zero.specs import is_stacked, spec_dim
+from jaxzero.zero.specs import is_stacked, spec_dim, subtree_end, subtree_paths
 
 _PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(
     "jaxzero_layer_plan", default=None
@@ -93,9 +95,7 @@ class LayerPlan:
 
 
 def _layer_key(path, shape, layers):
-    keys = path_keys(path)
-    start = next(i for i, k in enumerate(keys) if k in layers) + 1
-    return keys[start:], tuple(shape[1:])
+    return path_keys(path)[subtree_end(path, layers) :], tuple(shape[1:])
 
 
 def build_plan(
@@ -136,6 +136,32 @@ def reduces_in_backward(stage: int, layers, precision, replica_axes=()) -> bool:
     return stage == 0 or (stage == 2 and not replica_axes)
 
 
+def unused_reason(zero, accum_steps: int) -> str | None:
+    """Why ``zero.layers`` reduces no layer's gradient inside the backward of a step with
+    ``accum_steps`` micro-batches at stages 0-2 (see :func:`reduces_in_backward`), as the sentence
+    a warning gives; None where it does (or at stage 3, or without ``layers=``)."""
+    if zero.stage == 3 or not zero.layers:
+        return None
+    p = zero.precision
+    if not reduces_exactly(p):
+        return (
+            f"the precision policy reduces in {p.reduce_dtype.name} but computes in "
+            f"{p.param_dtype.name}, so a layer's reduced gradient could not be handed back "
+            f"unrounded; use reduce_dtype == param_dtype, or fp32 params"
+        )
+    if zero.stage < 2 and accum_steps > 1:
+        return (
+            f"with micro-batches (accum_steps={accum_steps}) stage {zero.stage} sums the local "
+            f"gradient over them and reduces it once; use accum_steps=1 or stage 2"
+        )
+    if zero.stage > 0 and zero.replica_axes:
+        return (
+            f"on a mesh with replica axes {zero.replica_axes} stage {zero.stage} reduces the "
+            f"whole gradient after the backward; use a 1-D mesh or stage 0 or 3"
+        )
+    return None
+
+
 def scattered_mask(plan: LayerPlan | None, grads):
     """True for the layer-stack leaves of ``grads`` already reduced layer by layer: those a
     stage-2 :func:`gather_layer` reduced (see :func:`_pass_leaf`), every stack leaf at stage 0
@@ -152,23 +178,66 @@ def scattered_mask(plan: LayerPlan | None, grads):
     return jax.tree_util.tree_map_with_path(reduced, grads)
 
 
-def check_layers(params, layers: tuple[str, ...]) -> None:
-    """Every name in ``layers`` must be a params subtree of arrays with a layer axis."""
+def check_layers(params, layers: tuple[str, ...], stage: int = 3) -> None:
+    """Every name in ``layers`` must name params subtrees (``"outer/inner"`` for a nested
+    one) that are layer stacks: arrays that share a leading (layer) dimension. Raises
+    ValueError saying what was found and what to do otherwise."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     for name in layers:
-        leaves = [(p, x) for p, x in flat if is_stacked(p, (name,))]
-        if not leaves:
-            top = list(params) if isinstance(params, dict) else type(params).__name__
+        if not all(name.split("/")):
             raise ValueError(
-                f"ZeRO(layers={layers!r}): params has no subtree named {name!r} "
-                f"(top-level keys: {top}); name the nn.scan'd module's params key."
+                f"ZeRO(layers={layers!r}): {name!r} has an empty part; name a nested subtree "
+                f"as 'outer/inner'."
             )
-        scalars = [jax.tree_util.keystr(p) for p, x in leaves if not jnp.ndim(x)]
-        if scalars:
-            raise ValueError(
-                f"ZeRO(layers=...): {scalars[:5]} under {name!r} are scalars, not stacked "
-                f"per layer; a layer stack's leaves carry the layer index on axis 0."
-            )
+        stacks: dict[tuple, list] = {}  # each subtree the name matches -> its leaves
+        for p, x in flat:
+            end = subtree_end(p, (name,))
+            if end is not None:
+                stacks.setdefault(path_strs(p)[:end], []).append((p, tuple(np.shape(x))))
+        if not stacks:
+            raise ValueError(_no_subtree(params, layers, name))
+        for where, leaves in stacks.items():
+            _check_stack(layers, "/".join(where), leaves, stage)
+
+
+def _no_subtree(params, layers, name: str) -> str:
+    paths = subtree_paths(params)
+    near = difflib.get_close_matches(name, paths, n=8, cutoff=0.5)
+    tail = name.split("/")[-1]
+    near += [p for p in paths if p not in near and tail in p.split("/")[-1]]
+    near += [p for p in paths if p not in near and p.count("/") < 2]
+    more = f" ({len(paths)} subtrees in all)" if len(paths) > 12 else ""
+    return (
+        f"ZeRO(layers={layers!r}): params has no subtree named {name!r}; subtrees near it: "
+        f"{near[:12]}{more}. Name the nn.scan'd module's params key, nested as 'outer/inner' "
+        f"where needed."
+    )
+
+
+def _check_stack(layers, where: str, leaves, stage: int) -> None:
+    scalars = [jax.tree_util.keystr(p) for p, shape in leaves if not shape]
+    if scalars:
+        raise ValueError(
+            f"ZeRO(layers=...): {scalars[:5]} under {where!r} are scalars, not stacked "
+            f"per layer; a layer stack's leaves carry the layer index on axis 0."
+        )
+    first: dict[int, str] = {}  # leading size -> the first leaf that has it
+    for p, shape in leaves:
+        first.setdefault(shape[0], "/".join(path_strs(p)))
+    if len(first) == 1:
+        return
+    found = ", ".join(f"{path}: {size}" for size, path in list(first.items())[:4])
+    children = {path_strs(p)[where.count("/") + 1] for p, _ in leaves}
+    numbered = ""
+    if all(c.isdigit() for c in children):
+        numbered = f"; its children {sorted(children, key=int)[:6]} look like a list of layers"
+    raise ValueError(
+        f"ZeRO(layers={layers!r}): {where!r} is not a layer stack: a stack (nn.scan, "
+        f"jaxzero.stacked_params) carries the layer index on axis 0 of every leaf, but the "
+        f"leading sizes of its leaves differ ({found}){numbered}. Stack the layers with "
+        f"nn.scan or jaxzero.stacked_params + jaxzero.scan_layers; for a model built as a "
+        f"Python loop or list of layers (e.g. an nnx.List), use stage {stage} without layers=."
+    )
 
 
 def current_plan() -> LayerPlan | None:

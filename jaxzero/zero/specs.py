@@ -30,7 +30,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import path_keys
+from jaxzero._tree import path_strs
 
 
 def shard_dim(shape: Sequence[int], n: int, *, first: bool = False) -> int | None:
@@ -67,9 +67,33 @@ def dim_spec(d: int | None, axis: str) -> P:
     return P() if d is None else P(*([None] * d + [axis]))
 
 
+def subtree_end(path, names: Sequence[str]) -> int | None:
+    """Where in a leaf's key path the first of the subtree ``names`` ends (the index of the
+    key after it), or None when the path runs through none. A name matches one key
+    (``"layers"``) or, written ``"outer/inner"``, consecutive keys."""
+    keys = path_strs(path)
+    for i in range(len(keys)):
+        for name in names:
+            parts = tuple(name.split("/"))
+            if keys[i : i + len(parts)] == parts:
+                return i + len(parts)
+    return None
+
+
 def is_stacked(path, stacked: Sequence[str]) -> bool:
     """Whether a leaf's key path runs through one of the ``stacked`` subtree names."""
-    return bool(stacked) and any(k in stacked for k in path_keys(path))
+    return bool(stacked) and subtree_end(path, stacked) is not None
+
+
+def subtree_paths(tree) -> list[str]:
+    """Every subtree (not leaf) of ``tree`` as an ``"outer/inner"`` path, outermost first:
+    the names ``layers=`` and ``vocab_parallel=`` accept."""
+    seen: dict[str, int] = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = path_strs(path)
+        for depth in range(1, len(keys)):
+            seen.setdefault("/".join(keys[:depth]), depth)
+    return sorted(seen, key=lambda p: seen[p])
 
 
 def subtree_mask(tree, names: Sequence[str]):

@@ -1,0 +1,246 @@
+"""Mistakes a new user makes, each refused (or warned about) with the problem and the fix,
+before any state is built or touched (issue 32, items 2, 3 and 6): ``layers=`` naming what is
+not a layer stack, simulated devices asked for after jax started, and the errors that used to
+come from deep inside jax or Orbax (a donated state, a state of another mesh, a torch batch,
+one step's directory as the checkpoint, a step saved twice, a directory of other files)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require
+from models import make_problem
+
+import jaxzero as jz
+from jaxzero import checkpoint as ck
+
+
+# ---------------------------------------------------------------- item 2: layers= is checked
+def nnx_list_params():
+    """The params of an NNX model whose layers are an ``nnx.List`` of blocks (per-layer
+    subtrees, not a stack): leaves of leading sizes 4, 2, 128, 64."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.attn = nnx.Linear(4, 2, rngs=rngs)
+            self.mlp = nnx.Linear(128, 64, rngs=rngs)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([Block(rngs) for _ in range(2)])
+
+    return jz.nnx.split(Model(nnx.Rngs(0)))[1]
+
+
+@pytest.mark.parametrize("stage", [3, 2, 0])
+def test_layers_naming_a_list_of_layers_is_refused_where_params_are_first_seen(stage):
+    params = nnx_list_params()
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=stage, layers="layers")
+    step = jz.make_train_step(lambda p, b: 0.0, zero)
+    found = r"'layers' is not a layer stack.*leading sizes of its leaves differ"
+    fix = rf"look like a list of layers.*nn\.scan.*use stage {stage} without layers="
+    for first_seen in (zero.init, step.init, zero.abstract_state):
+        with pytest.raises(ValueError, match=f"{found}.*{fix}") as err:
+            first_seen(params)
+        for leaf in ("attn/kernel: 4", "attn/bias: 2", "mlp/kernel: 128", "mlp/bias: 64"):
+            assert f"layers/0/{leaf}" in str(err.value)
+
+
+def test_nested_layer_names_name_a_stack_and_unknown_ones_list_nested_paths():
+    inner, loss_fn, batches = make_problem("scanned", gather_layer=jz.gather_layer, steps=1)
+    params = {"Transformer": inner, "bias": jnp.zeros((3,))}
+    nested_loss = lambda p, b: loss_fn(p["Transformer"], b) + p["bias"].sum()
+    mesh = jz.data_parallel_mesh(8)
+    with pytest.raises(
+        ValueError, match=r"no subtree named 'Transformer/layer'.*Transformer/layers"
+    ):
+        jz.ZeRO(optax.sgd(0.1), mesh, stage=3, layers="Transformer/layer").init(params)
+    # The nested name runs the per-layer stage 3 step: one SGD step equals single-device optax.
+    zero = jz.ZeRO(optax.sgd(0.1), mesh, stage=3, layers="Transformer/layers")
+    step = jz.make_train_step(nested_loss, zero)
+    state, _ = step(step.init(params), batches[0])
+    grads = jax.jit(jax.grad(nested_loss))(params, batches[0])
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        jax.device_get(jz.gather(state)),
+        jax.device_get(want),
+    )
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_layers_without_gather_layer_warns_that_it_changes_nothing(stage):
+    """At stages 1-2 only gather_layer reduces a layer in the backward. (Stage 0 needs none:
+    autodiff all-reduces each layer where it is used, see test_layers.py.)"""
+    params, loss_fn, batches = make_problem("scanned", steps=1)  # no gather_layer in the model
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=stage, layers="layers")
+    step = jz.make_train_step(loss_fn, zero)
+    with pytest.warns(UserWarning, match=r"never did, so the whole gradient is reduced after"):
+        step.lower(step.init(params), batches[0])  # traced, not compiled
+
+
+NO_EFFECT = {  # a step whose layers= reduces no layer in the backward -> why, in the warning
+    "micro-batches": (dict(stage=1), 2, r"with micro-batches \(accum_steps=2\) stage 1"),
+    "16-bit params": (
+        dict(stage=2, precision=jz.Precision(param_dtype=jnp.bfloat16)),
+        1,
+        r"reduces in float32 but computes in bfloat16",
+    ),
+    "replica axes": (dict(stage=2, replicas=2), 1, r"replica axes \('replica',\) stage 2"),
+}
+
+
+@pytest.mark.parametrize("case", NO_EFFECT)
+def test_layers_that_cannot_reduce_per_layer_warn_when_the_step_is_built(case):
+    kwargs, accum_steps, why = NO_EFFECT[case]
+    mesh = jz.data_parallel_mesh(8, replicas=kwargs.pop("replicas", 1))
+    zero = jz.ZeRO(optax.sgd(0.1), mesh, layers="layers", **kwargs)
+    with pytest.warns(UserWarning, match=rf"reduces no layer's gradient in the backward.*{why}"):
+        jz.make_train_step(lambda p, b: 0.0, zero, accum_steps=accum_steps)
+    # The same ZeRO where the layers are reduced in the backward builds without the warning.
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=2, layers="layers")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        jz.make_train_step(lambda p, b: 0.0, zero)
+    assert not [w for w in seen if "reduces no layer" in str(w.message)]
+
+
+# ------------------------------------------------ item 3: simulated devices after jax started
+SIMULATE_LATE = """
+import os, warnings
+import jax
+import jaxzero as jz
+
+jax.devices()  # the backend starts with one CPU device
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    jz.data_parallel_mesh()
+    jz.data_parallel_mesh()
+print("WARNINGS", sum("nothing is sharded" in str(w.message) for w in seen))
+try:
+    jz.simulate_cpu_devices(8)
+except RuntimeError as e:
+    print("RAISED", e)
+print("XLA_FLAGS", os.environ.get("XLA_FLAGS"))
+"""
+
+
+def test_simulated_devices_after_jax_started_raise_and_one_device_warns_once():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SIMULATE_LATE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "WARNINGS 1" in out.stdout, out.stdout
+    assert "RAISED simulate_cpu_devices(8) was called after jax started" in out.stdout, out.stdout
+    assert "with 1 device;" in out.stdout and "before the first jax call" in out.stdout
+    assert "XLA_FLAGS None" in out.stdout  # refused before anything was changed
+
+
+# --------------------------------------------------------------- item 6: raw errors made clear
+@pytest.fixture(scope="module")
+def trained():
+    """A stage-1 state with an EMA, one step trained, and the state the step donated."""
+    params, loss_fn, batches = make_problem("wide_mlp", steps=1)
+    zero = jz.ZeRO(optax.adam(1e-2), jz.data_parallel_mesh(8), stage=1)
+    ema = jz.ShardedEMA(0.9)
+    step = jz.make_train_step(loss_fn, zero, ema=ema)
+    donated = step.init(params)
+    state, _ = step(donated, batches[0])
+    return dict(params=params, zero=zero, ema=ema, step=step, state=state, donated=donated)
+
+
+def test_a_donated_state_is_named_where_it_is_read(trained, tmp_path):
+    fix = r"donated to a train step .* use the state the step returned"
+    with pytest.raises(ValueError, match=fix):
+        ck.save(tmp_path / "ckpt", 1, trained["donated"], zero=trained["zero"])
+    assert not (tmp_path / "ckpt").exists()  # refused before the directory was made
+    with pytest.raises(ValueError, match=fix):
+        jz.ema_params(trained["donated"])
+    with pytest.raises(ValueError, match=fix):
+        jz.gather(trained["donated"])
+    # The state the step returned is what the message says to use.
+    assert jax.tree.structure(jz.ema_params(trained["state"])) == jax.tree.structure(
+        trained["params"]
+    )
+
+
+def test_ema_params_without_an_ema_points_at_make_train_step(trained):
+    with pytest.raises(ValueError, match=r"make_train_step\(\.\.\., ema=") as err:
+        jz.ema_params(trained["state"].replace(ema=None))
+    assert "zero.init(" not in str(err.value)
+
+
+def test_a_state_of_another_mesh_names_both_meshes_and_how_to_move(trained):
+    params, loss_fn, batches = make_problem("wide_mlp", steps=1)
+    zero4 = jz.ZeRO(optax.adam(1e-2), jz.data_parallel_mesh(4), stage=1)
+    step4 = jz.make_train_step(loss_fn, zero4, ema=trained["ema"])
+    with pytest.raises(
+        ValueError,
+        match=r"placed on mesh \{'data': 8\}.*runs on mesh \{'data': 4\}.*checkpoint\.restore",
+    ):
+        step4(trained["state"], batches[0])
+    assert not any(x.is_deleted() for x in jax.tree.leaves(trained["state"]))
+
+
+class Tensor:
+    """Stands in for ``torch.Tensor`` (told apart by its type's module, as jaxzero does)."""
+
+    __module__ = "torch"
+    shape = (32, 16)
+
+
+def test_a_torch_batch_says_convert_with_numpy(trained):
+    batch = {"x": Tensor(), "y": np.zeros((32, 8), np.float32)}
+    with pytest.raises(TypeError, match=r"\['x'\] are torch tensors.*\.numpy\(\)"):
+        trained["step"](trained["state"], batch)
+
+
+@pytest.mark.interop
+def test_a_real_torch_batch_says_convert_with_numpy(trained):
+    torch = require("torch", "torch")
+    batch = {"x": torch.zeros((32, 16)), "y": torch.zeros((32, 8))}
+    with pytest.raises(TypeError, match=r"\['x'\], \['y'\] are torch tensors.*\.numpy\(\)"):
+        trained["step"](trained["state"], batch)
+
+
+def test_checkpoint_directory_mistakes_are_refused_with_the_fix(trained, tmp_path):
+    state, zero = trained["state"], trained["zero"]
+    root = tmp_path / "ckpt"
+    assert ck.save(root, 3, state, zero=zero, ema=trained["ema"]) is True
+    # One step's directory given as the checkpoint: the parent and step= are suggested.
+    with pytest.raises(FileNotFoundError, match=r"pass that directory and the step.*step=3\)"):
+        ck.restore(root / "3", zero, trained["params"], ema=trained["ema"])
+    # A step that exists, or one older than the newest, would not be written: refused.
+    with pytest.raises(ValueError, match=r"step 3 already exists.*a new step number"):
+        ck.save(root, 3, state, zero=zero)
+    with pytest.raises(ValueError, match=r"step 2 is older than the newest step 3"):
+        ck.save(root, 2, state, zero=zero)
+    # A directory holding other files would mix them with the steps: refused, nothing written.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match=r"holds files that are not checkpoint steps \(notes"):
+        ck.save(other, 1, state, zero=zero)
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+    # wait() needs the manager that saves, not a directory.
+    with pytest.raises(TypeError, match=r"wait needs the CheckpointManager that saves"):
+        ck.wait(str(root))
+    # Restoring with another EMA decay than saved warns, naming both values.
+    with pytest.warns(UserWarning, match=r"decay: saved 0\.9, now 0\.99"):
+        ck.restore(root, zero, trained["params"], ema=jz.ShardedEMA(0.99))
