@@ -20,6 +20,7 @@ import sys
 
 __all__ = [
     "CUDA_PLUGINS",
+    "bind_params",
     "compile_option_accepted",
     "cuda_plugin",
     "gpu_compile_extra",
@@ -44,6 +45,18 @@ def scan_counts(params) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+def bind_params(eqn) -> dict:
+    """The keyword arguments that re-bind a jaxpr equation's primitive (``get_bind_params``
+    returns them alone from jax 0.10 on; older releases returned ``(subfuns, params)``, and a
+    call primitive's subfuns are empty for the equations jaxzero re-binds)."""
+    out = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(out, tuple):
+        subfuns, out = out
+        if subfuns:
+            raise NotImplementedError(f"re-binding {eqn.primitive} with subfunctions")
+    return out
 
 
 def cuda_plugin() -> str | None:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
 from jaxzero._tree import check_same_structure
 from jaxzero.precision import warn_wide_compute
-from jaxzero.zero import vocab
+from jaxzero.zero import units, vocab
 from jaxzero.zero.collectives import to_varying
 from jaxzero.zero.layers import layer_plan, reduces_in_backward
 
@@ -105,6 +105,14 @@ def _scaled_loss(loss_fn, stateful: bool):
     return scaled
 
 
+def _grad_fn(zero, loss_fn, stateful: bool, params, specs):
+    """The scaled loss and its ``value_and_grad``; with ``units=`` run unit by unit
+    (:mod:`jaxzero.zero.units`)."""
+    plan = units.build_plan(zero.comm, zero.units, params, specs)
+    scaled = units.wrap(plan, _scaled_loss(loss_fn, stateful))
+    return scaled, jax.value_and_grad(scaled, has_aux=True)
+
+
 def gradient_zero(zero: jaxzero.ZeRO, accum_steps: int) -> jaxzero.ZeRO:
     """The ZeRO whose gradient path a step runs. Stage 1 with ``layers=`` and nothing to
     accumulate reduces like stage 2: each layer's gradient is reduce-scattered inside the
@@ -143,13 +151,11 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
     # stages 2/3, and stage 0 when it all-reduces each layer in the backward (one micro-batch)
     reduce_each = zero.stage >= 2 or reduces_in_backward(zero.stage, zero.layers, zero.precision)
 
-    scaled = _scaled_loss(loss_fn, stateful)
-    grad_fn = jax.value_and_grad(scaled, has_aux=True)
-
     checked = []
 
     def micro(params, specs, model_state, batch, rng, scale):
         full = zero.params_for_loss(params, specs)
+        scaled, grad_fn = _grad_fn(zero, loss_fn, stateful, params, specs)
         tables = vocab.build_plan(zero.comm, zero.vocab_parallel, params, specs)
         if not checked:  # once per trace: the loss's matmul dtypes under a 16-bit policy
             checked.append(True)

@@ -26,7 +26,7 @@ from jaxzero.precision import DynamicLossScale, Precision, StaticLossScale, chec
 from jaxzero.train import state as train_state
 from jaxzero.train import update as train_update
 from jaxzero.train.state import TrainState
-from jaxzero.zero import collectives, layers, vocab
+from jaxzero.zero import collectives, layers, units, vocab
 from jaxzero.zero import offload as host_memory
 from jaxzero.zero import specs as sh
 
@@ -94,6 +94,8 @@ class ZeRO:
         embedding tables (e.g. ``"embed"``) that the loss gets as this device's rows, never
         gathered; the model looks them up and computes its tied head's cross-entropy with
         :class:`jaxzero.VocabParallelEmbed` (:mod:`jaxzero.zero.vocab`: pays at small N).
+      units: stage 3: regular expressions over params paths (``r"block_\\d+"``), each match
+        gathered where it runs and for its backward (``fully_shard``: :mod:`jaxzero.zero.units`).
       offload: None, or ``"optimizer"`` (stages 1-3, DeepSpeed's ``offload_optimizer``): the
         master, optimizer state, EMA in host memory, updated there (:mod:`jaxzero.zero.offload`).
 
@@ -112,6 +114,7 @@ class ZeRO:
     layers: tuple[str, ...] | str | None = None
     vocab_parallel: tuple[str, ...] | str | None = None
     offload: str | None = None
+    units: tuple[str, ...] | str | None = None
 
     def __post_init__(self):
         if self.stage not in STAGES or isinstance(self.stage, bool):
@@ -128,10 +131,10 @@ class ZeRO:
         object.__setattr__(self, "layers", _layer_names(self.layers))
         object.__setattr__(self, "vocab_parallel", vocab.names(self.vocab_parallel, self.stage))
         object.__setattr__(self, "precision", _precision(self.precision, self.stage))
+        object.__setattr__(self, "units", units.patterns(self.units, self.stage, self.layers))
         check_loss_scale(self.loss_scale, self.precision)
         host_memory.check(self.offload, self.stage, self.mesh)
 
-    # -- mesh facts -------------------------------------------------------------------------
     @property
     def num_shards(self) -> int:
         """N, the size of the data axis the state is split over."""
@@ -206,10 +209,10 @@ class ZeRO:
         """Every leaf to its ZeRO sharding and memory kind (inside jit)."""
         return train_state.constrain(self, state)
 
-    def _stacked_mask(self, tree, on: bool | None = None):  # layer-stack leaves, when `on`
-        if not (self.per_layer if on is None else on):
+    def _stacked_mask(self, tree, on: bool | None = None):  # the loss gets them as shards
+        if not (self.per_layer or self.units if on is None else on):
             return None
-        return sh.subtree_mask(tree, self.layers)
+        return units.mask(tree, self.units) if self.units else sh.subtree_mask(tree, self.layers)
 
     def _whole_mask(self, tree):  # stage 0 per layer: the stacks stay device-invariant
         on = self.stage == 0 and layers.reduces_in_backward(0, self.layers, self.precision)
@@ -234,8 +237,9 @@ class ZeRO:
     _ema_target = staticmethod(train_state.ema_target)  # what the EMA averages
 
     def check_layers(self, params) -> None:
-        """Every name in ``layers`` must be a params subtree of arrays with a layer axis."""
+        """``layers`` name params subtrees of arrays with a layer axis; ``units`` match paths."""
         layers.check_layers(params, self.layers, self.stage)
+        units.check(params, self.units)
 
     def bucket_ema(self, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
         """``ema_state`` in ``ema``'s storage for this mesh and stage (local, no communication);
@@ -275,10 +279,6 @@ class ZeRO:
         masks = (self._stacked_mask(grads), layers.scattered_mask(plan, grads))
         masks += (vocab.mask(self.vocab_parallel, grads),)  # complete on every device
         return collectives.reduce_gradients(self.comm, grads, self.grad_specs(grads), *masks)
-
-    def reduce_leaf(self, g, d):
-        """One leaf of :meth:`reduce_gradients` (reduce-scatter along ``d``, or all-reduce)."""
-        return collectives.reduce_leaf(self.comm, g, d)
 
     # -- under jit (jaxzero.train.update, jaxzero.ema.placement) ------------------------------
     def all_gather(self, tree):

@@ -1,0 +1,389 @@
+"""Stage 3 per module for models as people write them (FSDP2's ``fully_shard``): a Python loop
+of Linen blocks, an NNX list of layers.
+
+``ZeRO(stage=3, units=r"block_\\d+")`` names the units by a pattern over the params' key paths;
+each distinct path prefix the pattern matches (``block_0``, ``block_1``, ...; ``layers/0``, ...
+for an ``nnx.List``) is one unit, and every leaf outside the units (embeddings, the final norm)
+is gathered whole at the start of the loss as without ``units=``. The model is not changed.
+
+Inside the step the loss gets each unit's leaves as shards. :func:`run` traces the loss once to
+a jaxpr with a marker where each unit leaf would be gathered, and evaluates that jaxpr
+equation by equation under the step's own transformations. The equations that read a unit's
+weights, from the first to the last with nothing of another unit between, form one *segment*;
+each segment runs as a ``jax.checkpoint`` that
+
+* all-gathers the unit's shards first (in ``param_dtype``, device-varying; the backward of that
+  gather reduce-scatters the unit's gradient in ``reduce_dtype`` as soon as the segment's
+  backward is done: :func:`jaxzero.zero.layers.gather_shard` / ``_gather_leaf``);
+* saves for the backward whatever the model saves (activations; a user's ``nn.remat`` keeps its
+  own policy) except the gathered weights, which its backward gathers again (FSDP's
+  ``reshard_after_forward=True``).
+
+Order (optimization barriers, and the same barrier's cotangent): segment ``k + 1``'s gather may
+start once segment ``k``'s weights are whole, so it runs under segment ``k``'s compute (forward
+prefetch; XLA cannot fold it into one combined gather of every unit either); segment ``k``'s
+backward starts once segment ``k + 1``'s gradient is reduce-scattered, so no two units' full
+gradients are held for one combined reduce-scatter after the backward. Measured on the
+deviceless H100 compile (docs/decisions/33-units.md): the forward gathers are hidden, the
+backward's gathers and the reduce-scatters are exposed, because ``jax.checkpoint``'s backward
+waits on every cotangent of its segment at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
+
+from jaxzero._compat import bind_params
+from jaxzero._tree import path_strs
+from jaxzero.zero.collectives import Comm
+from jaxzero.zero.layers import _gather_leaf, gather_shard
+from jaxzero.zero.specs import spec_dim
+
+MARK = "jaxzero_unit_gather"
+
+
+def patterns(units, stage: int, layers) -> tuple[str, ...]:
+    """``ZeRO(units=)`` checked: a regular expression or a tuple of them, stage 3, not with
+    ``layers=``."""
+    if units is None:
+        return ()
+    found = (units,) if isinstance(units, str) else units
+    if not isinstance(found, tuple) or not found or not all(isinstance(u, str) for u in found):
+        raise TypeError(
+            f"units={units!r} must be a regular expression over params paths, or a tuple of "
+            f"them, e.g. units=r'block_\\d+' (Linen blocks) or units=r'layers/\\d+' (an nnx.List)."
+        )
+    for u in found:
+        try:
+            re.compile(u)
+        except re.error as e:
+            raise ValueError(f"units={units!r}: {u!r} is not a regular expression ({e}).") from e
+    if stage != 3:
+        raise ValueError(
+            f"units={units!r} needs stage=3 (got stage={stage}): below stage 3 every device "
+            f"holds the whole params and nothing is gathered; drop units= or use stage=3."
+        )
+    if layers:
+        raise ValueError(
+            f"units={units!r} and layers={layers!r}: name scanned layer stacks with layers= "
+            f"(jaxzero.gather_layer / jaxzero.scan_layers) or Python-loop blocks with units=, "
+            f"not both."
+        )
+    return found
+
+
+def check(params, units: tuple[str, ...]) -> None:
+    """Every pattern in ``units`` must match a params path (raises ValueError listing some)."""
+    names = unit_names(params, units)
+    for u in units:
+        if not any(n is not None and re.fullmatch(u, n) for n in names):
+            paths = sorted(
+                {
+                    "/".join(path_strs(p)[:2])
+                    for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+                }
+            )
+            raise ValueError(
+                f"ZeRO(units={units!r}): {u!r} fullmatches no params path; paths begin "
+                f"{paths[:8]}. Write the pattern over '/'-joined keys, e.g. r'block_\\d+' or "
+                f"r'layers/\\d+'."
+            )
+
+
+def mask(tree, units: tuple[str, ...]):
+    """True for the leaves of ``tree`` in a unit (the loss gets them as shards)."""
+    names = unit_names(tree, units)
+    return jax.tree.unflatten(jax.tree.structure(tree), [u is not None for u in names])
+
+
+def build_plan(comm: Comm, units: tuple[str, ...], local_params, specs) -> UnitPlan | None:
+    """The :class:`UnitPlan` of a stage-3 step with ``units`` (None without), from the local
+    params and their global ``specs``."""
+    if not units:
+        return None
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    return UnitPlan(comm, unit_names(local_params, units), [spec_dim(s) for s in flat_specs])
+
+
+def wrap(plan: UnitPlan | None, fn):
+    """``fn`` evaluated by :func:`run` under ``plan`` (``fn`` itself without a plan)."""
+    if plan is None:
+        return fn
+    return lambda params, *rest: run(plan, fn, params, *rest)
+
+
+def unit_names(params, patterns: tuple[str, ...]) -> list[str | None]:
+    """Per flat leaf of ``params``: the unit it belongs to (the shortest ``/``-joined key-path
+    prefix that one of ``patterns`` fullmatches), or None (gathered whole)."""
+    compiled = [re.compile(p) for p in patterns]
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = path_strs(path)
+        unit = None
+        for depth in range(1, len(keys) + 1):
+            prefix = "/".join(keys[:depth])
+            if any(c.fullmatch(prefix) for c in compiled):
+                unit = prefix
+                break
+        out.append(unit)
+    return out
+
+
+@dataclasses.dataclass
+class UnitPlan:
+    """Per flat params leaf: its unit (None: not in a unit) and the dimension its shard was
+    split on (None: replicated); ``segments``: how many segments the last trace ran."""
+
+    comm: Comm
+    units: list[str | None]
+    dims: list[int | None]
+    segments: int = 0
+
+
+def _marker(comm: Comm, d):
+    def unit_gather(x):
+        return gather_shard(comm, x, d)
+
+    unit_gather.__name__ = MARK
+    return jax.jit(unit_gather)
+
+
+def _is_marker(eqn) -> bool:
+    return eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == MARK
+
+
+def run(plan: UnitPlan, fn, params, *rest):
+    """``fn(params, *rest)`` with each unit's leaves (shards in ``params``) gathered segment by
+    segment (see the module docstring)."""
+    leaves, treedef = jax.tree.flatten(params)
+
+    def traced(leaves, rest):
+        full = [
+            x if u is None else _marker(plan.comm, d)(x)
+            for x, u, d in zip(leaves, plan.units, plan.dims, strict=True)
+        ]
+        return fn(jax.tree.unflatten(treedef, full), *rest)
+
+    closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(leaves, rest)
+    flat = list(leaves) + jax.tree.leaves(rest)
+    outs = _Evaluator(plan, closed.jaxpr, len(leaves)).run(closed.consts, flat)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _read(env, v):
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _bind(eqn, env):
+    ans = eqn.primitive.bind(*[_read(env, v) for v in eqn.invars], **bind_params(eqn))
+    outs = ans if eqn.primitive.multiple_results else [ans]
+    for v, x in zip(eqn.outvars, outs, strict=True):
+        env[v] = x
+
+
+class _Evaluator:
+    def __init__(self, plan: UnitPlan, jaxpr, n_params: int):
+        self.plan, self.jaxpr = plan, jaxpr
+        self.leaf_of = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
+        self.lazy: dict = {}  # gathered var -> its leaf index
+        self.unit_of: dict = {}  # gathered (or only-gathered-derived) var -> unit name
+        eqns, labels = [], []
+        for eqn in jaxpr.eqns:
+            if _is_marker(eqn):
+                i = self.leaf_of[eqn.invars[0]]
+                self.lazy[eqn.outvars[0]] = i
+                self.unit_of[eqn.outvars[0]] = plan.units[i]
+                continue
+            eqns.append(eqn)
+            labels.append(self._label(eqn))
+        self.eqns, self.segments = eqns, _segments(labels)
+        last = {}
+        for k, eqn in enumerate(eqns):
+            for v in eqn.invars:
+                if not isinstance(v, jcore.Literal):
+                    last[v] = k
+        for v in jaxpr.outvars:
+            if not isinstance(v, jcore.Literal):
+                last[v] = len(eqns)
+        self.last_use = last
+
+    def _label(self, eqn) -> frozenset:
+        ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        units = frozenset(self.unit_of[v] for v in ins if v in self.unit_of)
+        if len(units) == 1 and ins and all(v in self.unit_of for v in ins):
+            for v in eqn.outvars:  # computed from one unit's weights only: part of the unit
+                self.unit_of[v] = next(iter(units))
+        return units
+
+    def run(self, consts, args):
+        env = dict(zip(self.jaxpr.constvars, consts, strict=True))
+        env.update(zip(self.jaxpr.invars, args, strict=True))
+        self.plan.segments = 0
+        self.tokens: list = []  # per segment run: a scalar of its first gathered weight
+        for kind, lo, hi in self.segments:
+            if kind is None:
+                for eqn in self.eqns[lo:hi]:
+                    _bind(eqn, env)
+            else:
+                self._segment(env, lo, hi)
+        return [_read(env, v) for v in self.jaxpr.outvars]
+
+    def _segment(self, env, lo, hi):
+        eqns = self.eqns[lo:hi]
+        defined = {v for eqn in eqns for v in eqn.outvars}
+        reads = []
+        for eqn in eqns:
+            for v in eqn.invars:
+                if not isinstance(v, jcore.Literal) and v not in defined and v not in reads:
+                    reads.append(v)
+        gathered = [v for v in reads if v in self.lazy]
+        ins = [v for v in reads if v not in self.lazy]
+        outs = [v for v in dict.fromkeys(v for e in eqns for v in e.outvars) if self._live(v, hi)]
+        values = [env[self.jaxpr.invars[self.lazy[v]]] for v in gathered]
+        if self.tokens:  # prefetch order: see the module docstring
+            values = _after(values, self.tokens[-1])
+        shards = dict(zip(gathered, values, strict=True))
+        if all(_is_remat(e) for e in eqns if any(v in self.lazy for v in e.invars)):
+            # nn.remat'd blocks: each gathers inside itself, under its own policy
+            local, token = {v: env[v] for v in ins}, None
+            for eqn in eqns:
+                if _is_remat(eqn) and any(v in self.lazy for v in eqn.invars):
+                    tok = self._remat(eqn, local, shards)
+                    token = tok if token is None else token
+                else:
+                    _bind(eqn, local)
+            env.update((v, local[v]) for v in outs)
+        else:
+
+            def body(shard_values, values):
+                local = dict(zip(ins, values, strict=True))
+                for v, x in zip(gathered, shard_values, strict=True):
+                    local[v] = self._gather(v, x)
+                for eqn in eqns:
+                    _bind(eqn, local)
+                return [local[v] for v in outs], _token(self.plan.comm, local[gathered[0]])
+
+            results, token = jax.checkpoint(body, policy=_not_gathered)(
+                [shards[v] for v in gathered], [env[v] for v in ins]
+            )
+            env.update(zip(outs, results, strict=True))
+        self.tokens.append(token)
+        self.plan.segments += 1
+
+    def _gather(self, v, shard):
+        """The gathered weight ``v`` from its shard; the backward reduce-scatters its gradient."""
+        return _gather_leaf(self.plan.comm, shard, self.plan.dims[self.lazy[v]])
+
+    def _remat(self, eqn, env, shards):
+        """A model's own ``jax.checkpoint`` equation, re-bound with the gathers of the unit
+        weights it reads moved inside it (its backward gathers them again); returns the
+        token of its first gathered weight."""
+        inner = eqn.params["jaxpr"]
+        lazy = [v for v in eqn.invars if v in self.lazy]
+        rest = [v for v in eqn.invars if v not in self.lazy]
+
+        def body(shard_values, values):
+            local = dict(
+                zip(
+                    lazy,
+                    (self._gather(v, x) for v, x in zip(lazy, shard_values, strict=True)),
+                    strict=True,
+                )
+            )
+            local.update(zip(rest, values, strict=True))
+            inner_env = {
+                iv: _read(local, ov) for iv, ov in zip(inner.invars, eqn.invars, strict=True)
+            }
+            for e in inner.eqns:
+                _bind(e, inner_env)
+            return [_read(inner_env, v) for v in inner.outvars], _token(
+                self.plan.comm, local[lazy[0]]
+            )
+
+        remat = jax.checkpoint(
+            body, policy=eqn.params.get("policy"), prevent_cse=eqn.params.get("prevent_cse", True)
+        )
+        out, token = remat([shards[v] for v in lazy], [_read(env, v) for v in rest])
+        env.update(zip(eqn.outvars, out, strict=True))
+        return token
+
+    def _live(self, v, hi) -> bool:
+        return not isinstance(v, jcore.DropVar) and self.last_use.get(v, -1) >= hi
+
+
+_NOT_SAVED = ("all_gather", "all_gather_invariant", "checkpoint", "remat2")
+
+
+def _token(comm: Comm, w):
+    """One element of a gathered weight: what the next segment's gather waits for. On a
+    hybrid mesh it is made replica-invariant (a one-element all-reduce over the replica
+    axes), as the shards it orders are."""
+    t = jax.lax.slice(w.reshape(-1), (0,), (1,)).astype(jnp.float32)
+    if comm.replica_axes:
+        t = jax.lax.psum(t, comm.replica_axes)
+    return t
+
+
+@jax.custom_vjp
+def _after(shards, token):
+    """``shards``, not read before ``token`` (the previous segment's weights) exists: the
+    gather runs under that segment's compute, and XLA cannot combine it with that segment's
+    gather. In the backward, their reduced gradient is the token's cotangent, so the previous
+    segment's backward starts once this segment's gradient is reduce-scattered: XLA cannot
+    hold every unit's full gradient for one combined reduce-scatter after the backward."""
+    return jax.lax.optimization_barrier((shards, token))[0]
+
+
+def _after_fwd(shards, token):
+    return _after(shards, token), token
+
+
+def _after_bwd(token, ct):
+    zero, ct = jax.lax.optimization_barrier((jnp.zeros_like(token), ct))
+    return ct, zero
+
+
+_after.defvjp(_after_fwd, _after_bwd)
+
+
+def _is_remat(eqn) -> bool:
+    """A ``jax.checkpoint`` (``nn.remat``) equation."""
+    return eqn.primitive.name in ("checkpoint", "remat2") and "jaxpr" in eqn.params
+
+
+def _not_gathered(prim, *_, **params) -> bool:
+    """Save what the model saves, except the gathered weights (the all-gather's outputs). A
+    model's own ``jax.checkpoint`` (``nn.remat``) inside a segment keeps its policy: its
+    outputs are not saved here either, so it recomputes what it chose to."""
+    return prim.name not in _NOT_SAVED
+
+
+def _segments(labels) -> list[tuple[frozenset | None, int, int]]:
+    """``(units or None, start, stop)`` runs over the equations: a segment from an equation
+    that reads one unit's weights to the last one that reads them with no other unit's
+    equation between; equations that read no unit weights between segments run on their own
+    (None)."""
+    out: list = []
+    cur, start, tail = None, 0, 0  # tail: one past cur's last equation that read its units
+    for k, units in enumerate(labels):
+        if not units:
+            continue
+        if units == cur:
+            tail = k + 1
+            continue
+        if cur is not None:
+            out.append((cur, start, tail))
+        if tail < k:
+            out.append((None, tail, k))
+        cur, start, tail = units, k, k + 1
+    if cur is not None:
+        out.append((cur, start, tail))
+    if tail < len(labels):
+        out.append((None, tail, len(labels)))
+    return out

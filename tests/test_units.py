@@ -1,0 +1,235 @@
+"""Stage 3 per module (``ZeRO(units=...)``) on models written as a Python loop of Linen blocks
+(with and without ``nn.remat``) and as an NNX list of layers.
+
+Checked against plain single-device optax (same data, same seed) and against the whole-model
+stage 3 (bf16, EMA, hybrid mesh), checkpoints exchanged with the whole-model stage 3, the
+lowered program (each unit gathered in the forward and again in the backward), the saved
+residuals (no gathered weight kept for the backward) and bad arguments.
+"""
+
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from models import Block, make_problem, reference_run, train
+
+import jaxzero as jz
+from jaxzero.zero import units as units_mod
+
+TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6, weight_decay=0.1))
+
+
+class RematLoop(nn.Module):
+    """The tests' encoder blocks in a Python loop, each ``nn.remat``'d, and a Dense head."""
+
+    layers: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.layers):
+            x = nn.remat(Block)(name=f"block_{i}")(x)
+        return nn.Dense(3, name="head")(x)
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, width, rngs):
+        self.fc = nnx.Linear(width, 2 * width, rngs=rngs)
+        self.out = nnx.Linear(2 * width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.out(jnp.tanh(self.fc(x)))
+
+
+class NnxModel(nnx.Module):
+    def __init__(self, rngs, width=32, depth=3):
+        self.embed = nnx.Linear(16, width, rngs=rngs)
+        self.layers = nnx.List([NnxBlock(width, rngs) for _ in range(depth)])
+        self.head = nnx.Linear(width, 4, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _batches(x_shape, y_shape, steps=4, batch=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(batch, *x_shape)).astype(np.float32),
+            "y": rng.normal(size=(batch, *y_shape)).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+
+
+def _problem(kind):
+    """(params, loss_fn, batches, units pattern) of each model style."""
+    if kind == "linen_loop":
+        params, loss_fn, batches = make_problem("transformer", steps=4)
+        return params, loss_fn, batches, r"layer\d+"
+    if kind == "linen_remat_loop":
+        model = RematLoop()
+        params = model.init(jax.random.key(0), jnp.zeros((1, 6, 32)))["params"]
+        loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+        return params, loss_fn, _batches((6, 32), (6, 3)), r"block_\d+"
+    model_def, params, _ = jz.nnx.split(NnxModel(nnx.Rngs(0)))
+    loss_fn = model_def.loss(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+    return params, loss_fn, _batches((16,), (4,)), r"layers/\d+"
+
+
+@pytest.mark.parametrize(
+    "kind,n,accum",
+    [("linen_loop", 8, 1), ("linen_remat_loop", 8, 1), ("linen_remat_loop", 2, 4), ("nnx", 8, 1)],
+)
+def test_units_match_single_device_optax(kind, n, accum):
+    params, loss_fn, batches, pattern = _problem(kind)
+    ref_params, ref_opt = reference_run(TX, params, loss_fn, batches)
+    zero = jz.ZeRO(TX, jz.data_parallel_mesh(n), stage=3, units=pattern)
+    state = train(zero, loss_fn, params, batches, accum_steps=accum)
+    chex.assert_trees_all_close(jz.gather(state), ref_params, atol=1e-5)
+    chex.assert_trees_all_close(jz.gather(state.opt_state), ref_opt, atol=1e-5)
+    # the state is placed as the whole-model stage 3 places it: 1/N of every sharded leaf
+    whole = jz.ZeRO(TX, jz.data_parallel_mesh(n), stage=3).abstract_state(params)
+    chex.assert_trees_all_equal(
+        jax.tree.map(lambda x: x.sharding.spec, state.params),
+        jax.tree.map(lambda x: x.sharding.spec, whole.params),
+    )
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_units_equal_whole_model_stage3_bf16_ema(replicas):
+    """bf16 compute, fp32 master and reduce, EMA, micro-batches, on a plain and a hybrid mesh:
+    the same numbers as gathering the whole model up front."""
+    params, loss_fn, batches, pattern = _problem("linen_remat_loop")
+    mesh = jz.data_parallel_mesh(8, replicas=replicas)
+    pol = jz.Precision("bfloat16", "float32", "float32")
+    tx, ema = optax.adam(1e-2, eps=1e-6), jz.ShardedEMA(0.9, tau=2.0)
+    per_unit, whole = (
+        train(
+            jz.ZeRO(tx, mesh, stage=3, precision=pol, **kw),
+            loss_fn,
+            params,
+            batches,
+            ema=ema,
+            accum_steps=2,
+        )
+        for kw in ({"units": pattern}, {})
+    )
+    for a, b in ((per_unit.master, whole.master), (per_unit.ema, whole.ema)):
+        chex.assert_trees_all_close(jz.gather(a), jz.gather(b), atol=1e-6)
+    chex.assert_trees_all_close(
+        jz.gather(per_unit.opt_state), jz.gather(whole.opt_state), atol=1e-6
+    )
+
+
+def test_checkpoints_move_between_whole_model_and_units(tmp_path):
+    """A checkpoint of the whole-model stage 3 restores into the per-unit one and back; each
+    continues as single-device optax does."""
+    params, loss_fn, batches, pattern = _problem("linen_loop")
+    ref_params, _ = reference_run(TX, params, loss_fn, batches)
+    mesh = jz.data_parallel_mesh(8)
+    whole, units = (jz.ZeRO(TX, mesh, stage=3, units=u) for u in (None, pattern))
+    for i, (first, second) in enumerate(((whole, units), (units, whole))):
+        state = train(first, loss_fn, params, batches[:2])
+        jz.checkpoint.save(str(tmp_path / str(i)), 2, state, zero=first)
+        restored = jz.checkpoint.restore(str(tmp_path / str(i)), second, params)
+        step = jz.make_train_step(loss_fn, second)
+        for b in batches[2:]:
+            restored, _ = step(restored, b)
+        chex.assert_trees_all_close(jz.gather(restored), ref_params, atol=1e-5)
+
+
+def _count(jaxpr, name: str) -> int:
+    """Equations of primitive ``name`` in ``jaxpr`` and every jaxpr its equations hold."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    n += _count(getattr(sub, "jaxpr", sub), name)
+    return n
+
+
+def _traced_gathers(zero, params, loss_fn, batch):
+    step = jz.make_train_step(loss_fn, zero)
+    return _count(step.jitted.trace(zero.abstract_state(params), batch).jaxpr.jaxpr, "all_gather")
+
+
+def test_each_unit_is_gathered_again_for_its_backward():
+    """The traced step (XLA:CPU's CSE merges the two gathers; the GPU compile keeps them): the
+    whole-model stage 3 gathers every sharded leaf once; with units the weights the backward
+    reads (kernels, norm scales) are gathered a second time, there."""
+    params, loss_fn, batches, pattern = _problem("linen_loop")
+    mesh = jz.data_parallel_mesh(8)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batches[0])
+    whole = _traced_gathers(jz.ZeRO(optax.sgd(0.1), mesh, stage=3), params, loss_fn, batch)
+    per_unit = _traced_gathers(
+        jz.ZeRO(optax.sgd(0.1), mesh, stage=3, units=pattern), params, loss_fn, batch
+    )
+    sharded = sum(x.ndim > 0 and max(x.shape) % 8 == 0 for x in jax.tree.leaves(params))
+    assert whole == sharded, (whole, sharded)
+    # again in the backward: each layer's attention output and MLP kernels (their transposes
+    # carry the input gradient), the q/k/v kernels of layer 1 but not of layer 0 (the model's
+    # input needs no gradient); norm scales are not (the backward keeps their activation-sized
+    # products instead)
+    assert per_unit == sharded + 2 * 3 + 3, (per_unit, sharded)
+
+
+def test_no_gathered_weight_is_saved_for_the_backward():
+    """What the backward keeps (jax's own residual listing): the unit shards and activations,
+    never a gathered (full-size) unit weight, with or without nn.remat."""
+    for kind in ("linen_loop", "linen_remat_loop"):
+        params, loss_fn, batches, pattern = _problem(kind)
+        names = units_mod.unit_names(params, (pattern,))
+        leaves, treedef = jax.tree.flatten(params)
+        mesh = jz.data_parallel_mesh(8)
+        specs = jz.ZeRO(optax.sgd(0.1), mesh, stage=3).param_specs(params)
+        comm = jz.ZeRO(optax.sgd(0.1), mesh, stage=3).comm
+        plan = units_mod.build_plan(comm, (pattern,), params, specs)
+        unit_shapes = {
+            x.shape for x, u in zip(leaves, names, strict=True) if u is not None and x.ndim > 1
+        }
+        saved = []
+
+        def local(p, b, plan=plan, loss_fn=loss_fn, saved=saved):
+            from jax._src.ad_checkpoint import saved_residuals
+
+            f = lambda p: units_mod.run(plan, lambda q, b: loss_fn(q, b), p, b)
+            saved.extend(aval.shape for aval, _ in saved_residuals(f, p))
+            return jax.lax.pmean(f(p), "data")
+
+        flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+        root = [
+            s if u is not None else P() for s, u in zip(flat_specs, names, strict=True)
+        ]  # whole
+        in_specs = (jax.tree.unflatten(treedef, root), P("data"))
+        jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P()))(
+            params, batches[0]
+        )
+        assert saved and not unit_shapes & set(saved), (kind, unit_shapes & set(saved))
+        assert plan.segments == (2 if kind == "linen_loop" else 3), plan.segments
+
+
+def test_bad_units_arguments_are_refused_before_anything_runs():
+    params, _, _, _ = _problem("linen_loop")
+    mesh = jz.data_parallel_mesh(8)
+    with pytest.raises(ValueError, match="needs stage=3"):
+        jz.ZeRO(TX, mesh, stage=2, units=r"layer\d+")
+    with pytest.raises(ValueError, match="not both"):
+        jz.ZeRO(TX, mesh, stage=3, units=r"layer\d+", layers="layers")
+    with pytest.raises(ValueError, match="not a regular expression"):
+        jz.ZeRO(TX, mesh, stage=3, units="layer(")
+    with pytest.raises(TypeError, match="regular expression"):
+        jz.ZeRO(TX, mesh, stage=3, units=[r"layer\d+"])
+    with pytest.raises(ValueError, match="fullmatches no params path"):
+        jz.ZeRO(TX, mesh, stage=3, units=r"block_\d+").init(params)
