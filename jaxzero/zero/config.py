@@ -83,13 +83,11 @@ class ZeRO:
       loss_scale: :class:`DynamicLossScale`, :class:`StaticLossScale` or None.
       skip_nonfinite: skip the whole update (params, master, optimizer state, EMA and step
         unchanged) when any gradient on any device is non-finite.
-      layers: names of the params subtrees that hold scanned layer stacks (``nn.scan`` puts
-        the layer index on axis 0 of every leaf), e.g. ``"layers"``, a nested one as
-        ``"outer/inner"``; ``init`` refuses a subtree that is not such a stack. Those leaves,
-        and the optimizer-state and EMA leaves that mirror them, are never split along axis 0.
-        With stage 3 the step gathers the stacks one layer at a time (:func:`jaxzero.gather_layer`
-        or :func:`jaxzero.scan_layers` in the model; peak: one layer's weights); stage 2, and
-        stage 1 without micro-batches, reduce-scatter each layer's gradient in the backward.
+      layers: params subtrees holding scanned layer stacks (the layer index on axis 0 of every
+        leaf), e.g. ``"layers"`` or ``"outer/inner"``; ``init`` refuses other subtrees. They
+        (and their optimizer state and EMA) are never split along axis 0. Stage 3 gathers them
+        a layer at a time (:func:`jaxzero.gather_layer` or :func:`jaxzero.scan_layers` in the
+        model); stages 2 and 1 (no micro-batches) reduce-scatter each layer in the backward.
       vocab_parallel: stage 3 only: names of params subtrees holding ``[vocab, width]``
         embedding tables (e.g. ``"embed"``) that the loss gets as this device's rows, never
         gathered; the model looks them up and computes its tied head's cross-entropy with
