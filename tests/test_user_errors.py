@@ -219,28 +219,48 @@ def test_a_real_torch_batch_says_convert_with_numpy(trained):
         trained["step"](trained["state"], batch)
 
 
-def test_checkpoint_directory_mistakes_are_refused_with_the_fix(trained, tmp_path):
-    state, zero = trained["state"], trained["zero"]
+@pytest.fixture
+def saved(trained, tmp_path):
+    """A checkpoint directory holding step 3 of the trained state."""
     root = tmp_path / "ckpt"
-    assert ck.save(root, 3, state, zero=zero, ema=trained["ema"]) is True
-    # One step's directory given as the checkpoint: the parent and step= are suggested.
+    assert ck.save(root, 3, trained["state"], zero=trained["zero"]) is True
+    return root
+
+
+def test_one_steps_directory_as_the_checkpoint_suggests_its_parent(trained, saved):
     with pytest.raises(FileNotFoundError, match=r"pass that directory and the step.*step=3\)"):
-        ck.restore(root / "3", zero, trained["params"], ema=trained["ema"])
-    # A step that exists, or one older than the newest, would not be written: refused.
+        ck.restore(saved / "3", trained["zero"], trained["params"], ema=trained["ema"])
+
+
+def test_a_step_that_exists_or_is_older_is_refused_not_skipped(trained, saved):
+    state, zero = trained["state"], trained["zero"]
     with pytest.raises(ValueError, match=r"step 3 already exists.*a new step number"):
-        ck.save(root, 3, state, zero=zero)
+        ck.save(saved, 3, state, zero=zero)
     with pytest.raises(ValueError, match=r"step 2 is older than the newest step 3"):
-        ck.save(root, 2, state, zero=zero)
-    # A directory holding other files would mix them with the steps: refused, nothing written.
+        ck.save(saved, 2, state, zero=zero)
+    assert sorted(p.name for p in saved.iterdir() if p.name.isdigit()) == ["3"]
+
+
+def test_a_directory_of_other_files_is_refused_and_left_as_it_was(trained, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("not a checkpoint")
     with pytest.raises(ValueError, match=r"holds files that are not checkpoint steps \(notes"):
-        ck.save(other, 1, state, zero=zero)
+        ck.save(other, 1, trained["state"], zero=trained["zero"])
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
-    # wait() needs the manager that saves, not a directory.
+
+
+def test_wait_given_a_directory_asks_for_the_manager(saved):
     with pytest.raises(TypeError, match=r"wait needs the CheckpointManager that saves"):
-        ck.wait(str(root))
-    # Restoring with another EMA decay than saved warns, naming both values.
+        ck.wait(str(saved))
+
+
+def test_restoring_with_another_ema_decay_warns_naming_both(trained, tmp_path):
+    root = tmp_path / "ckpt"
+    assert ck.save(root, 3, trained["state"], zero=trained["zero"], ema=trained["ema"])
     with pytest.warns(UserWarning, match=r"decay: saved 0\.9, now 0\.99"):
-        ck.restore(root, zero, trained["params"], ema=jz.ShardedEMA(0.99))
+        ck.restore(root, trained["zero"], trained["params"], ema=jz.ShardedEMA(0.99))
+    with warnings.catch_warnings(record=True) as seen:  # the EMA it was saved with: silent
+        warnings.simplefilter("always")
+        ck.restore(root, trained["zero"], trained["params"], ema=trained["ema"])
+    assert not [w for w in seen if "EMA settings" in str(w.message)]
