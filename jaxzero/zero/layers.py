@@ -231,12 +231,19 @@ def _check_stack(layers, where: str, leaves, stage: int) -> None:
     numbered = ""
     if all(c.isdigit() for c in children):
         numbered = f"; its children {sorted(children, key=int)[:6]} look like a list of layers"
+    unit = f"{where}/\\d+" if numbered else "block_\\d+"
+    loop = (
+        f"ZeRO(stage=3, units=r'{unit}') in place of layers= (each layer gathered where it "
+        f"runs, jaxzero.zero.units)"
+        if stage == 3
+        else f"stage {stage} without layers="
+    )
     raise ValueError(
         f"ZeRO(layers={layers!r}): {where!r} is not a layer stack: a stack (nn.scan, "
         f"jaxzero.stacked_params) carries the layer index on axis 0 of every leaf, but the "
         f"leading sizes of its leaves differ ({found}){numbered}. Stack the layers with "
         f"nn.scan or jaxzero.stacked_params + jaxzero.scan_layers; for a model built as a "
-        f"Python loop or list of layers (e.g. an nnx.List), use stage {stage} without layers=."
+        f"Python loop or list of layers (e.g. an nnx.List), use {loop}."
     )
 
 
