@@ -20,11 +20,12 @@ each segment runs as a ``jax.checkpoint`` that
   ``reshard_after_forward=True``).
 
 Order (optimization barriers, and the same barrier's cotangent): segment ``k + 1``'s gather may
-start once segment ``k``'s weights are whole, so it runs under segment ``k``'s compute (forward
-prefetch; XLA cannot fold it into one combined gather of every unit either); segment ``k``'s
-backward starts once segment ``k + 1``'s gradient is reduce-scattered, so no two units' full
-gradients are held for one combined reduce-scatter after the backward. Measured on the
-deviceless H100 compile (docs/decisions/33-units.md): the forward gathers are hidden, the
+start once segment ``k``'s weights are whole (XLA cannot fold every unit's gather into one
+combined gather up front); segment ``k``'s backward starts once segment ``k + 1``'s gradient is
+reduce-scattered (no two units' full gradients are held for one combined reduce-scatter after
+the backward). Measured on the deviceless H100 compile (docs/decisions/33-units.md): XLA
+overlaps the forward gathers with the unit's own compute, not the previous unit's (the
+schedule is the same when the next gather must wait for this unit's outputs), and the
 backward's gathers and the reduce-scatters are exposed, because ``jax.checkpoint``'s backward
 waits on every cotangent of its segment at once.
 """
@@ -51,7 +52,7 @@ MARK = "jaxzero_unit_gather"
 def patterns(units, stage: int, layers) -> tuple[str, ...]:
     """``ZeRO(units=)`` checked: a regular expression or a tuple of them, stage 3, not with
     ``layers=``."""
-    if units is None:
+    if units is None or units == ():  # () : dataclasses.replace of a ZeRO without units
         return ()
     found = (units,) if isinstance(units, str) else units
     if not isinstance(found, tuple) or not found or not all(isinstance(u, str) for u in found):
@@ -332,9 +333,8 @@ def _token(comm: Comm, w):
 
 @jax.custom_vjp
 def _after(shards, token):
-    """``shards``, not read before ``token`` (the previous segment's weights) exists: the
-    gather runs under that segment's compute, and XLA cannot combine it with that segment's
-    gather. In the backward, their reduced gradient is the token's cotangent, so the previous
+    """``shards``, not read before ``token`` (the previous segment's weights) exists: XLA
+    cannot combine their gather with that segment's. In the backward, their reduced gradient is the token's cotangent, so the previous
     segment's backward starts once this segment's gradient is reduce-scattered: XLA cannot
     hold every unit's full gradient for one combined reduce-scatter after the backward."""
     return jax.lax.optimization_barrier((shards, token))[0]
