@@ -247,41 +247,41 @@ class _Evaluator:
         ins = [v for v in reads if v not in self.lazy]
         outs = [v for v in dict.fromkeys(v for e in eqns for v in e.outvars) if self._live(v, hi)]
         values = [env[self.jaxpr.invars[self.lazy[v]]] for v in gathered]
-        if self.tokens:  # prefetch order: see the module docstring
-            values = _after(values, self.tokens[-1])
         shards = dict(zip(gathered, values, strict=True))
+        after = self.tokens[-1] if self.tokens else None  # order: see the module docstring
         if all(_is_remat(e) for e in eqns if any(v in self.lazy for v in e.invars)):
             # nn.remat'd blocks: each gathers inside itself, under its own policy
             local, token = {v: env[v] for v in ins}, None
             for eqn in eqns:
                 if _is_remat(eqn) and any(v in self.lazy for v in eqn.invars):
-                    tok = self._remat(eqn, local, shards)
+                    tok = self._remat(eqn, local, shards, after)
                     token = tok if token is None else token
                 else:
                     _bind(eqn, local)
             env.update((v, local[v]) for v in outs)
         else:
 
-            def body(shard_values, values):
+            def body(shard_values, values, after):
                 local = dict(zip(ins, values, strict=True))
                 for v, x in zip(gathered, shard_values, strict=True):
-                    local[v] = self._gather(v, x)
+                    local[v] = self._gather(v, x, after)
                 for eqn in eqns:
                     _bind(eqn, local)
                 return [local[v] for v in outs], _token(self.plan.comm, local[gathered[0]])
 
             results, token = jax.checkpoint(body, policy=_not_gathered)(
-                [shards[v] for v in gathered], [env[v] for v in ins]
+                [shards[v] for v in gathered], [env[v] for v in ins], after
             )
             env.update(zip(outs, results, strict=True))
         self.tokens.append(token)
         self.plan.segments += 1
 
-    def _gather(self, v, shard):
-        """The gathered weight ``v`` from its shard; the backward reduce-scatters its gradient."""
-        return _gather_leaf(self.plan.comm, shard, self.plan.dims[self.lazy[v]])
+    def _gather(self, v, shard, after):
+        """The gathered weight ``v`` from its shard, not before ``after`` (:func:`_after`); the
+        backward reduce-scatters its gradient."""
+        return _gather_leaf(self.plan.comm, _after(shard, after), self.plan.dims[self.lazy[v]])
 
-    def _remat(self, eqn, env, shards):
+    def _remat(self, eqn, env, shards, after):
         """A model's own ``jax.checkpoint`` equation, re-bound with the gathers of the unit
         weights it reads moved inside it (its backward gathers them again); returns the
         token of its first gathered weight."""
@@ -289,11 +289,11 @@ class _Evaluator:
         lazy = [v for v in eqn.invars if v in self.lazy]
         rest = [v for v in eqn.invars if v not in self.lazy]
 
-        def body(shard_values, values):
+        def body(shard_values, values, after):
             local = dict(
                 zip(
                     lazy,
-                    (self._gather(v, x) for v, x in zip(lazy, shard_values, strict=True)),
+                    (self._gather(v, x, after) for v, x in zip(lazy, shard_values, strict=True)),
                     strict=True,
                 )
             )
@@ -310,7 +310,7 @@ class _Evaluator:
         remat = jax.checkpoint(
             body, policy=eqn.params.get("policy"), prevent_cse=eqn.params.get("prevent_cse", True)
         )
-        out, token = remat([shards[v] for v in lazy], [_read(env, v) for v in rest])
+        out, token = remat([shards[v] for v in lazy], [_read(env, v) for v in rest], after)
         env.update(zip(eqn.outvars, out, strict=True))
         return token
 
@@ -331,17 +331,19 @@ def _token(comm: Comm, w):
     return t
 
 
-def _after(shards, token):
-    """``shards``, not read before ``token`` (the previous segment's weights) exists: XLA
-    cannot combine their gather with that segment's. In the backward the token's cotangent is
-    a sum of their reduced gradients (times zero), so the previous segment's backward starts
-    once this segment's gradient is reduce-scattered: XLA cannot hold every unit's full
-    gradient for one combined reduce-scatter after the backward. A data dependency (adding
+def _after(shard, token):
+    """``shard``, not read before ``token`` (the previous segment's weights) exists: XLA
+    cannot combine its gather with that segment's. In the backward the token's cotangent is a
+    sum of its reduced gradient (times zero), so the previous segment's backward starts once
+    this segment's gradient is reduce-scattered: XLA cannot hold every unit's full gradient
+    for one combined reduce-scatter after the backward. A data dependency (adding
     ``0 * token``, which XLA does not fold for floats), not an optimization barrier: XLA:GPU
     drops barriers before its collective combiners run (with the recommended 1 GB all-gather
-    threshold every unit's gather became one)."""
-    zero = token[0] * 0
-    return [s + zero.astype(s.dtype) for s in shards]
+    threshold every unit's gather became one). Inside the segment, so the residual is the
+    shard itself."""
+    if token is None:
+        return shard
+    return shard + (token[0] * 0).astype(shard.dtype)
 
 
 def _is_remat(eqn) -> bool:
