@@ -19,15 +19,15 @@ each segment runs as a ``jax.checkpoint`` that
   own policy) except the gathered weights, which its backward gathers again (FSDP's
   ``reshard_after_forward=True``).
 
-Order (optimization barriers, and the same barrier's cotangent): segment ``k + 1``'s gather may
-start once segment ``k``'s weights are whole (XLA cannot fold every unit's gather into one
-combined gather up front); segment ``k``'s backward starts once segment ``k + 1``'s gradient is
-reduce-scattered (no two units' full gradients are held for one combined reduce-scatter after
-the backward). Measured on the deviceless H100 compile (docs/decisions/33-units.md): XLA
-overlaps the forward gathers with the unit's own compute, not the previous unit's (the
-schedule is the same when the next gather must wait for this unit's outputs), and the
-backward's gathers and the reduce-scatters are exposed, because ``jax.checkpoint``'s backward
-waits on every cotangent of its segment at once.
+Order (``0 * token`` added to each shard, and that token's cotangent): segment ``k + 1``'s
+gather may start once segment ``k``'s weights are whole (XLA cannot fold every unit's gather
+into one combined gather up front); segment ``k``'s backward starts once segment ``k + 1``'s
+gradient is reduce-scattered (no two units' full gradients are held for one combined
+reduce-scatter after the backward). Measured on the deviceless H100 compile
+(docs/decisions/33-units.md): XLA overlaps the forward gathers with the unit's own compute, not
+the previous unit's (the schedule is the same when the next gather must wait for this unit's
+outputs), and the backward's gathers and the reduce-scatters are exposed, because
+``jax.checkpoint``'s backward waits on every cotangent of its segment at once.
 """
 
 from __future__ import annotations
