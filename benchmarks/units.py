@@ -136,7 +136,7 @@ def model_table(model: Model, rows: dict) -> list[str]:
     shape = model.shape
     peer = rows[PEER]["args_temp"]
     lines = [
-        f"### {model.label}: {shape.num_params:,} params, units=`{model.units}`",
+        f"## {model.label}: {shape.num_params:,} params, units=`{model.units}`",
         "",
         "| variant | peak (args + temp) | / peer | AG+RS bytes | hidden AG+RS | kernels |",
         "|---|---|---|---|---|---|",
