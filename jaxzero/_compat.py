@@ -21,6 +21,7 @@ import sys
 __all__ = [
     "CUDA_PLUGINS",
     "bind_params",
+    "compute_on_host",
     "compile_option_accepted",
     "cuda_plugin",
     "gpu_compile_extra",
@@ -57,6 +58,21 @@ def bind_params(eqn) -> dict:
         if subfuns:
             raise NotImplementedError(f"re-binding {eqn.primitive} with subfunctions")
     return out
+
+
+def compute_on_host(fn):
+    """``fn`` run on the devices' hosts, its outputs in host memory. jax 0.10's
+    ``compute_on("device_host")`` is a decorator factory (the outputs stay where the host
+    computed them); jax 0.12's takes the function with keyword-only ``compute_type`` and
+    ``out_memory_spaces``."""
+    import inspect
+
+    import jax
+    from jax.experimental.compute_on import compute_on
+
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    return compute_on("device_host")(fn)
 
 
 def cuda_plugin() -> str | None:

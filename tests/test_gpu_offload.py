@@ -74,7 +74,10 @@ def test_gpu_offload_moves_the_state_from_device_to_host_memory(stage, per_layer
     drop = dev.peak_bytes - host.peak_bytes
     assert drop >= 0.9 * want, (drop, want)
     if per_layer:
-        assert abs(drop - want) <= 0.1 * want, (drop, want)
+        # pinned per XLA: jax 0.10.2 drops the state within 10%; jax 0.12.0.1's XLA also
+        # frees 1.65 MB of the update's device temporaries (5,584,744 vs 3,934,728 bytes)
+        slack = 0.1 if jax.__version__.startswith("0.10.") else 0.5
+        assert abs(drop - want) <= slack * want, (drop, want)
     assert host.host_bytes >= want  # + the host update's temporaries
 
 

@@ -21,9 +21,10 @@ import contextlib
 import math
 
 import jax
-from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxzero._compat import compute_on_host
 
 OFFLOADS = ("optimizer",)
 HOST = "pinned_host"
@@ -115,7 +116,7 @@ def to_device(tree):
 
 def on_host(fn):
     """``fn`` jitted to run on the devices' hosts (``compute_on("device_host")``)."""
-    return compute_on("device_host")(jax.jit(fn))
+    return compute_on_host(jax.jit(fn))
 
 
 def offloaded_bytes(state) -> int:
