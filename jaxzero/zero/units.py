@@ -44,7 +44,7 @@ from jaxzero._compat import bind_params
 from jaxzero._tree import path_strs
 from jaxzero.zero.collectives import Comm
 from jaxzero.zero.layers import _gather_leaf, gather_shard
-from jaxzero.zero.specs import spec_dim
+from jaxzero.zero.specs import spec_dim, subtree_paths
 
 MARK = "jaxzero_unit_gather"
 
@@ -84,12 +84,7 @@ def check(params, units: tuple[str, ...]) -> None:
     names = unit_names(params, units)
     for u in units:
         if not any(n is not None and re.fullmatch(u, n) for n in names):
-            paths = sorted(
-                {
-                    "/".join(path_strs(p)[:2])
-                    for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-                }
-            )
+            paths = subtree_paths(params)
             raise ValueError(
                 f"ZeRO(units={units!r}): {u!r} fullmatches no params path; paths begin "
                 f"{paths[:8]}. Write the pattern over '/'-joined keys, e.g. r'block_\\d+' or "
