@@ -1,6 +1,7 @@
 """Test configuration: 8 simulated CPU devices, set before jax starts any backend."""
 
 import importlib
+import importlib.util
 import json
 import os
 
@@ -103,6 +104,21 @@ def pytest_collection_modifyitems(config, items):
             + ", ".join(stale)
             + "; update the list."
         )
+
+
+def repo_module(name, *parts):
+    """The repository's script ``parts`` (e.g. ``"benchmarks", "overlap.py"``) imported as
+    module ``name``, once per process (its dataclasses look their module up in sys.modules)."""
+    import sys
+
+    module = sys.modules.get(name)
+    if module is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", *parts)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
 
 
 def require(module, extra):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import repo_module
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 N = 8
@@ -115,13 +116,7 @@ def overlap_table():
     because tests/test_gpu.py compiles the same steps (stage 0 with its one all-reduce, stage
     3 with gather_layer, stage 3 without the compute copy, which also leaves out the
     vocabulary-parallel row): 8 of the table's 24 compiles."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "overlap_bench", os.path.join(ROOT, "benchmarks", "overlap.py")
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = repo_module("overlap_bench", "benchmarks", "overlap.py")
     skip = ("jaxzero stage 0 (all-reduce", "gather_layer", "no compute copy")  # + vocab-parallel
     variants = [v for v in bench.VARIANTS if not any(k in v[0] for k in skip)]
     lines = bench.table(bench.TINY, N, variants)

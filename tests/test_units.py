@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import repo_module
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from models import Block, make_problem, reference_run, train
@@ -266,19 +267,6 @@ def test_gpu_compile_holds_a_few_units_and_gathers_each_twice():
     assert extra == pytest.approx(shape.layers * block, rel=0.01), (extra, block)
 
 
-def _overlap_bench():
-    """benchmarks/overlap.py, whose ``peer_row`` is the GSPMD-FSDP peer of the figures
-    document (fp32 params and Adam sharded by ``NamedSharding``, bf16 compute, ``jax.jit``)."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "overlap.py")
-    spec = importlib.util.spec_from_file_location("overlap_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_gpu_units_against_the_gspmd_fsdp_peer(kind):
     """XLA:GPU for 8 H100s (deviceless), 8 GPT blocks x 256 in a Python loop of nn.remat'd
@@ -287,7 +275,7 @@ def test_gpu_units_against_the_gspmd_fsdp_peer(kind):
     large a share of those bytes is hidden behind compute (measured with jax 0.10.2: peak
     21.3 MB against 27.5 (Linen) and 28.0 (NNX), 39.1 MB moved against 40.7 / 40.5, 0.28
     hidden against 0.07 / 0.05)."""
-    bench = _overlap_bench()
+    bench = repo_module("overlap_bench", "benchmarks", "overlap.py")  # the peer: peer_row
     shape = model_shape(
         layers=8, hidden=256, heads=2, vocab=1024, seq=128, arch="gpt", loop="python"
     )
