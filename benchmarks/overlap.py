@@ -68,11 +68,16 @@ def _figures(hlo: str, mem, n: int) -> dict:
 
 def _gather_scatter(over) -> dict:
     """``ag_rs_bytes``: all-gather + reduce-scatter payload per step; ``ag_rs_hidden``: the
-    share of those bytes hidden behind compute (None when none move)."""
+    share of those bytes hidden behind compute, ``ag_rs_max``: the share any schedule of the
+    step's data flow could hide (both None when none move)."""
     rows = [o for o in over if o.kind in KINDS[:2]]
     total = sum(o.bytes for o in rows)
-    hidden = sum(o.hidden_bytes for o in rows) / total if total else None
-    return {"ag_rs_bytes": total, "ag_rs_hidden": hidden}
+    share = lambda field: sum(getattr(o, field) for o in rows) / total if total else None
+    return {
+        "ag_rs_bytes": total,
+        "ag_rs_hidden": share("hidden_bytes"),
+        "ag_rs_max": share("hideable_bytes"),
+    }
 
 
 def _ceiling(over) -> str:

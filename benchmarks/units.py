@@ -1,10 +1,12 @@
 """Stage 3 on unscanned models (issue 29): a Python loop of Linen blocks and an ``nnx.List`` of
 NNX blocks, jaxzero stage 3 (whole model gathered per micro-batch; without the compute copy;
-per unit, ``ZeRO(units=PATTERN)``) against the GSPMD-FSDP peer, compiled for 8 H100s without a
-GPU (``jaxzero.gpu.compile_only_mesh``), bf16, Adam, 1 x 512 tokens per device.
+per unit, ``ZeRO(units=PATTERN)``, with and without the compute copy) against the GSPMD-FSDP
+peer, compiled for 8 and 64 H100s without a GPU (``jaxzero.gpu.compile_only_mesh``), bf16,
+Adam, 1 x 512 tokens per device.
 
     python benchmarks/units.py                    # GPT 12 x 1024, 16 x 2048, NNX 12 x 1024
-    python benchmarks/units.py --quick            # 4 blocks x 256, 128 tokens (about 2 min)
+    python benchmarks/units.py --quick            # 4 blocks x 256, 128 tokens, N = 8
+    python benchmarks/units.py --devices 8        # one cluster size
     python benchmarks/units.py --out benchmarks/results/units.md
 
 The models are :mod:`jaxzero.gpu.models`' GPT decoder with ``loop="python"`` (``nn.remat`` per
@@ -14,9 +16,13 @@ positions, head tied to the embedding. The vocabulary (15,872) is the one that m
 issue's parameter counts with this decoder (168M for 12 x 1024, 839M for 16 x 2048).
 
 Per row, per device per step: peak = arguments + temporaries (``memory_analysis``, as in
-benchmarks/overlap.py), its ratio to the peer's, all-gather + reduce-scatter payload bytes (loop
+benchmarks/overlap.py), its ratio to the peer's, for the units rows the formula the peak must
+stay under (:func:`jaxzero.gpu.plan.unit_bound`: persistent state + two units gathered + one
+unit's full gradient + the full gradients of the leaves outside the units + activations), all-gather + reduce-scatter payload bytes (loop
 trip counts applied), the share of those bytes hidden behind compute
-(:meth:`jaxzero.gpu.CompileReport.hidden_share`), and kernels launched. The peer is
+(:meth:`jaxzero.gpu.CompileReport.hidden_share`) and its ceiling, the share any schedule of the
+step's data flow could hide (:meth:`~jaxzero.gpu.CompileReport.hideable_share`), and kernels
+launched. The peer is
 benchmarks/overlap.py's :func:`peer_row`: fp32 params and Adam state sharded by
 ``NamedSharding`` on the same dimension rule as jaxzero, bf16 compute, plain ``optax`` under
 ``jax.jit``. The units column needs ``jz.ZeRO(units=)``; without it the column reads
@@ -46,8 +52,9 @@ from overlap import jaxzero_row, peer_row  # noqa: E402
 import jaxzero as jz  # noqa: E402
 from jaxzero import gpu  # noqa: E402
 from jaxzero.gpu.models import abstract_params, make_loss, model_shape, nnx_model  # noqa: E402
+from jaxzero.gpu.plan import unit_bound  # noqa: E402
 
-DEVICES = 8
+DEVICES = (8, 64)
 KIND = "h100"
 VOCAB = 15872  # 12 x 1024: 167.9M params, 16 x 2048: 839.3M (the issue's 168M and 839M)
 NA = "n/a (units= not available)"
@@ -95,6 +102,12 @@ def _no_copy():
     return jz.Precision.create("bf16", compute_copy=False)
 
 
+def _units_row(m: Model, mesh, options, precision):
+    if not units_available():
+        return None
+    return jaxzero_row(m.shape, mesh, 3, False, options, precision, model=m.build(), units=m.units)
+
+
 # (label, row(model, mesh, options) -> figures or None when the variant is not available)
 VARIANTS = (
     (
@@ -108,14 +121,16 @@ VARIANTS = (
     ("GSPMD-FSDP peer", lambda m, mesh, o: peer_row(m.shape, mesh, True, o, model=m.build())),
     (
         "jaxzero stage 3 units",
-        lambda m, mesh, o: (
-            jaxzero_row(m.shape, mesh, 3, False, o, model=m.build(), units=m.units)
-            if units_available()
-            else None
-        ),
+        lambda m, mesh, o: _units_row(m, mesh, o, "bf16"),
+    ),
+    (
+        "jaxzero stage 3 units, compute_copy=False",
+        lambda m, mesh, o: _units_row(m, mesh, o, _no_copy()),
     ),
 )
 PEER = "GSPMD-FSDP peer"
+UNITS = "jaxzero stage 3 units"
+NO_COPY = "compute_copy=False"
 
 
 def _mb(b: int) -> str:
@@ -132,35 +147,41 @@ def measure(model: Model, mesh, options) -> dict:
     return out
 
 
-def model_table(model: Model, rows: dict) -> list[str]:
+def model_table(model: Model, n: int, rows: dict) -> list[str]:
     shape = model.shape
     peer = rows[PEER]["args_temp"]
     lines = [
-        f"## {model.label}: {shape.num_params:,} params, units=`{model.units}`",
+        f"## {model.label}, N = {n}: {shape.num_params:,} params, units=`{model.units}`",
         "",
-        "| variant | peak (args + temp) | / peer | AG+RS bytes | hidden AG+RS | kernels |",
-        "|---|---|---|---|---|---|",
+        "| variant | peak (args + temp) | / peer | formula | AG+RS bytes | hidden AG+RS | ceiling "
+        "| kernels |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, f in rows.items():
         if f is None:
-            lines.append(f"| {label} | {NA} | | | | |")
+            lines.append(f"| {label} | {NA} | | | | | | |")
             continue
-        hidden = "-" if f["ag_rs_hidden"] is None else f"{f['ag_rs_hidden']:.2f}"
+        share = lambda k, f=f: "-" if f[k] is None else f"{f[k]:.2f}"
+        bound = "-"
+        if label.startswith(UNITS):
+            bound = _mb(unit_bound(shape, n, compute_copy=not label.endswith(NO_COPY)))
         lines.append(
-            f"| {label} | {_mb(f['args_temp'])} | {f['args_temp'] / peer:.2f} | "
-            f"{_mb(f['ag_rs_bytes'])} | {hidden} | {f['kernels']} |"
+            f"| {label} | {_mb(f['args_temp'])} | {f['args_temp'] / peer:.2f} | {bound} | "
+            f"{_mb(f['ag_rs_bytes'])} | {share('ag_rs_hidden')} | {share('ag_rs_max')} | "
+            f"{f['kernels']} |"
         )
     return lines
 
 
-def summary_table(results: list[tuple[Model, dict]]) -> list[str]:
-    """The issue's layout: peak per device per model, ratio to the peer in parentheses."""
+def summary_table(results: list[tuple[Model, int, dict]]) -> list[str]:
+    """The issue's layout: peak per device per model and cluster size, ratio to the peer in
+    parentheses."""
     labels = [label for label, _ in VARIANTS]
     lines = [
-        "| model | whole model in bf16 | " + " | ".join(labels) + " |",
-        "|---|---|" + "---|" * len(labels),
+        "| model | N | whole model in bf16 | " + " | ".join(labels) + " |",
+        "|---|---|---|" + "---|" * len(labels),
     ]
-    for model, rows in results:
+    for model, n, rows in results:
         peer = rows[PEER]["args_temp"]
         cells = [
             NA
@@ -170,11 +191,11 @@ def summary_table(results: list[tuple[Model, dict]]) -> list[str]:
         ]
         bf16 = _mb(2 * model.shape.num_params)
         params = f"{model.shape.num_params / 1e6:.0f}M params"
-        lines.append(f"| {model.label} ({params}) | {bf16} | " + " | ".join(cells) + " |")
+        lines.append(f"| {model.label} ({params}) | {n} | {bf16} | " + " | ".join(cells) + " |")
     return lines
 
 
-def header(argv: list[str], flags: str) -> list[str]:
+def header(argv: list[str], flags: str, devices) -> list[str]:
     plugin = next(
         (d.version for d in _distributions() if d.metadata["Name"].startswith("jax-cuda")), "none"
     )
@@ -185,7 +206,7 @@ def header(argv: list[str], flags: str) -> list[str]:
         f"Command: `{command}`",
         "",
         f"Date: {datetime.date.today().isoformat()}. Machine: deviceless XLA:GPU compiles for "
-        f"{DEVICES} x {KIND.upper()} (`jz.gpu.compile_only_mesh`) on {platform.machine()} "
+        f"{' and '.join(map(str, devices))} x {KIND.upper()} (`jz.gpu.compile_only_mesh`) on {platform.machine()} "
         f"{platform.system()}, no GPU. Versions: jax {jax.__version__}, jaxlib "
         f"{jaxlib.__version__}, CUDA plugin {plugin}, flax {flax.__version__}, optax "
         f"{optax.__version__}, Python {platform.python_version()}.",
@@ -213,19 +234,29 @@ def main(argv=None) -> None:
         default="default",
         help="XLA's default flags or jaxzero.gpu.recommended_xla_flags()",
     )
+    ap.add_argument(
+        "--devices",
+        type=int,
+        nargs="+",
+        help=f"cluster sizes (default: {' and '.join(map(str, DEVICES))}; 8 with --quick)",
+    )
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args(argv)
+    devices = args.devices or ((8,) if args.quick else DEVICES)
     options = gpu.xla_options() if args.flags == "recommended" else None
     flags = "`" + " ".join(gpu.recommended_xla_flags()) + "`" if options else "XLA's defaults"
-    mesh = gpu.compile_only_mesh(KIND, DEVICES)
     results = []
-    for model in models(args.quick):
-        tokens = model.shape.seq * model.shape.batch
-        print(f"{model.label}, {tokens} tokens per device", file=sys.stderr, flush=True)
-        results.append((model, measure(model, mesh, options)))
-    out = header(argv, flags) + summary_table(results) + [""]
-    for model, rows in results:
-        out += model_table(model, rows) + [""]
+    for n in devices:
+        mesh = gpu.compile_only_mesh(KIND, n)
+        for model in models(args.quick):
+            tokens = model.shape.seq * model.shape.batch
+            print(
+                f"{model.label}, N = {n}, {tokens} tokens per device", file=sys.stderr, flush=True
+            )
+            results.append((model, n, measure(model, mesh, options)))
+    out = header(argv, flags, devices) + summary_table(results) + [""]
+    for model, n, rows in results:
+        out += model_table(model, n, rows) + [""]
     text = "\n".join(out)
     print(text)
     if args.out:

@@ -16,16 +16,20 @@ compiler, on a machine without GPUs (needs jax's CUDA plugin: pip install "jax[c
 and print per stage the compiled bytes per device next to jaxzero.estimate_memory's, whether it
 fits in the GPU's memory, and the collectives per step. Nothing is allocated or run.
 
-The model: nn.scan'd, rematerialised decoder layers (LLaMA: RMSNorm, SwiGLU MLP, untied head;
-GPT: LayerNorm, GELU MLP, tied head), --batch sequences of --seq tokens per device and
-micro-batch. GB = 1e9 bytes.
+The model: rematerialised decoder layers (LLaMA: RMSNorm, SwiGLU MLP, untied head; GPT:
+LayerNorm, GELU MLP, tied head), --batch sequences of --seq tokens per device and micro-batch,
+the layers nn.scan'd, or with --loop python a Python loop of blocks (block_0, block_1, ...) as
+most Flax code is written, whose stage 3 per layer is ZeRO(units=r"block_\\d+"): one block
+gathered at a time ("3 per unit"). GB = 1e9 bytes.
 
 examples:
   jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
       --batch 1 --gpu h100 --devices 64
   jaxzero plan --params 1.3B --gpu a100 --devices 16 --stage 3 --stage3 per-layer --ema
   jaxzero plan --params 1.3B --devices 8 --stage 2 --stage2 both --xla-flags
-  jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \
+  jaxzero plan --model gpt --layers 16 --hidden 2048 --vocab 15872 --seq 512 --devices 8 \\
+      --stage 3 --loop python --no-compute-copy
+  jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
       --batch 1 --gpu h100 --devices 8 --stage 3 --stage3 per-layer --offload optimizer
 """
 
@@ -52,6 +56,18 @@ def _add_per_layer_choices(group) -> None:
             help=f"stage {stage} {what} (per layer: ZeRO(layers=...) + jaxzero.gather_layer), "
             "or both rows (default: %(default)s)",
         )
+
+
+def _add_loop(group) -> None:
+    """``--loop``: the layers scanned, or a Python loop of blocks (stage 3 per unit)."""
+    group.add_argument(
+        "--loop",
+        choices=["scan", "python"],
+        default="scan",
+        help="scan: the layers stacked (jaxzero.scan_layers; stage 3 per layer is "
+        "ZeRO(layers=...)); python: a Python loop of nn.remat blocks, stage 3 per layer is "
+        "ZeRO(units=...), stages 1-2 whole only (default: %(default)s)",
+    )
 
 
 def _add_state_layout(group) -> None:
@@ -94,6 +110,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=1,
         help="sequences per device and micro-batch (default: %(default)s)",
     )
+    _add_loop(size)
     size.add_argument(
         "--attention",
         choices=["auto", "xla"],
@@ -149,6 +166,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _shape(args, parser):
     from jaxzero.gpu.models import model_shape
+    from jaxzero.gpu.plan import check_loop
 
     if args.params is None and (args.layers is None or args.hidden is None):
         parser.error("give --params, or --layers and --hidden (and optionally --heads)")
@@ -160,7 +178,9 @@ def _shape(args, parser):
             ffn=args.ffn or 0,
             attention=args.attention,
             vocab_parallel=args.vocab_parallel,
+            loop="python" if args.loop == "python" else "prefetch",
         )
+        check_loop(shape, args.stage2, args.stage1)
     except ValueError as e:
         parser.error(str(e))
     if args.devices % args.replicas:
@@ -261,7 +281,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     print(
         f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, ffn "
         f"{shape.ffn}, vocab {shape.vocab}, {shape.batch} x {shape.seq} tokens per device -> "
-        f"{shape.num_params:,} params; {args.devices} x {args.gpu.upper()}"
+        f"{shape.num_params:,} params"
+        + (", a Python loop of blocks" if args.loop == "python" else "")
+        + f"; {args.devices} x {args.gpu.upper()}"
         + (f" ({args.replicas} replicas)" if args.replicas > 1 else "")
         + f", {args.precision}, Adam, accum {args.accum}"
         + (", EMA" if args.ema else "")

@@ -10,7 +10,13 @@ from collections.abc import Callable, Sequence
 import optax
 
 from jaxzero.ema import ShardedEMA
-from jaxzero.gpu.models import ModelShape, abstract_params, batch_shapes, make_loss
+from jaxzero.gpu.models import (
+    PYTHON_LOOPS,
+    ModelShape,
+    abstract_params,
+    batch_shapes,
+    make_loss,
+)
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.topology import compile_only_mesh
 from jaxzero.memory import MemoryEstimate, estimate_memory
@@ -18,9 +24,10 @@ from jaxzero.precision import Precision
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.config import ZeRO
 
-__all__ = ["PlanRow", "plan", "plan_cases"]
+__all__ = ["PlanRow", "plan", "plan_cases", "unit_bound"]
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+UNITS = r"block_\d+"  # the unscanned decoder's blocks (jaxzero.gpu.models, loop="python")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +39,8 @@ class PlanRow:
     ``estimate``: :func:`jaxzero.estimate_memory` for the same setup (activations with
     ``ckpt_every=1`` and the f32 logits; the per-layer working set for stage 3 per layer).
     With offload, ``report.host_bytes`` and ``estimate.host`` are the host memory's share.
+    ``per``: what ``per_layer`` goes by, ``"layer"`` (a scanned stack, ``ZeRO(layers=)``) or
+    ``"unit"`` (a Python loop of blocks, ``ZeRO(units=)``).
     """
 
     stage: int
@@ -40,10 +49,11 @@ class PlanRow:
     report: CompileReport
     estimate: MemoryEstimate
     state_bytes: int
+    per: str = "layer"
 
     @property
     def label(self) -> str:
-        return f"{self.stage} per layer" if self.per_layer else str(self.stage)
+        return f"{self.stage} per {self.per}" if self.per_layer else str(self.stage)
 
     @property
     def gpu_bytes(self) -> int:
@@ -100,6 +110,38 @@ def _estimate(
     )
 
 
+def unit_bound(
+    shape: ModelShape, devices: int, *, precision: str = "bf16", compute_copy: bool = True
+) -> int:
+    """Bytes per device that stage 3 one unit at a time (``ZeRO(units=...)``, one block of
+    ``shape`` per unit) must stay under: :func:`jaxzero.estimate_memory` with
+    ``layer_params`` (the persistent state, one unit gathered with its full gradient, the
+    full gradients of the leaves outside the units, the activations with ``ckpt_every=1``
+    and the f32 logits) plus a second unit gathered in the compute dtype, the next unit's
+    prefetched weights::
+
+        state + (2p + g) * unit + g * (Φ - layers * unit) + activations
+
+    with p = g = 2 bytes in bf16/fp16, 4 in fp32."""
+    est = _estimate(shape, devices, 3, True, precision, False, compute_copy)
+    return est.total + (4 if precision == "fp32" else 2) * shape.layer_params
+
+
+def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy: bool, offload):
+    """The plan's ``ZeRO`` for one case; ``per``: False (whole), ``"layer"`` (the scanned
+    stack, ``layers=``) or ``"unit"`` (the Python loop's blocks, ``units=``)."""
+    return ZeRO(
+        optax.adam(1e-4),
+        mesh,
+        stage=stage,
+        precision=Precision.create(precision, compute_copy=copy),
+        layers="layers" if per == "layer" else None,
+        units=UNITS if per == "unit" else None,
+        vocab_parallel="embed" if shape.vocab_parallel and stage == 3 else None,
+        offload=offload,
+    )
+
+
 def _plan_stages(stages, offload):
     """The stages to plan: with ``offload`` 1-3 by default, and stage 0 refused."""
     if offload and stages is None:
@@ -110,6 +152,19 @@ def _plan_stages(stages, offload):
             "keeps the whole optimizer state on every device; leave stage 0 out."
         )
     return stages
+
+
+def check_loop(shape: ModelShape, stage2: str, stage1: str) -> None:
+    """An unscanned model has no stack for stages 1-2 to reduce layer by layer."""
+    if shape.loop not in PYTHON_LOOPS:
+        return
+    for name, v in (("stage2", stage2), ("stage1", stage1)):
+        if v != "whole":
+            raise ValueError(
+                f"{name}={v!r} needs a scanned layer stack (ZeRO(layers=...)); the shape's "
+                f"loop={shape.loop!r} is a Python loop of blocks, which stage 3 alone runs unit "
+                f"by unit (ZeRO(units=...)). Pass {name}='whole', or a scanned loop."
+            )
 
 
 def _check_plan_args(precision, accum, devices, replicas):
@@ -152,7 +207,10 @@ def plan(
     ``shape`` with ``vocab_parallel=True`` runs its stage-3 cases with
     ``ZeRO(vocab_parallel="embed")`` (the estimate column still gathers the table).
     ``offload="optimizer"``: ``ZeRO(offload=...)``, the master, Adam and the EMA in host
-    memory (stages 1-3; the default stages are then 1, 2 and 3).
+    memory (stages 1-3; the default stages are then 1, 2 and 3). A ``shape`` with a Python
+    loop (``loop="python"``: blocks ``block_0`` ... unscanned, as most Flax code is written)
+    runs stage 3 "per layer" one block at a time, ``ZeRO(units=r"block_\\d+")``, and its rows
+    read "3 per unit"; stages 1-2 then reduce the whole gradient.
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -161,6 +219,8 @@ def plan(
       ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
     """
     _check_plan_args(precision, accum, devices, replicas)
+    check_loop(shape, stage2, stage1)
+    per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
     cases = plan_cases(_plan_stages(stages, offload), stage3, stage2, stage1)
     mesh = compile_only_mesh(gpu, devices, replicas=replicas)
     params = abstract_params(shape)
@@ -171,19 +231,10 @@ def plan(
     sema = ShardedEMA(0.999) if ema else None
     rows = []
     for i, (stage, per_layer) in enumerate(cases):
-        label = f"{stage} per layer" if per_layer else str(stage)
         if on_case is not None:
-            on_case(label, i, len(cases))
+            on_case(f"{stage} per {per}" if per_layer else str(stage), i, len(cases))
         copy = compute_copy or stage != 3  # the layout exists at stage 3 only
-        zero = ZeRO(
-            optax.adam(1e-4),
-            mesh,
-            stage=stage,
-            precision=Precision.create(precision, compute_copy=copy),
-            layers="layers" if per_layer else None,
-            vocab_parallel="embed" if shape.vocab_parallel and stage == 3 else None,
-            offload=offload,
-        )
+        zero = _zero(shape, mesh, stage, per_layer and per, precision, copy, offload)
         step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
         report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
         rows.append(
@@ -194,6 +245,7 @@ def plan(
                 report=report,
                 estimate=_estimate(shape, n, stage, per_layer, precision, ema, copy, offload),
                 state_bytes=report.argument_bytes - batch_bytes,
+                per=per,
             )
         )
     return rows

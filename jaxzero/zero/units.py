@@ -16,8 +16,9 @@ each segment runs as a ``jax.checkpoint`` that
   gather reduce-scatters the unit's gradient in ``reduce_dtype`` as soon as the segment's
   backward is done: :func:`jaxzero.zero.layers.gather_shard` / ``_gather_leaf``);
 * saves for the backward whatever the model saves (activations; a user's ``nn.remat`` keeps its
-  own policy) except the gathered weights, which its backward gathers again (FSDP's
-  ``reshard_after_forward=True``).
+  own policy) except the gathered weights and copies of them (a transpose, reshape or widening
+  cast of a matrix is recomputed, not saved: Hugging Face's ``FlaxConv1D`` computes ``kernel.T``), which
+  its backward gathers again (FSDP's ``reshard_after_forward=True``).
 
 Order (``0 * token`` added to each shard, and that token's cotangent): segment ``k + 1``'s
 gather may start once segment ``k``'s weights are whole (XLA cannot fold every unit's gather
@@ -313,6 +314,7 @@ class _Evaluator:
         return not isinstance(v, jcore.DropVar) and self.last_use.get(v, -1) >= hi
 
 
+_LAYOUT = ("transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "copy", "copy_p")
 _NOT_SAVED = ("all_gather", "all_gather_invariant", "checkpoint", "remat2")
 
 
@@ -346,10 +348,21 @@ def _is_remat(eqn) -> bool:
     return eqn.primitive.name in ("checkpoint", "remat2") and "jaxpr" in eqn.params
 
 
-def _not_gathered(prim, *_, **params) -> bool:
-    """Save what the model saves, except the gathered weights (the all-gather's outputs). A
-    model's own ``jax.checkpoint`` (``nn.remat``) inside a segment keeps its policy: its
-    outputs are not saved here either, so it recomputes what it chose to."""
+def _not_gathered(prim, *avals, **params) -> bool:
+    """Save what the model saves, except the gathered weights (the all-gather's outputs) and
+    copies of them: a transpose, reshape, broadcast or widening cast of a matrix (or larger) is
+    recomputed from its input instead of saved (a model's ``kernel.T`` or
+    ``kernel.astype(dtype)`` would otherwise keep a full-size copy of the unit's weights for the
+    backward; on an activation it saves the same bytes or fewer, as the input is saved
+    instead). A vector's copy (a norm's scale reshaped) is saved: a few bytes, and no second
+    gather. A model's own ``jax.checkpoint`` (``nn.remat``) inside a segment keeps its policy:
+    its outputs are not saved here either, so it recomputes what it chose to."""
+    copy = prim.name in _LAYOUT or (
+        prim.name == "convert_element_type"  # a narrowing cast is smaller than its input
+        and jnp.dtype(params["new_dtype"]).itemsize >= avals[0].dtype.itemsize
+    )
+    if copy:
+        return avals[0].ndim < 2
     return prim.name not in _NOT_SAVED
 
 
