@@ -18,11 +18,11 @@ issue's parameter counts with this decoder (168M for 12 x 1024, 839M for 16 x 20
 Per row, per device per step: peak = arguments + temporaries (``memory_analysis``, as in
 benchmarks/overlap.py), its ratio to the peer's, for the units rows the formula the peak must
 stay under (:func:`jaxzero.gpu.plan.unit_bound`: persistent state + two units gathered + one
-unit's full gradient + the full gradients of the leaves outside the units + activations), all-gather + reduce-scatter payload bytes (loop
-trip counts applied), the share of those bytes hidden behind compute
-(:meth:`jaxzero.gpu.CompileReport.hidden_share`) and its ceiling, the share any schedule of the
-step's data flow could hide (:meth:`~jaxzero.gpu.CompileReport.hideable_share`), and kernels
-launched. The peer is
+unit's full gradient + the full gradients of the leaves outside the units + activations),
+all-gather + reduce-scatter payload bytes (loop trip counts applied), the share of those bytes
+hidden behind compute (:meth:`jaxzero.gpu.CompileReport.hidden_share`) and its ceiling, the
+share any schedule of the step's data flow could hide
+(:meth:`~jaxzero.gpu.CompileReport.hideable_share`), and kernels launched. The peer is
 benchmarks/overlap.py's :func:`peer_row`: fp32 params and Adam state sharded by
 ``NamedSharding`` on the same dimension rule as jaxzero, bf16 compute, plain ``optax`` under
 ``jax.jit``. The units column needs ``jz.ZeRO(units=)``; without it the column reads
@@ -206,9 +206,9 @@ def header(argv: list[str], flags: str, devices) -> list[str]:
         f"Command: `{command}`",
         "",
         f"Date: {datetime.date.today().isoformat()}. Machine: deviceless XLA:GPU compiles for "
-        f"{' and '.join(map(str, devices))} x {KIND.upper()} (`jz.gpu.compile_only_mesh`) on {platform.machine()} "
-        f"{platform.system()}, no GPU. Versions: jax {jax.__version__}, jaxlib "
-        f"{jaxlib.__version__}, CUDA plugin {plugin}, flax {flax.__version__}, optax "
+        f"{' and '.join(map(str, devices))} x {KIND.upper()} (`jz.gpu.compile_only_mesh`) on "
+        f"{platform.machine()} {platform.system()}, no GPU. Versions: jax {jax.__version__}, "
+        f"jaxlib {jaxlib.__version__}, CUDA plugin {plugin}, flax {flax.__version__}, optax "
         f"{optax.__version__}, Python {platform.python_version()}.",
         "",
         f"bf16 (fp32 master), Adam, batch 1 per device, XLA flags: {flags}. Peak = arguments + "

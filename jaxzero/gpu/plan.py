@@ -20,6 +20,7 @@ from jaxzero.gpu.models import (
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.topology import compile_only_mesh
 from jaxzero.memory import MemoryEstimate, estimate_memory
+from jaxzero.memory.estimate import param_bytes
 from jaxzero.precision import Precision
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.config import ZeRO
@@ -124,7 +125,7 @@ def unit_bound(
 
     with p = g = 2 bytes in bf16/fp16, 4 in fp32."""
     est = _estimate(shape, devices, 3, True, precision, False, compute_copy)
-    return est.total + (4 if precision == "fp32" else 2) * shape.layer_params
+    return est.total + param_bytes(precision) * shape.layer_params
 
 
 def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy: bool, offload):

@@ -206,7 +206,7 @@ def estimate_memory(
     """
     phi, n = _whole(num_params, "num_params"), _whole(world_size, "world_size")
     _check_choices(optimizer, precision, stage, compute_copy, offload)
-    width = 2 if precision != "fp32" else 4  # bytes of one param, one grad (p = g)
+    width = param_bytes(precision)  # bytes of one param, one grad (p = g)
     shape = (batch, seq, hidden, heads, ckpt_every, vocab)
     # layers also counts layer_params' layers: with it alone, it asks for no activations
     act_layers = None if layer_params is not None and all(v is None for v in shape) else layers
@@ -247,6 +247,11 @@ def _check_choices(optimizer, precision, stage, compute_copy=True, offload=None)
             f"compute_copy=False is stage 3's layout (got stage={stage}); below stage 3 the "
             f"16-bit copy is the replicated compute params"
         )
+
+
+def param_bytes(precision: str) -> int:
+    """Bytes of one compute-dtype param or gradient: 4 in fp32, 2 in bf16 and fp16."""
+    return 4 if precision == "fp32" else 2
 
 
 def _gathered_bytes(phi: int, layer_params, layers, width: int, gather_model=False) -> int:

@@ -17,8 +17,8 @@ each segment runs as a ``jax.checkpoint`` that
   backward is done: :func:`jaxzero.zero.layers.gather_shard` / ``_gather_leaf``);
 * saves for the backward whatever the model saves (activations; a user's ``nn.remat`` keeps its
   own policy) except the gathered weights and copies of them (a transpose, reshape or widening
-  cast of a matrix is recomputed, not saved: Hugging Face's ``FlaxConv1D`` computes ``kernel.T``), which
-  its backward gathers again (FSDP's ``reshard_after_forward=True``).
+  cast of a matrix is recomputed, not saved: Hugging Face's ``FlaxConv1D`` computes
+  ``kernel.T``), which its backward gathers again (FSDP's ``reshard_after_forward=True``).
 
 Order (``0 * token`` added to each shard, and that token's cotangent): segment ``k + 1``'s
 gather may start once segment ``k``'s weights are whole (XLA cannot fold every unit's gather
