@@ -51,6 +51,7 @@ test-all: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check jaxzero tests examples benchmarks
 	$(BIN)/ruff format --check jaxzero tests examples benchmarks
+	$(BIN)/lint-imports --no-cache --no-logo
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ema.py

@@ -31,10 +31,10 @@ from jaxzero.precision import LossScaleState as LossScaleState
 from jaxzero.precision import Precision as Precision
 from jaxzero.precision import StaticLossScale as StaticLossScale
 from jaxzero.simulate import simulate_cpu_devices as simulate_cpu_devices
+from jaxzero.train.optimizer import ZeRO as ZeRO
 from jaxzero.train.state import TrainState as TrainState
 from jaxzero.train.step import TrainStep as TrainStep
 from jaxzero.train.step import make_train_step as make_train_step
-from jaxzero.zero.config import ZeRO as ZeRO
 from jaxzero.zero.layers import gather_layer as gather_layer
 from jaxzero.zero.scan import scan_layers as scan_layers
 from jaxzero.zero.scan import stacked_init as stacked_init

@@ -171,3 +171,16 @@ def readable_repr(text) -> str | None:
         return None
     text = re.sub(r" at 0x[0-9a-fA-F]+", "", str(text))
     return None if _OPAQUE.search(text) else text
+
+
+def check_not_donated(tree, where: str = "a train step") -> None:
+    """Raise ValueError when ``tree`` (a state, or any tree of arrays) has deleted buffers:
+    it was donated to ``where``, which returned the state to use instead."""
+    deleted = [k for k, x in leaves_by_keystr(tree) if isinstance(x, jax.Array) and x.is_deleted()]
+    if deleted:
+        raise ValueError(
+            f"this state was donated to {where} (its buffers, e.g. "
+            f"{', '.join(deleted[:3])}, are deleted); use the state the step returned: "
+            f"state, metrics = step(state, batch). Build the step with donate=False to keep "
+            f"every state alive (at the cost of a second copy in memory)."
+        )

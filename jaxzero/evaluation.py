@@ -1,64 +1,16 @@
-"""Assembling full (replicated) trees from shards: for evaluation and export only."""
+"""The EMA as the model's weights, for evaluation and export; ``gather`` and
+``gather_to_host`` (:mod:`jaxzero.distributed.host`) assemble any tree."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jaxzero.ema.ema import EmaState
-from jaxzero.ema.storage import to_per_leaf
-from jaxzero.train.state import TrainState, check_not_donated
-
-
-def mesh_of(tree):
-    """The mesh of the first leaf placed with a NamedSharding (None if there is none)."""
-    for x in jax.tree.leaves(tree):
-        s = getattr(x, "sharding", None)
-        if isinstance(s, NamedSharding):
-            return s.mesh
-    return None
-
-
-@functools.cache
-def _replicator(mesh, dtype=None, key=None):
-    """One jitted "replicate (and cast) every leaf" per mesh; jit caches per tree structure.
-
-    A bucketed EMA is first sliced back into its per-leaf form on each device (no
-    communication); ``key`` then picks one entry of the resulting dict ("params")."""
-    replicated = NamedSharding(mesh, P())
-
-    def fn(tree):
-        tree = to_per_leaf(tree)
-        if key is not None:
-            tree = tree[key]
-        if dtype is not None:
-            tree = jax.tree.map(lambda x: x.astype(dtype), tree)
-        return jax.lax.with_sharding_constraint(tree, replicated)
-
-    return jax.jit(fn)
-
-
-def gather(tree):
-    """Return ``tree`` fully replicated on its mesh: one all-gather per sharded leaf.
-
-    Accepts an :class:`EmaState` (returns the gathered EMA tree, per leaf also when its small
-    leaves are stored in a bucket), a :class:`TrainState` (returns its gathered compute
-    params) or any pytree of arrays on a mesh. Compiled once per tree structure and mesh.
-    """
-    check_not_donated(tree)
-    if isinstance(tree, EmaState):
-        tree = tree.ema
-    elif isinstance(tree, TrainState):
-        tree = tree.params
-    mesh = mesh_of(tree)
-    if mesh is None:
-        return tree
-    return _replicator(mesh)(tree)
+from jaxzero._tree import check_not_donated
+from jaxzero.distributed.host import gather as gather
+from jaxzero.distributed.host import gather_to_host as gather_to_host
+from jaxzero.distributed.host import mesh_of as mesh_of
+from jaxzero.distributed.host import replicator
+from jaxzero.train.state import TrainState
 
 
 def ema_params(state: TrainState, dtype=None):
@@ -75,7 +27,7 @@ def ema_params(state: TrainState, dtype=None):
     tree = state.ema.ema
     # With a model state the EMA averages {"params", "model_state"}: keep "params".
     key = None if state.model_state is None else "params"
-    return _replicator(mesh_of(tree), dtype, key)(tree)
+    return replicator(mesh_of(tree), dtype, key)(tree)
 
 
 def ema_model_state(state: TrainState):
@@ -85,27 +37,4 @@ def ema_model_state(state: TrainState):
     if state.ema is None or state.model_state is None:
         return state.model_state
     tree = state.ema.ema
-    return _replicator(mesh_of(tree), None, "model_state")(tree)
-
-
-def gather_to_host(tree):
-    """Full numpy copies of every leaf of ``tree``, on every process.
-
-    Sharded leaves are replicated first (:func:`jaxzero.gather`: one all-gather per sharded
-    leaf, so every process must call this together), then each process reads its local copy.
-    Accepts an :class:`~jaxzero.EmaState` (its per-leaf EMA tree, also when small leaves are
-    bucketed), a :class:`~jaxzero.TrainState`
-    (its params) or any pytree; non-jax leaves are returned as numpy arrays.
-    """
-    tree = gather(tree)
-
-    def leaf(x):
-        if not isinstance(x, jax.Array):
-            return np.asarray(x)
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        if x.is_fully_replicated:
-            return np.array(x.addressable_data(0))
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-    return jax.tree.map(leaf, tree)
+    return replicator(mesh_of(tree), None, "model_state")(tree)

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
-from jaxzero.evaluation import _replicator
+from jaxzero.distributed.host import replicator as _replicator
 from jaxzero.memory import collective_bytes, device_bytes
 
 # At N = 8 the mlp32 EMA's per-device blocks are fc1.kernel 68, fc1.bias 4, fc2.kernel 20 and

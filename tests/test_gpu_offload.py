@@ -141,4 +141,4 @@ def test_gpu_plan_cli_offload_refuses_stage_0(capsys):
             ["plan", "--devices", "8", "--params", "1e8", "--stage", "0", "--offload", "optimizer"]
         )
     assert e.value.code == 2
-    assert "--offload needs --stage 1, 2 or 3" in capsys.readouterr().err
+    assert "--offload: offload='optimizer' needs stage 1, 2 or 3" in capsys.readouterr().err

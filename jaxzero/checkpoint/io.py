@@ -19,8 +19,8 @@ from jaxzero.checkpoint.structure import EXTRA, METADATA, STATE, _flat, _name, d
 from jaxzero.checkpoint.trust import check_metadata
 from jaxzero.ema import storage
 from jaxzero.ema.ema import ShardedEMA
+from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated
-from jaxzero.zero.config import ZeRO
 
 
 # --------------------------------------------------------------------------------- manager

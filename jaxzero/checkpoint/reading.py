@@ -27,8 +27,8 @@ from jaxzero.checkpoint.structure import (
 )
 from jaxzero.ema import storage
 from jaxzero.ema.ema import ShardedEMA
+from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState
-from jaxzero.zero.config import ZeRO
 
 
 class DamagedStepWarning(UserWarning):

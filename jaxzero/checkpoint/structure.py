@@ -16,8 +16,8 @@ from jaxzero._tree import node_types, readable_repr
 from jaxzero._version import __version__
 from jaxzero.ema import storage
 from jaxzero.evaluation import mesh_of
+from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState
-from jaxzero.zero.config import ZeRO
 
 STATE = "state"
 METADATA = "metadata"

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from jaxzero.cli.command import Command, param_count, pick, positive_int
+from jaxzero.zero.offload import check_offload
 
 DESCRIPTION = """\
 Compile jaxzero's Adam train step of a GPT/LLaMA-shaped model for a GPU cluster with XLA's GPU
@@ -294,8 +295,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         flush=True,
     )
     stages = args.stage or ((1, 2, 3) if args.offload else None)
-    if args.offload and 0 in (stages or ()):
-        parser.error("--offload needs --stage 1, 2 or 3: stage 0 keeps the whole optimizer state")
+    try:
+        check_offload(args.offload, tuple(stages or ()))
+    except ValueError as e:
+        parser.error(f"--offload: {e}")
     cases = plan_cases(stages, args.stage3, args.stage2, args.stage1)
     on_case, close = _progress(len(cases))
     try:

@@ -31,6 +31,7 @@ Example::
 """
 
 from jaxzero.distributed.bind import ENV_BIND_ADDRESS as ENV_BIND_ADDRESS
+from jaxzero.distributed.host import gather_to_host as gather_to_host
 from jaxzero.distributed.runtime import ENV_COORDINATOR as ENV_COORDINATOR
 from jaxzero.distributed.runtime import ENV_HEARTBEAT_TIMEOUT as ENV_HEARTBEAT_TIMEOUT
 from jaxzero.distributed.runtime import ENV_INIT_TIMEOUT as ENV_INIT_TIMEOUT
@@ -42,7 +43,6 @@ from jaxzero.distributed.runtime import cluster_detected as cluster_detected
 from jaxzero.distributed.runtime import global_batch as global_batch
 from jaxzero.distributed.runtime import initialize as initialize
 from jaxzero.distributed.runtime import process_batch_slice as process_batch_slice
-from jaxzero.evaluation import gather_to_host as gather_to_host
 
 __all__ = [
     "ENV_BIND_ADDRESS",

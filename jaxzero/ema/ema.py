@@ -32,6 +32,10 @@ class EmaState(NamedTuple):
     updates: jax.Array
     ema: Any
 
+    def gather_view(self):
+        """What :func:`jaxzero.gather` of an EMA state gathers: the averaged tree."""
+        return self.ema
+
 
 def _real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)

@@ -1,5 +1,6 @@
 """Where the EMA lives and how it is updated there: in the master weights' shards, by a
-``shard_map`` in which each device updates only its own piece (no collective)."""
+``shard_map`` in which each device updates only its own piece (no collective). The functions
+taking a ``zero`` read the placement from its config (:class:`~jaxzero.zero.config.ZeROConfig`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,45 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero.ema import storage
 from jaxzero.ema.ema import EmaState, ShardedEMA, check_same_tree
+from jaxzero.zero.config import ZeROConfig
 from jaxzero.zero.specs import spec_dim
+
+
+def specs(zero: ZeROConfig, ema_tree):
+    """Specs of an EMA tree in its storage (per leaf, or bucketed ``[N, L_g]`` rows)."""
+    return storage.specs(ema_tree, zero.ema_leaf_specs, zero.axis)
+
+
+def bucket(zero: ZeROConfig, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
+    """``ema_state`` in ``ema``'s storage for ``zero``'s mesh and stage (local, no
+    communication); the inverse is :func:`jaxzero.unbucket_ema`."""
+    where = (zero.mesh, zero.axis, ema.bucket_leaves_up_to, zero.stage, zero.ema_leaf_specs)
+    return storage.store(ema_state, *where)
+
+
+def update_on_shards(
+    zero: ZeROConfig, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply
+):
+    """:func:`update` on ``zero``'s shards: the master's (``master`` as it is placed, with
+    the replicated model state when the EMA also averages it)."""
+    master_specs = zero.shard_specs(master)
+    if isinstance(master, dict) and set(master) == {"params", "model_state"}:
+        master_specs = {
+            "params": zero.shard_specs(master["params"]),
+            "model_state": jax.tree.map(lambda _: P(), master["model_state"]),
+        }
+    return update(
+        ema,
+        ema_state,
+        master,
+        mesh=zero.mesh,
+        axis=zero.axis,
+        master_specs=master_specs,
+        leaf_specs=zero.ema_leaf_specs(master),
+        per_leaf_specs=zero.ema_leaf_specs,
+        step=step,
+        apply=apply,
+    )
 
 
 def state_specs(ema_state: EmaState, per_leaf_specs, axis: str) -> EmaState:

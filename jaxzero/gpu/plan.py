@@ -22,8 +22,9 @@ from jaxzero.gpu.topology import compile_only_mesh
 from jaxzero.memory import MemoryEstimate, estimate_memory
 from jaxzero.memory.estimate import param_bytes
 from jaxzero.precision import Precision
+from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
-from jaxzero.zero.config import ZeRO
+from jaxzero.zero.offload import check_offload
 
 __all__ = ["PlanRow", "plan", "plan_cases", "unit_bound"]
 
@@ -147,11 +148,8 @@ def _plan_stages(stages, offload):
     """The stages to plan: with ``offload`` 1-3 by default, and stage 0 refused."""
     if offload and stages is None:
         return (1, 2, 3)
-    if offload and 0 in stages:
-        raise ValueError(
-            f"offload={offload!r} needs stages 1-3 (got stages={tuple(stages)}): stage 0 "
-            "keeps the whole optimizer state on every device; leave stage 0 out."
-        )
+    if stages is not None:
+        check_offload(offload, tuple(stages))
     return stages
 
 

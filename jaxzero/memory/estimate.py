@@ -36,6 +36,7 @@ import math
 import re
 
 from jaxzero._tree import check_int, format_bytes
+from jaxzero.zero.offload import check_offload
 
 OPTIMIZERS = ("adam", "sgd", "adafactor")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -229,11 +230,7 @@ def _offloaded(e: MemoryEstimate, offload, compute_copy: bool, precision) -> Mem
 
 
 def _check_choices(optimizer, precision, stage, compute_copy=True, offload=None) -> None:
-    if offload not in (None, "optimizer") or (offload and stage in (None, 0)):
-        raise ValueError(
-            f"offload={offload!r} with stage={stage}: use offload=None, or 'optimizer' with "
-            f"stage=1, 2 or 3 (as ZeRO(offload=...) does)"
-        )
+    check_offload(offload, (0, 1, 2, 3) if stage is None else stage)  # None: every stage
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     if precision not in PRECISIONS:

@@ -5,41 +5,16 @@ stages 0/1, reduce-scatter for 2/3), model state threaded through the micro-batc
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
 
-import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
 from jaxzero._tree import check_same_structure
 from jaxzero.precision import warn_wide_compute
-from jaxzero.zero import units, vocab
+from jaxzero.zero import hooks as loss_hooks
 from jaxzero.zero.collectives import to_varying
-from jaxzero.zero.layers import layer_plan, reduces_in_backward
-
-_NO_LAYER_GATHER = (
-    "ZeRO(stage=3, layers={}) hands the loss each layer stack as shards, but the model never "
-    "called jaxzero.gather_layer: wrap the scanned block, e.g. nn.remat(nn.map_variables("
-    "Block, 'params', trans_in_fn=jaxzero.gather_layer)), or run the stack with "
-    "jaxzero.scan_layers (which also prefetches the next layer), or drop layers= to gather the "
-    "whole model up front."
-)
-
-_NO_LAYER_REDUCE = (
-    "ZeRO(layers={}) at stages 1-2 reduces each layer's gradient in the backward only where "
-    "the model calls jaxzero.gather_layer or runs the stack with jaxzero.scan_layers; this "
-    "model never did, so the whole gradient is reduced after the backward, as without "
-    "layers=. Wrap the scanned block, e.g. nn.remat(nn.map_variables(Block, 'params', "
-    "trans_in_fn=jaxzero.gather_layer)), or drop layers=."
-)
-
-_NO_VOCAB_CALL = (
-    "ZeRO(stage=3, vocab_parallel={}) hands the loss each embedding table as this device's "
-    "vocabulary rows, but the model never used them through jaxzero: build the table with "
-    "jaxzero.VocabParallelEmbed (a drop-in for nn.Embed; its cross_entropy method is the tied "
-    "head's loss) or read it with jaxzero.vocab_table and use jaxzero.vocab_parallel_embed / "
-    "jaxzero.vocab_parallel_cross_entropy, or drop vocab_parallel= to gather it whole."
-)
+from jaxzero.zero.config import ZeROConfig
+from jaxzero.zero.layers import reduces_in_backward
 
 
 def _bad_axis_name(e: Exception) -> bool:
@@ -105,15 +80,7 @@ def _scaled_loss(loss_fn, stateful: bool):
     return scaled
 
 
-def _grad_fn(zero, loss_fn, stateful: bool, params, specs):
-    """The scaled loss and its ``value_and_grad``; with ``units=`` run unit by unit
-    (:mod:`jaxzero.zero.units`)."""
-    plan = units.build_plan(zero.comm, zero.units, params, specs)
-    scaled = units.wrap(plan, _scaled_loss(loss_fn, stateful))
-    return scaled, jax.value_and_grad(scaled, has_aux=True)
-
-
-def gradient_zero(zero: jaxzero.ZeRO, accum_steps: int) -> jaxzero.ZeRO:
+def gradient_zero(zero: ZeROConfig, accum_steps: int) -> ZeROConfig:
     """The ZeRO whose gradient path a step runs. Stage 1 with ``layers=`` and nothing to
     accumulate reduces like stage 2: each layer's gradient is reduce-scattered inside the
     backward, under the next layer's backward, instead of one all-reduce of the whole gradient
@@ -133,7 +100,7 @@ def gradient_zero(zero: jaxzero.ZeRO, accum_steps: int) -> jaxzero.ZeRO:
     return zero
 
 
-def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: bool = False):
+def local_gradients(zero: ZeROConfig, loss_fn, accum_steps: int, *, stateful: bool = False):
     """The per-device gradient computation, to run inside ``jax.shard_map``.
 
     Returns ``fn(params_local, model_state, batch_local, rng, scale, specs)`` ->
@@ -155,17 +122,14 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
 
     def micro(params, specs, model_state, batch, rng, scale):
         full = zero.params_for_loss(params, specs)
-        scaled, grad_fn = _grad_fn(zero, loss_fn, stateful, params, specs)
-        tables = vocab.build_plan(zero.comm, zero.vocab_parallel, params, specs)
+        hooks = zero.loss_hooks(params, specs)  # layers=, vocab_parallel=, units=
+        scaled = loss_hooks.wrap(hooks, _scaled_loss(loss_fn, stateful))
         if not checked:  # once per trace: the loss's matmul dtypes under a 16-bit policy
             checked.append(True)
-            with vocab.vocab_plan(tables):
+            with loss_hooks.scope(hooks):
                 warn_wide_compute(scaled, (full, model_state, batch, rng, scale), zero.precision)
-        with (
-            vocab.vocab_plan(tables),
-            layer_plan(zero.layer_plan(params, specs)) as plan,
-            jax.named_scope("forward_backward"),
-        ):
+        grad_fn = jax.value_and_grad(scaled, has_aux=True)
+        with loss_hooks.scope(hooks), jax.named_scope("forward_backward"):
             try:
                 (_, (loss, aux, new_state)), g = grad_fn(full, model_state, batch, rng, scale)
             except (AssertionError, NameError) as e:
@@ -173,21 +137,15 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
                     raise
                 raise ValueError(_axis_hint(zero, e)) from e
             except Exception as e:
-                if tables is not None and not tables.calls:
-                    raise ValueError(_NO_VOCAB_CALL.format(zero.vocab_parallel)) from e
-                if plan is None or plan.calls or not plan.gather:
+                better = loss_hooks.explain(hooks, e)
+                if better is None:
                     raise
-                raise ValueError(_NO_LAYER_GATHER.format(zero.layers)) from e
-        if plan is not None and plan.gather and not plan.calls:
-            raise ValueError(_NO_LAYER_GATHER.format(zero.layers))
-        if plan is not None and not (plan.gather or plan.invariant or plan.calls):
-            warnings.warn(_NO_LAYER_REDUCE.format(zero.layers), UserWarning, stacklevel=2)
-        if tables is not None and not tables.calls:
-            raise ValueError(_NO_VOCAB_CALL.format(zero.vocab_parallel))
+                raise better from e
+        loss_hooks.finish(hooks)
         if reduce_each:
             # reduce_gradients casts to reduce_dtype for the collective and to output_dtype
             # after it: no full-size upcast of the local gradient before a 16-bit scatter.
-            g = zero.reduce_gradients(g, plan)
+            g = zero.reduce_gradients(g, hooks)
         else:
             # stages 0/1 accumulate the local gradient in output_dtype, reduce once at the end
             g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)
@@ -197,13 +155,15 @@ def local_gradients(zero: jaxzero.ZeRO, loss_fn, accum_steps: int, *, stateful: 
         if model_state is not None:
             model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
         run = lambda ms, b, key: micro(params, specs, ms, b, key, scale)
-        if accum_steps > 1 and zero.offload:  # stacks' gradients come in param_dtype
-            out = zero.precision.output_dtype
-            run = lambda ms, b, key, run=run: _with_grads_in(out, run(ms, b, key))
         if accum_steps == 1:
             losses, auxes, g, model_state = run(model_state, batch, rng)
         else:
-            losses, auxes, g, model_state = _accumulate(run, accum_steps, model_state, batch, rng)
+            # the sums in output_dtype (an offloaded step's stacks come in param_dtype)
+            out = zero.precision.output_dtype
+            run_in = lambda ms, b, key: _with_grads_in(out, run(ms, b, key))
+            losses, auxes, g, model_state = _accumulate(
+                run_in, accum_steps, model_state, batch, rng
+            )
         if not reduce_each:
             g = zero.reduce_gradients(g)
         loss = jax.lax.pmean(losses, axes)

@@ -9,13 +9,13 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
+from jaxzero._tree import check_not_donated as check_not_donated
 from jaxzero._tree import leaves_by_keystr
 from jaxzero.ema import placement
 from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.precision import LossScaleState
-from jaxzero.zero import offload
 from jaxzero.zero import specs as sh
+from jaxzero.zero.config import ZeROConfig
 
 
 class TrainState(struct.PyTreeNode):
@@ -49,18 +49,9 @@ class TrainState(struct.PyTreeNode):
     model_state: Any = None
     rng: Any = None
 
-
-def check_not_donated(tree, where: str = "a train step") -> None:
-    """Raise ValueError when ``tree`` (a state, or any tree of arrays) has deleted buffers:
-    it was donated to ``where``, which returned the state to use instead."""
-    deleted = [k for k, x in leaves_by_keystr(tree) if isinstance(x, jax.Array) and x.is_deleted()]
-    if deleted:
-        raise ValueError(
-            f"this state was donated to {where} (its buffers, e.g. "
-            f"{', '.join(deleted[:3])}, are deleted); use the state the step returned: "
-            f"state, metrics = step(state, batch). Build the step with donate=False to keep "
-            f"every state alive (at the cost of a second copy in memory)."
-        )
+    def gather_view(self):
+        """What :func:`jaxzero.gather` of a state gathers: its compute params."""
+        return self.params
 
 
 def _placement(devices, shape=None) -> str:
@@ -156,7 +147,7 @@ def ema_target(master, model_state):
     return {"params": master, "model_state": model_state}
 
 
-def state_specs(zero: jaxzero.ZeRO, state: TrainState) -> TrainState:
+def state_specs(zero: ZeROConfig, state: TrainState) -> TrainState:
     """PartitionSpecs for every leaf of ``state`` (concrete or abstract) under ``zero``."""
     replicated = lambda t: jax.tree.map(lambda _: P(), t)
     ema = None
@@ -175,29 +166,23 @@ def state_specs(zero: jaxzero.ZeRO, state: TrainState) -> TrainState:
     )
 
 
-def state_shardings(zero: jaxzero.ZeRO, state: TrainState) -> TrainState:
-    """NamedShardings for every leaf of ``state``; with ``zero.offload`` the master, the
-    optimizer state and the EMA in pinned host memory (:mod:`jaxzero.zero.offload`)."""
+def state_shardings(zero: ZeROConfig, state: TrainState) -> TrainState:
+    """NamedShardings for every leaf of ``state``; the master, the optimizer state and the
+    EMA where ``zero.placement`` keeps them (pinned host memory with offload)."""
     specs = state_specs(zero, state)
+    where = lambda t: zero.placement.shardings(zero.mesh, t)
     out = sh.named(zero.mesh, specs)
-    if not zero.offload:
-        return out
-    host = lambda t: None if t is None else offload.host_shardings(zero.mesh, t)
     return out.replace(
-        master=host(specs.master), opt_state=host(specs.opt_state), ema=host(specs.ema)
+        master=where(specs.master), opt_state=where(specs.opt_state), ema=where(specs.ema)
     )
 
 
-def constrain(zero: jaxzero.ZeRO, state: TrainState) -> TrainState:
-    """:meth:`jaxzero.ZeRO.constrain`: ``with_sharding_constraint`` every leaf to its ZeRO
-    sharding; with ``zero.offload``, ``device_put``, which also moves a leaf to its memory
-    kind (a constraint keeps the kind the leaf has)."""
-    if zero.offload:
-        return jax.device_put(state, state_shardings(zero, state))
-    return jax.lax.with_sharding_constraint(state, state_shardings(zero, state))
+def constrain(zero: ZeROConfig, state: TrainState) -> TrainState:
+    """:meth:`jaxzero.ZeRO.constrain`: every leaf to its ZeRO sharding and memory kind."""
+    return zero.placement.constrain(state, state_shardings(zero, state))
 
 
-def _init_raw(zero: jaxzero.ZeRO, params, ema: ShardedEMA | None, model_state, rng) -> TrainState:
+def _init_raw(zero: ZeROConfig, params, ema: ShardedEMA | None, model_state, rng) -> TrainState:
     pol = zero.precision
     master_full = cast(params, pol.master_dtype)
     master_view = jax.lax.with_sharding_constraint(
@@ -206,7 +191,7 @@ def _init_raw(zero: jaxzero.ZeRO, params, ema: ShardedEMA | None, model_state, r
     ema_state = None
     if ema is not None:
         ema_state = ema.init(ema_target(master_view, model_state))
-        ema_state = zero.bucket_ema(ema, ema_state)
+        ema_state = placement.bucket(zero, ema, ema_state)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=cast(params, pol.param_dtype) if pol.compute_copy else master_view,
@@ -220,9 +205,7 @@ def _init_raw(zero: jaxzero.ZeRO, params, ema: ShardedEMA | None, model_state, r
     )
 
 
-def abstract_state(
-    zero: jaxzero.ZeRO, params, *, ema=None, model_state=None, rng=None
-) -> TrainState:
+def abstract_state(zero: ZeROConfig, params, *, ema=None, model_state=None, rng=None) -> TrainState:
     """The state's ShapeDtypeStructs, with shardings, without allocating anything."""
     zero.check_layers(params)
     rng = raw_key(rng)
@@ -233,7 +216,7 @@ def abstract_state(
     )
 
 
-def init(zero: jaxzero.ZeRO, params, *, ema=None, model_state=None, rng=None) -> TrainState:
+def init(zero: ZeROConfig, params, *, ema=None, model_state=None, rng=None) -> TrainState:
     """:meth:`jaxzero.ZeRO.init`: check the inputs, then place the state on the mesh."""
     check_params(params)
     check_model_state(params, model_state)

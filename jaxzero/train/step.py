@@ -19,8 +19,10 @@ from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.mesh import mesh_platform
 from jaxzero.train.grads import gradient_zero, local_gradients
+from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh
-from jaxzero.zero.config import ZeRO
+from jaxzero.train.update import apply_gradients
+from jaxzero.zero.config import ZeROConfig
 from jaxzero.zero.layers import unused_reason
 
 
@@ -247,19 +249,19 @@ def make_train_step(
     return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful)
 
 
-def loss_shards(zero: ZeRO, state: TrainState):
+def loss_shards(zero: ZeROConfig, state: TrainState):
     """What the step's ``shard_map`` builds the loss's params from: at stage 3 with a
     separate master, the fp32 master shards (the gathers cast them to ``param_dtype`` first,
     so the wire stays 16-bit, and the per-layer stack's gradient comes back in fp32 with no
     fp32 copy of the stack made); otherwise ``state.params``. The two agree: ``params`` is
-    ``cast(master)`` after every update. With ``zero.offload`` the master is in host memory,
-    so the loss is built from ``state.params`` (decision 32)."""
-    if zero.stage == 3 and state.master is not None and not zero.offload:
+    ``cast(master)`` after every update. Where ``zero.placement`` keeps the master in host
+    memory (offload) the loss is built from ``state.params`` (decision 32)."""
+    if zero.stage == 3 and state.master is not None and zero.placement.master_on_device:
         return state.master
     return state.params
 
 
-def _step_fn(zero: ZeRO, reducing: ZeRO, grads_fn, ema: ShardedEMA | None):
+def _step_fn(zero: ZeROConfig, reducing: ZeROConfig, grads_fn, ema: ShardedEMA | None):
     """The (unjitted) step: the per-device gradients in a ``shard_map`` over the mesh (reduced
     as ``reducing``, :func:`~jaxzero.train.grads.gradient_zero`, says), then
     :meth:`ZeRO.apply_gradients` under jit."""
@@ -290,7 +292,7 @@ def _step_fn(zero: ZeRO, reducing: ZeRO, grads_fn, ema: ShardedEMA | None):
         loss, aux, grads, model_state = sm(
             loss_shards(zero, state), state.model_state, batch, state.rng, state.step, scale
         )
-        new_state, metrics = zero.apply_gradients(state, grads, ema=ema, model_state=model_state)
+        new_state, metrics = apply_gradients(zero, state, grads, ema=ema, model_state=model_state)
         metrics = {"loss": loss, **metrics}
         if aux is not None:
             metrics["aux"] = aux

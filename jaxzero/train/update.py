@@ -10,15 +10,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import jaxzero  # annotations only (jaxzero.ZeRO); not a module dependency
 from jaxzero._tree import check_same_structure
+from jaxzero.ema import placement as ema_placement
 from jaxzero.ema.ema import ShardedEMA
-from jaxzero.train.state import TrainState, cast, ema_target
-from jaxzero.zero import offload
+from jaxzero.train.state import TrainState, cast, constrain, ema_target
 from jaxzero.zero import specs as sh
+from jaxzero.zero.config import ZeROConfig
 
 
-def master_view(zero: jaxzero.ZeRO, state: TrainState):
+def master_view(zero: ZeROConfig, state: TrainState):
     """The master weights in their shards (a local slice of ``params`` when no separate
     master copy is kept)."""
     if state.master is not None:
@@ -27,12 +27,12 @@ def master_view(zero: jaxzero.ZeRO, state: TrainState):
     return jax.lax.with_sharding_constraint(state.params, sh.named(zero.mesh, specs))
 
 
-def _pinned(zero: jaxzero.ZeRO, grads):
+def _pinned(zero: ZeROConfig, grads):
     """The gradients in the master's shards."""
     return jax.lax.with_sharding_constraint(grads, sh.named(zero.mesh, zero.shard_specs(grads)))
 
 
-def _unscaled(zero: jaxzero.ZeRO, state: TrainState, grads):
+def _unscaled(zero: ZeROConfig, state: TrainState, grads):
     """The gradients in ``output_dtype``, divided by the loss scale."""
     grads = cast(grads, zero.precision.output_dtype)
     if state.loss_scale is not None:
@@ -41,18 +41,15 @@ def _unscaled(zero: jaxzero.ZeRO, state: TrainState, grads):
     return grads
 
 
-def _optax_update(zero: jaxzero.ZeRO, state: TrainState, master, grads):
-    """``(new_master, new_opt_state)``, each pinned to its own shardings: otherwise GSPMD may
-    propagate the EMA's (sharded) layout backward into a stage-0 update and all-gather it."""
+def _optax_update(zero: ZeROConfig, state: TrainState, master, grads):
+    """``(new_master, new_opt_state)``, each pinned where ``zero.placement`` says."""
     updates, opt_state = zero.tx.update(grads, state.opt_state, master)
     new_master = optax.apply_updates(master, updates)
-    if zero.offload:  # on the host (decision 32): its outputs stay in their input shardings
-        return new_master, opt_state
-    pin = lambda t: jax.lax.with_sharding_constraint(t, sh.named(zero.mesh, zero.shard_specs(t)))
+    pin = lambda t: zero.placement.pin(t, sh.named(zero.mesh, zero.shard_specs(t)))
     return pin(new_master), pin(opt_state)
 
 
-def _metrics(zero: jaxzero.ZeRO, state: TrainState, new_state: TrainState, grads, finite):
+def _metrics(zero: ZeROConfig, state: TrainState, new_state: TrainState, grads, finite):
     metrics = {
         "grad_norm": optax.tree.norm(grads),
         "finite": finite,
@@ -67,9 +64,7 @@ def _metrics(zero: jaxzero.ZeRO, state: TrainState, new_state: TrainState, grads
     return metrics
 
 
-def _new_ema(
-    zero: jaxzero.ZeRO, state: TrainState, ema, new_master, model_state, step, apply, keep
-):
+def _new_ema(zero: ZeROConfig, state: TrainState, ema, new_master, model_state, step, apply, keep):
     if state.ema is None:
         return None
     if ema is None:
@@ -80,7 +75,7 @@ def _new_ema(
     target = new_master
     if state.model_state is not None:
         target = ema_target(new_master, keep(model_state, state.model_state))
-    new = zero.update_ema(ema, state.ema, target, step=step, apply=apply)
+    new = ema_placement.update_on_shards(zero, ema, state.ema, target, step=step, apply=apply)
     if ema.every == 1 and ema.start_step == 0:
         # The EMA then counts exactly the applied steps: deriving its counter from the step's
         # lets XLA compute both in one scalar kernel (on a GPU the EMA's own select was a
@@ -89,10 +84,12 @@ def _new_ema(
     return new
 
 
-def _shard_update(zero: jaxzero.ZeRO, ema, state: TrainState, master, grads, model_state, apply):
+def _shard_update(zero: ZeROConfig, ema, state: TrainState, master, grads, model_state, apply):
     """``(new_master, opt_state, ema, compute shards)``: the optax and EMA updates on the
-    shards (each leaf unchanged where not ``apply``) and ``cast(new_master)`` to
-    ``param_dtype`` (the master itself without a compute copy)."""
+    shards (each leaf unchanged where not ``apply``) from the pinned, scaled ``grads``, and
+    ``cast(new_master)`` to ``param_dtype`` (the master itself without a compute copy). It
+    runs where ``zero.placement`` keeps the state (on the host with offload: decision 32)."""
+    grads = _unscaled(zero, state, grads)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
     with jax.named_scope("optimizer_update"):
         new_master, opt_state = _optax_update(zero, state, master, grads)
@@ -105,26 +102,8 @@ def _shard_update(zero: jaxzero.ZeRO, ema, state: TrainState, master, grads, mod
     return new_master, keep(opt_state, state.opt_state), new_ema, compute
 
 
-def _host_update(zero: jaxzero.ZeRO, ema, state: TrainState, master, grads, model_state, apply):
-    """:func:`_shard_update` on the devices' hosts (``zero.offload``, decision 32): the
-    gradient shards (and the master, when it is the device's params) go to host memory as
-    they are (a per-layer stack's in ``param_dtype``: no ``output_dtype`` copy of them is made
-    on the device), are unscaled there, and the new compute shards come back."""
-    to_host = lambda t: offload.to_host(t, offload.host_shardings(zero.mesh, zero.shard_specs(t)))
-    grads = to_host(grads)
-    if state.master is None:
-        master = to_host(master)
-    update = lambda s, m, g, *a: _shard_update(zero, ema, s, m, _unscaled(zero, s, g), *a)
-    # the compute params stay out: nothing on the device is copied to the host but the grads
-    slim = state.replace(params=None)
-    new_master, opt_state, new_ema, compute = offload.on_host(update)(
-        slim, master, grads, model_state, apply
-    )
-    return new_master, opt_state, new_ema, offload.to_device(compute)
-
-
 def apply_gradients(
-    zero: jaxzero.ZeRO, state: TrainState, grads, *, ema: ShardedEMA | None = None, model_state=None
+    zero: ZeROConfig, state: TrainState, grads, *, ema: ShardedEMA | None = None, model_state=None
 ):
     """:meth:`jaxzero.ZeRO.apply_gradients` (see there)."""
     master = master_view(zero, state)
@@ -134,11 +113,10 @@ def apply_gradients(
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
-    if zero.offload:  # the host unscales the gradients it gets (the norm below fuses its own)
-        update = _host_update(zero, ema, state, master, pinned, model_state, apply)
-    else:
-        update = _shard_update(zero, ema, state, master, grads, model_state, apply)
-    new_master, opt_state, new_ema, compute = update
+    update = lambda *a: _shard_update(zero, ema, *a)  # unscales where the state lives
+    new_master, opt_state, new_ema, compute = zero.placement.run_update(
+        zero, update, state, master, pinned, model_state, apply
+    )
     step = jnp.where(apply, state.step + 1, state.step)
     if zero.stage in (1, 2):
         with jax.named_scope("gather_updated_params"):
@@ -148,7 +126,7 @@ def apply_gradients(
         loss_scale = zero.loss_scale.update(loss_scale, finite)
     new_state = state.replace(
         step=step,
-        params=compute if zero.offload else keep(compute, state.params),
+        params=zero.placement.new_params(compute, state.params, keep),
         master=new_master if state.master is not None else None,
         opt_state=opt_state,
         skipped=state.skipped + jnp.where(apply, 0, 1).astype(jnp.int32),
@@ -159,4 +137,4 @@ def apply_gradients(
         check_same_structure(state.model_state, model_state, "model_state")
         new_state = new_state.replace(model_state=keep(model_state, state.model_state))
     metrics = _metrics(zero, state, new_state, grads, finite)
-    return zero.constrain(new_state), metrics
+    return constrain(zero, new_state), metrics

@@ -1,10 +1,13 @@
-"""``ZeRO``: any optax transformation, with its state sharded over the data axis.
+"""``ZeROConfig``: the ZeRO settings, checked, with the facts of their mesh.
 
-The class is a frozen, self-validating config plus the facts of its mesh; every method
-delegates to the module that does the work: :mod:`jaxzero.zero.specs` (the sharding rule),
-:mod:`jaxzero.zero.collectives` (what runs inside ``shard_map``), :mod:`jaxzero.zero.layers`
-(stage 3 per layer), :mod:`jaxzero.train.state` (creating the state),
-:mod:`jaxzero.train.update` (the optax update) and :mod:`jaxzero.ema.placement` (the EMA).
+The config is the low layer of :class:`jaxzero.ZeRO`: its fields and their validation, the
+mesh facts and :class:`~jaxzero.zero.collectives.Comm`, the sharding rule's specs
+(:mod:`jaxzero.zero.specs`), the placement of the state (:mod:`jaxzero.zero.offload`), the
+features that hook into the loss (:mod:`jaxzero.zero.layers`, :mod:`jaxzero.zero.vocab`,
+:mod:`jaxzero.zero.units`) and what runs inside ``shard_map``
+(:mod:`jaxzero.zero.collectives`). It imports nothing above ``zero/``: creating and updating
+the training state is :class:`jaxzero.ZeRO`'s, in :mod:`jaxzero.train.optimizer`
+(decision 34).
 """
 
 from __future__ import annotations
@@ -12,23 +15,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxzero._tree import subtree_names
-from jaxzero.ema import placement
-from jaxzero.ema import storage as ema_storage
-from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.mesh import check_mesh, warn_unnamed_replica_axes
 from jaxzero.precision import DynamicLossScale, Precision, StaticLossScale, check_loss_scale
-from jaxzero.train import state as train_state
-from jaxzero.train import update as train_update
-from jaxzero.train.state import TrainState
-from jaxzero.zero import collectives, layers, units, vocab
-from jaxzero.zero import offload as host_memory
+from jaxzero.zero import collectives, layers, offload, units, vocab
 from jaxzero.zero import specs as sh
+from jaxzero.zero.hooks import LossHook
 
 STAGES = (0, 1, 2, 3)
 
@@ -59,48 +55,9 @@ def _precision(precision, stage) -> Precision:
 
 
 @dataclasses.dataclass(frozen=True)
-class ZeRO:
-    """ZeRO stage 0-3 sharding around any ``optax.GradientTransformation``.
-
-    =====  ==============================  ========================  ==============  =======
-    stage  compute params                  reduced gradients         master + opt.   EMA
-    =====  ==============================  ========================  ==============  =======
-    0      replicated                      all-reduced, replicated   replicated      sharded
-    1      replicated                      all-reduced, sliced       sharded 1/N     sharded
-    2      replicated                      reduce-scattered, 1/N     sharded 1/N     sharded
-    3      sharded 1/N, gathered for use   reduce-scattered          sharded 1/N     sharded
-    =====  ==============================  ========================  ==============  =======
-
-    Args:
-      tx: the optax transformation (any chain: masks, clipping, schedules, MultiSteps...).
-        Its update runs under ``jax.jit`` on the sharded arrays, so transforms with global
-        reductions (``clip_by_global_norm``, LAMB) give the unsharded result.
-      mesh: a mesh with an axis named ``axis``; every other mesh axis is a replica axis
-        (hybrid sharding: state replicated over it, batch and gradient mean over all axes).
-      stage: 0, 1, 2 or 3.
-      axis: the mesh axis state is sharded over.
-      precision: a :class:`Precision` policy, or "fp32"/"bf16"/"fp16".
-      loss_scale: :class:`DynamicLossScale`, :class:`StaticLossScale` or None.
-      skip_nonfinite: skip the whole update (params, master, optimizer state, EMA and step
-        unchanged) when any gradient on any device is non-finite.
-      layers: params subtrees holding scanned layer stacks (the layer index on axis 0 of every
-        leaf), e.g. ``"layers"`` or ``"outer/inner"``; ``init`` refuses other subtrees. They
-        (and their optimizer state and EMA) are never split along axis 0. Stage 3 gathers them
-        a layer at a time (:func:`jaxzero.gather_layer` or :func:`jaxzero.scan_layers` in the
-        model); stages 2 and 1 (no micro-batches) reduce-scatter each layer in the backward.
-      vocab_parallel: stage 3 only: names of params subtrees holding ``[vocab, width]``
-        embedding tables (e.g. ``"embed"``) that the loss gets as this device's rows, never
-        gathered; the model looks them up and computes its tied head's cross-entropy with
-        :class:`jaxzero.VocabParallelEmbed` (:mod:`jaxzero.zero.vocab`: pays at small N).
-      units: stage 3: regular expressions over params paths (``r"block_\\d+"``), each match
-        gathered where it runs and for its backward (``fully_shard``: :mod:`jaxzero.zero.units`).
-      offload: None, or ``"optimizer"`` (stages 1-3, DeepSpeed's ``offload_optimizer``): the
-        master, optimizer state, EMA in host memory, updated there (:mod:`jaxzero.zero.offload`).
-
-    Example:
-      >>> zero = ZeRO(optax.adamw(3e-4), data_parallel_mesh(), stage=2)
-      >>> state = zero.init(params)
-    """
+class ZeROConfig:
+    """The settings of :class:`jaxzero.ZeRO` (its arguments are documented there), checked
+    on construction, with their mesh facts and the sharding rule's specs."""
 
     tx: optax.GradientTransformation
     mesh: Mesh
@@ -131,7 +88,13 @@ class ZeRO:
         object.__setattr__(self, "precision", _precision(self.precision, self.stage))
         object.__setattr__(self, "units", units.patterns(self.units, self.stage, self.layers))
         check_loss_scale(self.loss_scale, self.precision)
-        host_memory.check(self.offload, self.stage, self.mesh)
+        offload.placement(self.offload, self.stage, self.mesh)
+
+    @property
+    def placement(self) -> offload.DeviceMemory:
+        """Where the master, the optimizer state and the EMA live and are updated: device
+        memory, or pinned host memory with ``offload`` (:mod:`jaxzero.zero.offload`)."""
+        return offload.placement(self.offload, self.stage, self.mesh)
 
     @property
     def num_shards(self) -> int:
@@ -191,22 +154,6 @@ class ZeRO:
         """Specs of a per-leaf EMA tree (always sharded, at every stage)."""
         return self._specs(tree, True)
 
-    def ema_specs(self, ema_tree):
-        """Specs of an EMA tree in its storage (per leaf, or bucketed ``[N, L_g]`` rows)."""
-        return ema_storage.specs(ema_tree, self.ema_leaf_specs, self.axis)
-
-    def state_specs(self, state: TrainState) -> TrainState:
-        """PartitionSpecs for every leaf of ``state`` (concrete or abstract)."""
-        return train_state.state_specs(self, state)
-
-    def state_shardings(self, state: TrainState) -> TrainState:
-        """NamedShardings for ``state`` (for ``jax.jit(in_shardings=, out_shardings=)``)."""
-        return train_state.state_shardings(self, state)
-
-    def constrain(self, state: TrainState) -> TrainState:
-        """Every leaf to its ZeRO sharding and memory kind (inside jit)."""
-        return train_state.constrain(self, state)
-
     def _stacked_mask(self, tree, on: bool | None = None):  # the loss gets them as shards
         if not (self.per_layer or self.units if on is None else on):
             return None
@@ -216,34 +163,10 @@ class ZeRO:
         on = self.stage == 0 and layers.reduces_in_backward(0, self.layers, self.precision)
         return self._stacked_mask(tree, on)
 
-    # -- state ----------------------------------------------------------------------------------
-    def init(self, params, *, ema: ShardedEMA | None = None, model_state=None, rng=None):
-        """Place the training state on the mesh (works under ``jax.eval_shape``).
-
-        ``ema`` adds an :class:`EmaState` in the master's shards; ``model_state``
-        (non-trainable collections) and ``rng`` (a PRNG key) are stored replicated.
-
-        Raises:
-          TypeError: a params leaf is not a floating array (every offending path is listed).
-        """
-        return train_state.init(self, params, ema=ema, model_state=model_state, rng=rng)
-
-    def abstract_state(self, params, *, ema=None, model_state=None, rng=None) -> TrainState:
-        """The state's ShapeDtypeStructs, with shardings, without allocating anything."""
-        return train_state.abstract_state(self, params, ema=ema, model_state=model_state, rng=rng)
-
-    _ema_target = staticmethod(train_state.ema_target)  # what the EMA averages
-
     def check_layers(self, params) -> None:
         """``layers`` name params subtrees of arrays with a layer axis; ``units`` match paths."""
         layers.check_layers(params, self.layers, self.stage)
         units.check(params, self.units)
-
-    def bucket_ema(self, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
-        """``ema_state`` in ``ema``'s storage for this mesh and stage (local, no communication);
-        the inverse is :func:`jaxzero.unbucket_ema`."""
-        where = (self.mesh, self.axis, ema.bucket_leaves_up_to, self.stage, self.ema_leaf_specs)
-        return ema_storage.store(ema_state, *where)
 
     # -- inside shard_map (jaxzero.zero.collectives, jaxzero.zero.layers) ---------------------
     def gather_params(self, local_params, specs):
@@ -256,11 +179,12 @@ class ZeRO:
         """The full compute params, marked device-varying, ready to differentiate."""
         tables = vocab.mask(self.vocab_parallel, local_params)  # stay rows, like the stacks
         args = (vocab.either(self._stacked_mask(local_params), tables),)
-        args += (self._whole_mask(local_params), bool(self.offload))  # keep_dtype: decision 32
+        keep_dtype = not self.placement.master_on_device  # the stacks are params: decision 32
+        args += (self._whole_mask(local_params), keep_dtype)
         full = collectives.params_for_loss(self.comm, local_params, specs, *args)
         return vocab.varying(self.comm, tables, full)
 
-    def layer_plan(self, local_params, specs):
+    def _layer_plan(self, local_params, specs) -> layers.LayerPlan | None:
         """The plan of a per-layer stage-3 step (gather), or of a stage 2/0 step that reduces in
         the backward (:func:`jaxzero.zero.layers.reduces_in_backward`); None otherwise."""
         gather, rule = self.per_layer, (self.stage, self.layers, self.precision, self.replica_axes)
@@ -271,66 +195,26 @@ class ZeRO:
             self.comm, self.layers, local_params, specs, gather=gather, invariant=self.stage == 0
         )
 
-    def reduce_gradients(self, grads, plan=None):
+    def loss_hooks(self, local_params, specs) -> list[LossHook]:
+        """The features that hook into this step's loss (:mod:`jaxzero.zero.hooks`):
+        ``vocab_parallel=``, ``layers=`` and ``units=``, each where it acts."""
+        hooks = (
+            vocab.build_plan(self.comm, self.vocab_parallel, local_params, specs),
+            self._layer_plan(local_params, specs),
+            units.build_plan(self.comm, self.units, local_params, specs),
+        )
+        return [h for h in hooks if h is not None]
+
+    def reduce_gradients(self, grads, hooks=()):
         """Average local gradients over every batch axis (all-reduce or reduce-scatter);
-        ``plan``: the step's :meth:`layer_plan` (stage 2: the leaves it reduced per layer)."""
+        ``hooks``: the step's :meth:`loss_hooks` (a stage-2 layer plan names the leaves it
+        reduced per layer)."""
+        plan = next((h for h in hooks if isinstance(h, layers.LayerPlan)), None)
         masks = (self._stacked_mask(grads), layers.scattered_mask(plan, grads))
         masks += (vocab.mask(self.vocab_parallel, grads),)  # complete on every device
         return collectives.reduce_gradients(self.comm, grads, self.grad_specs(grads), *masks)
 
-    # -- under jit (jaxzero.train.update, jaxzero.ema.placement) ------------------------------
+    # -- under jit ------------------------------------------------------------------------------
     def all_gather(self, tree):
         """Replicate a tree of shards with one explicit ``all_gather`` per sharded leaf."""
         return collectives.all_gather(self.mesh, self.axis, tree, self.shard_specs(tree))
-
-    def master_view(self, state: TrainState):
-        """The master weights in their shards."""
-        return train_update.master_view(self, state)
-
-    def update_ema(self, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply):
-        """The EMA update as a ``shard_map`` over the EMA's shards: provably local."""
-        return _update_ema(self, ema, ema_state, master, step=step, apply=apply)
-
-    def apply_gradients(
-        self, state: TrainState, grads, *, ema: ShardedEMA | None = None, model_state=None
-    ):
-        """The optax update on shards (call under ``jax.jit``, outside ``shard_map``).
-
-        ``grads`` are the reduced gradients of the (scaled) loss, in any sharding; they are
-        constrained to the master's shards, unscaled, checked for non-finite values
-        (globally), and handed to the optax chain with the master shards. Then
-        ``master += updates``, the EMA is updated on the same shards, and the compute params
-        are ``cast(master)`` all-gathered (stages 1/2) or left as they are placed (stages 0/3).
-        With ``skip_nonfinite`` a non-finite step leaves every leaf unchanged.
-
-        Returns:
-          ``(new_state, metrics)`` with metrics ``grad_norm``, ``finite``, ``skipped``,
-          ``step`` (and ``loss_scale`` with a loss scale).
-        """
-        return train_update.apply_gradients(self, state, grads, ema=ema, model_state=model_state)
-
-
-def _update_ema(zero: ZeRO, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply):
-    return placement.update(
-        ema,
-        ema_state,
-        master,
-        mesh=zero.mesh,
-        axis=zero.axis,
-        master_specs=_master_specs(zero, master),
-        leaf_specs=zero.ema_leaf_specs(master),
-        per_leaf_specs=zero.ema_leaf_specs,
-        step=step,
-        apply=apply,
-    )
-
-
-def _master_specs(zero: ZeRO, master):
-    """The specs of what the EMA averages as it is placed: the master's shards, and the
-    replicated model state when the EMA also averages it."""
-    if isinstance(master, dict) and set(master) == {"params", "model_state"}:
-        return {
-            "params": zero.shard_specs(master["params"]),
-            "model_state": jax.tree.map(lambda _: P(), master["model_state"]),
-        }
-    return zero.shard_specs(master)

@@ -42,10 +42,10 @@ micro-batches) :func:`gather_layer` is the identity, so one model definition ser
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import difflib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero._tree import path_keys, path_strs
 from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying, varying_axes
+from jaxzero.zero.hooks import LossHook, scoped
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_end, subtree_paths
 
 _PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(
@@ -61,8 +62,25 @@ _PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(
 )
 
 
+_NO_LAYER_GATHER = (
+    "ZeRO(stage=3, layers={}) hands the loss each layer stack as shards, but the model never "
+    "called jaxzero.gather_layer: wrap the scanned block, e.g. nn.remat(nn.map_variables("
+    "Block, 'params', trans_in_fn=jaxzero.gather_layer)), or run the stack with "
+    "jaxzero.scan_layers (which also prefetches the next layer), or drop layers= to gather the "
+    "whole model up front."
+)
+
+_NO_LAYER_REDUCE = (
+    "ZeRO(layers={}) at stages 1-2 reduces each layer's gradient in the backward only where "
+    "the model calls jaxzero.gather_layer or runs the stack with jaxzero.scan_layers; this "
+    "model never did, so the whole gradient is reduced after the backward, as without "
+    "layers=. Wrap the scanned block, e.g. nn.remat(nn.map_variables(Block, 'params', "
+    "trans_in_fn=jaxzero.gather_layer)), or drop layers=."
+)
+
+
 @dataclasses.dataclass
-class LayerPlan:
+class LayerPlan(LossHook):
     """Which dimension each layer leaf was sharded on, keyed by its path inside one layer and
     its local (per-layer, per-device) shape; built by :func:`build_plan`. ``gather``: stage 3
     (gather the shards) or stage 2 (whole params; reduce the gradient only). ``invariant``:
@@ -92,6 +110,21 @@ class LayerPlan:
             f"it knows {known[:8]}. Apply gather_layer to one scanned layer's variables "
             f"(nn.map_variables(Block, 'params', trans_in_fn=jaxzero.gather_layer))."
         )
+
+    # -- the LossHook answers (jaxzero.zero.hooks) --------------------------------------------
+    def scope(self):
+        return layer_plan(self)
+
+    def explain(self, error):
+        if self.calls or not self.gather:
+            return None
+        return ValueError(_NO_LAYER_GATHER.format(self.layers))
+
+    def finish(self):
+        if self.gather and not self.calls:
+            raise ValueError(_NO_LAYER_GATHER.format(self.layers))
+        if not (self.gather or self.invariant or self.calls):
+            warnings.warn(_NO_LAYER_REDUCE.format(self.layers), UserWarning, stacklevel=4)
 
 
 def _layer_key(path, shape, layers):
@@ -250,16 +283,6 @@ def _check_stack(layers, where: str, leaves, stage: int) -> None:
 def current_plan() -> LayerPlan | None:
     """The plan of the per-layer step being traced (None outside one)."""
     return _PLAN.get()
-
-
-@contextlib.contextmanager
-def scoped(var: contextvars.ContextVar, value):
-    """``var`` set to ``value`` inside the ``with`` block (the plan of a step being traced)."""
-    token = var.set(value)
-    try:
-        yield value
-    finally:
-        var.reset(token)
 
 
 def layer_plan(plan: LayerPlan | None):

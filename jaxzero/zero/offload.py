@@ -1,5 +1,6 @@
-"""Offload to host memory: which state lives in pinned host memory, its shardings, and where
-its update runs (decision 32).
+"""Where the optimizer's state lives: the placement objects the training step asks (device
+memory, or pinned host memory for offload), their shardings, and where the update runs
+(decisions 32 and 34).
 
 ``ZeRO(offload="optimizer")`` keeps the fp32 master (when separate from the compute params),
 the optimizer state and the EMA in the host memory of each device (``memory_kind=
@@ -25,13 +26,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero._compat import compute_on_host
+from jaxzero.zero import specs as sh
 
 OFFLOADS = ("optimizer",)
 HOST = "pinned_host"
 
 
-def check_offload(offload, stage: int) -> str | None:
-    """``offload`` checked against ``stage``: None or ``"optimizer"``."""
+def check_offload(offload, stage) -> str | None:
+    """``offload`` checked against ``stage`` (an int, or the stages a plan or a table covers):
+    None or ``"optimizer"``. The one check of the offload choices: ``ZeRO``,
+    :func:`jaxzero.estimate_memory`, ``jaxzero.gpu.plan`` and ``jaxzero plan`` call it."""
     if offload is None:
         return None
     if offload not in OFFLOADS:
@@ -46,19 +50,92 @@ def check_offload(offload, stage: int) -> str | None:
             f"'optimizer' (fp32 master, optimizer state and EMA in pinned host memory, "
             f"updated on the host: DeepSpeed's offload_optimizer).{hint}"
         )
-    if stage == 0:
+    stages = tuple(stage) if isinstance(stage, tuple | list) else (stage,)
+    if 0 in stages:
+        got = f"stage={stage}" if len(stages) == 1 else f"stages={stages}"
         raise ValueError(
-            "offload='optimizer' needs stage 1, 2 or 3 (got stage=0): at stage 0 every device "
+            f"offload='optimizer' needs stage 1, 2 or 3 (got {got}): at stage 0 every device "
             "holds the whole optimizer state and would update all of it on its host. Use "
             "stage=1 (same communication as stage 0, the state sharded 1/N) with offload."
         )
     return offload
 
 
-def check(offload, stage: int, mesh: Mesh) -> None:
-    """:func:`check_offload`, then :func:`check_platform` when offloading."""
+def placement(offload, stage: int, mesh: Mesh) -> DeviceMemory | HostMemory:
+    """The placement of ``ZeRO(offload=offload)``: :func:`check_offload`, then
+    :func:`check_platform` when offloading."""
     if check_offload(offload, stage):
         check_platform(mesh)
+        return HostMemory()
+    return DeviceMemory()
+
+
+class DeviceMemory:
+    """The master, the optimizer state and the EMA in device memory, updated there (no
+    offload). Each method is the device side of a question the training step asks its
+    placement; :class:`HostMemory` answers the same questions for offload."""
+
+    offload = None
+    #: whether the step builds the loss's params from the master (stage 3 with a separate
+    #: master: decision 22) where it can; the host's master is out of the device's reach
+    master_on_device = True
+
+    def shardings(self, mesh: Mesh, specs):
+        """NamedShardings of a state component's ``specs`` (None stays None)."""
+        return None if specs is None else sh.named(mesh, specs)
+
+    def constrain(self, tree, shardings):
+        """``tree`` (inside jit) in ``shardings``."""
+        return jax.lax.with_sharding_constraint(tree, shardings)
+
+    def pin(self, tree, shardings):
+        """The optax update's outputs pinned to their shardings: otherwise GSPMD may propagate
+        the EMA's (sharded) layout backward into a stage-0 update and all-gather it."""
+        return jax.lax.with_sharding_constraint(tree, shardings)
+
+    def run_update(self, zero, update, state, master, grads, *rest):
+        """``update(state, master, grads, *rest)`` where the state lives: here (``zero``: the
+        step's ZeRO config, whose ``shard_specs`` place the state)."""
+        return update(state, master, grads, *rest)
+
+    def new_params(self, compute, params, keep):
+        """The new compute params: ``compute`` where the step applied, ``params`` where not."""
+        return keep(compute, params)
+
+
+class HostMemory(DeviceMemory):
+    """``offload="optimizer"`` (DeepSpeed's ``offload_optimizer``): the master (when separate
+    from the compute params), the optimizer state and the EMA in pinned host memory, updated
+    on the host (decision 32)."""
+
+    offload = "optimizer"
+    master_on_device = False
+
+    def shardings(self, mesh: Mesh, specs):
+        return None if specs is None else host_shardings(mesh, specs)
+
+    def constrain(self, tree, shardings):
+        # device_put also moves a leaf to its memory kind (a constraint keeps the kind it has)
+        return jax.device_put(tree, shardings)
+
+    def pin(self, tree, shardings):
+        return tree  # computed on the host: the outputs stay in their input shardings
+
+    def run_update(self, zero, update, state, master, grads, *rest):
+        """``update`` on the devices' hosts: the gradient shards (and the master, when it is
+        the device's params) go to host memory as they are (a per-layer stack's in
+        ``param_dtype``: no ``output_dtype`` copy of them is made on the device), and the new
+        compute shards (``update``'s last output) come back. The compute params stay out:
+        nothing on the device is copied to the host but the gradients."""
+        to_host = lambda t: jax.device_put(t, host_shardings(zero.mesh, zero.shard_specs(t)))
+        grads = to_host(grads)
+        if state.master is None:
+            master = to_host(master)
+        *out, compute = on_host(update)(state.replace(params=None), master, grads, *rest)
+        return (*out, to_device(compute))
+
+    def new_params(self, compute, params, keep):
+        return compute  # already the kept master's cast: the device params are not read
 
 
 def memory_kinds(mesh: Mesh) -> tuple[str, ...]:
@@ -102,11 +179,6 @@ def host_sharding(mesh: Mesh, spec: P) -> NamedSharding:
 def host_shardings(mesh: Mesh, specs):
     """A tree of PartitionSpecs mapped to checked host shardings (:func:`host_sharding`)."""
     return jax.tree.map(lambda s: host_sharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
-
-
-def to_host(tree, shardings):
-    """``tree`` moved (inside jit) to its host shardings."""
-    return jax.device_put(tree, shardings)
 
 
 def to_device(tree):

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxzero._compat import bind_params
 from jaxzero._tree import path_strs
 from jaxzero.zero.collectives import Comm
+from jaxzero.zero.hooks import LossHook
 from jaxzero.zero.layers import _gather_leaf, gather_shard
 from jaxzero.zero.specs import spec_dim, subtree_paths
 
@@ -108,13 +109,6 @@ def build_plan(comm: Comm, units: tuple[str, ...], local_params, specs) -> UnitP
     return UnitPlan(comm, unit_names(local_params, units), [spec_dim(s) for s in flat_specs])
 
 
-def wrap(plan: UnitPlan | None, fn):
-    """``fn`` evaluated by :func:`run` under ``plan`` (``fn`` itself without a plan)."""
-    if plan is None:
-        return fn
-    return lambda params, *rest: run(plan, fn, params, *rest)
-
-
 def unit_names(params, patterns: tuple[str, ...]) -> list[str | None]:
     """Per flat leaf of ``params``: the unit it belongs to (the shortest ``/``-joined key-path
     prefix that one of ``patterns`` fullmatches), or None (gathered whole)."""
@@ -133,14 +127,18 @@ def unit_names(params, patterns: tuple[str, ...]) -> list[str | None]:
 
 
 @dataclasses.dataclass
-class UnitPlan:
+class UnitPlan(LossHook):
     """Per flat params leaf: its unit (None: not in a unit) and the dimension its shard was
-    split on (None: replicated); ``segments``: how many segments the last trace ran."""
+    split on (None: replicated); ``segments``: how many segments the last trace ran. As a
+    :class:`~jaxzero.zero.hooks.LossHook` it runs the loss unit by unit (:func:`run`)."""
 
     comm: Comm
     units: list[str | None]
     dims: list[int | None]
     segments: int = 0
+
+    def wrap(self, fn):
+        return lambda params, *rest: run(self, fn, params, *rest)
 
 
 def _marker(comm: Comm, d):

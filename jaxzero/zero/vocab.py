@@ -48,7 +48,7 @@ import optax
 
 from jaxzero._tree import path_keys, subtree_names
 from jaxzero.zero.collectives import Comm, to_varying
-from jaxzero.zero.layers import scoped
+from jaxzero.zero.hooks import LossHook, scoped
 from jaxzero.zero.scan import stored_param
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_mask
 
@@ -64,8 +64,17 @@ _PLAN: contextvars.ContextVar[VocabPlan | None] = contextvars.ContextVar(
 )
 
 
+_NO_VOCAB_CALL = (
+    "ZeRO(stage=3, vocab_parallel={}) hands the loss each embedding table as this device's "
+    "vocabulary rows, but the model never used them through jaxzero: build the table with "
+    "jaxzero.VocabParallelEmbed (a drop-in for nn.Embed; its cross_entropy method is the tied "
+    "head's loss) or read it with jaxzero.vocab_table and use jaxzero.vocab_parallel_embed / "
+    "jaxzero.vocab_parallel_cross_entropy, or drop vocab_parallel= to gather it whole."
+)
+
+
 @dataclasses.dataclass
-class VocabPlan:
+class VocabPlan(LossHook):
     """The vocabulary-parallel step being traced: its collectives' :class:`Comm`, the local
     shapes of the tables it hands over as shards, and how often the model used them."""
 
@@ -83,6 +92,17 @@ class VocabPlan:
                 f"of shapes {sorted(self.shapes)}. Pass the table read from params "
                 f"(jaxzero.vocab_table or jaxzero.VocabParallelEmbed), not a copy or a slice."
             )
+
+    # -- the LossHook answers (jaxzero.zero.hooks) --------------------------------------------
+    def scope(self):
+        return vocab_plan(self)
+
+    def explain(self, error):
+        return None if self.calls else ValueError(_NO_VOCAB_CALL.format(self.names))
+
+    def finish(self):
+        if not self.calls:
+            raise ValueError(_NO_VOCAB_CALL.format(self.names))
 
 
 def names(vocab_parallel, stage: int) -> tuple[str, ...]:

@@ -111,7 +111,7 @@ def deepspeed_to_jax(
     from jaxzero import checkpoint
     from jaxzero.interop.deepspeed.jax_state import adamw, settings_of, to_train_state
     from jaxzero.mesh import data_parallel_mesh
-    from jaxzero.zero.config import ZeRO
+    from jaxzero.train.optimizer import ZeRO
 
     if not dry_run:
         if out is None:
@@ -240,7 +240,7 @@ def jax_to_deepspeed(
     from jaxzero.interop.deepspeed.writer import write_checkpoint
     from jaxzero.interop.torch.names import NameMap
     from jaxzero.mesh import data_parallel_mesh
-    from jaxzero.zero.config import ZeRO
+    from jaxzero.train.optimizer import ZeRO
 
     if not os.path.isdir(ckpt_dir):
         raise ValueError(f"{ckpt_dir!r}: no such directory")

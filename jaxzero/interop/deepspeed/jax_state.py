@@ -249,7 +249,7 @@ def to_train_state(
         there are no buffers); otherwise the buffers are left out.
       ema, rng: passed to ``zero.init`` (the EMA starts at the checkpoint's weights).
     """
-    from jaxzero.zero.config import ZeRO
+    from jaxzero.train.optimizer import ZeRO
 
     if not isinstance(ckpt, DeepSpeedCheckpoint):
         raise TypeError(f"ckpt must be a DeepSpeedCheckpoint (read_checkpoint), got {type(ckpt)}")

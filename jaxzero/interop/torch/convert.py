@@ -125,7 +125,7 @@ def build_optimizer(tx, *, devices: int | None = None, stage: int = 1, precision
     import jax
 
     from jaxzero.mesh import data_parallel_mesh
-    from jaxzero.zero.config import ZeRO
+    from jaxzero.train.optimizer import ZeRO
 
     n_dev = len(jax.devices())
     if devices is not None and not 1 <= devices <= n_dev:

@@ -1,0 +1,88 @@
+"""Full (replicated) trees from shards, and their numpy copies on every process: what
+evaluation, export and a multi-process script read (:mod:`jaxzero.evaluation` builds on it).
+
+A state object says what gathering it means through a ``gather_view()`` method
+(:class:`~jaxzero.TrainState`: its compute params; :class:`~jaxzero.EmaState`: the averaged
+tree), so this module knows no training type.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxzero._tree import check_not_donated
+from jaxzero.ema.storage import to_per_leaf
+
+
+def mesh_of(tree):
+    """The mesh of the first leaf placed with a NamedSharding (None if there is none)."""
+    for x in jax.tree.leaves(tree):
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding):
+            return s.mesh
+    return None
+
+
+@functools.cache
+def replicator(mesh, dtype=None, key=None):
+    """One jitted "replicate (and cast) every leaf" per mesh; jit caches per tree structure.
+
+    A bucketed EMA is first sliced back into its per-leaf form on each device (no
+    communication); ``key`` then picks one entry of the resulting dict ("params")."""
+    replicated = NamedSharding(mesh, P())
+
+    def fn(tree):
+        tree = to_per_leaf(tree)
+        if key is not None:
+            tree = tree[key]
+        if dtype is not None:
+            tree = jax.tree.map(lambda x: x.astype(dtype), tree)
+        return jax.lax.with_sharding_constraint(tree, replicated)
+
+    return jax.jit(fn)
+
+
+def gather(tree):
+    """Return ``tree`` fully replicated on its mesh: one all-gather per sharded leaf.
+
+    Accepts an :class:`EmaState` (returns the gathered EMA tree, per leaf also when its small
+    leaves are stored in a bucket), a :class:`TrainState` (returns its gathered compute
+    params) or any pytree of arrays on a mesh. Compiled once per tree structure and mesh.
+    """
+    check_not_donated(tree)
+    view = getattr(tree, "gather_view", None)
+    if callable(view):
+        tree = view()
+    mesh = mesh_of(tree)
+    if mesh is None:
+        return tree
+    return replicator(mesh)(tree)
+
+
+def gather_to_host(tree):
+    """Full numpy copies of every leaf of ``tree``, on every process.
+
+    Sharded leaves are replicated first (:func:`jaxzero.gather`: one all-gather per sharded
+    leaf, so every process must call this together), then each process reads its local copy.
+    Accepts an :class:`~jaxzero.EmaState` (its per-leaf EMA tree, also when small leaves are
+    bucketed), a :class:`~jaxzero.TrainState`
+    (its params) or any pytree; non-jax leaves are returned as numpy arrays.
+    """
+    tree = gather(tree)
+
+    def leaf(x):
+        if not isinstance(x, jax.Array):
+            return np.asarray(x)
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.array(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(leaf, tree)

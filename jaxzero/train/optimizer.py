@@ -1,0 +1,133 @@
+"""``ZeRO``: any optax transformation, with its state sharded over the data axis.
+
+:class:`ZeRO` is its config (:class:`~jaxzero.zero.config.ZeROConfig`: fields, validation,
+mesh facts, the sharding rule) plus the training side, which lives here, above ``zero/`` and
+beside the step: creating the state (:mod:`jaxzero.train.state`), the optax update
+(:mod:`jaxzero.train.update`) and the EMA (:mod:`jaxzero.ema.placement`). Each method is a
+call into those modules, which take the config; nothing below ``train/`` calls back up
+(decision 34).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxzero.ema import placement
+from jaxzero.ema.ema import EmaState, ShardedEMA
+from jaxzero.train import state as train_state
+from jaxzero.train import update as train_update
+from jaxzero.train.state import TrainState
+from jaxzero.zero.config import ZeROConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeRO(ZeROConfig):
+    """ZeRO stage 0-3 sharding around any ``optax.GradientTransformation``.
+
+    =====  ==============================  ========================  ==============  =======
+    stage  compute params                  reduced gradients         master + opt.   EMA
+    =====  ==============================  ========================  ==============  =======
+    0      replicated                      all-reduced, replicated   replicated      sharded
+    1      replicated                      all-reduced, sliced       sharded 1/N     sharded
+    2      replicated                      reduce-scattered, 1/N     sharded 1/N     sharded
+    3      sharded 1/N, gathered for use   reduce-scattered          sharded 1/N     sharded
+    =====  ==============================  ========================  ==============  =======
+
+    Args:
+      tx: the optax transformation (any chain: masks, clipping, schedules, MultiSteps...).
+        Its update runs under ``jax.jit`` on the sharded arrays, so transforms with global
+        reductions (``clip_by_global_norm``, LAMB) give the unsharded result.
+      mesh: a mesh with an axis named ``axis``; every other mesh axis is a replica axis
+        (hybrid sharding: state replicated over it, batch and gradient mean over all axes).
+      stage: 0, 1, 2 or 3.
+      axis: the mesh axis state is sharded over.
+      precision: a :class:`Precision` policy, or "fp32"/"bf16"/"fp16".
+      loss_scale: :class:`DynamicLossScale`, :class:`StaticLossScale` or None.
+      skip_nonfinite: skip the whole update (params, master, optimizer state, EMA and step
+        unchanged) when any gradient on any device is non-finite.
+      layers: params subtrees holding scanned layer stacks (the layer index on axis 0 of every
+        leaf), e.g. ``"layers"`` or ``"outer/inner"``; ``init`` refuses other subtrees. They
+        (and their optimizer state and EMA) are never split along axis 0. Stage 3 gathers them
+        a layer at a time (:func:`jaxzero.gather_layer` or :func:`jaxzero.scan_layers` in the
+        model); stages 2 and 1 (no micro-batches) reduce-scatter each layer in the backward.
+      vocab_parallel: stage 3 only: names of params subtrees holding ``[vocab, width]``
+        embedding tables (e.g. ``"embed"``) that the loss gets as this device's rows, never
+        gathered; the model looks them up and computes its tied head's cross-entropy with
+        :class:`jaxzero.VocabParallelEmbed` (:mod:`jaxzero.zero.vocab`: pays at small N).
+      units: stage 3: regular expressions over params paths (``r"block_\\d+"``), each match
+        gathered where it runs and for its backward (``fully_shard``: :mod:`jaxzero.zero.units`).
+      offload: None, or ``"optimizer"`` (stages 1-3, DeepSpeed's ``offload_optimizer``): the
+        master, optimizer state, EMA in host memory, updated there (the config's
+        ``placement``, :class:`~jaxzero.zero.config.ZeROConfig`).
+
+    Example:
+      >>> zero = ZeRO(optax.adamw(3e-4), data_parallel_mesh(), stage=2)
+      >>> state = zero.init(params)
+    """
+
+    # -- state (jaxzero.train.state) ---------------------------------------------------------
+    def init(self, params, *, ema: ShardedEMA | None = None, model_state=None, rng=None):
+        """Place the training state on the mesh (works under ``jax.eval_shape``).
+
+        ``ema`` adds an :class:`EmaState` in the master's shards; ``model_state``
+        (non-trainable collections) and ``rng`` (a PRNG key) are stored replicated.
+
+        Raises:
+          TypeError: a params leaf is not a floating array (every offending path is listed).
+        """
+        return train_state.init(self, params, ema=ema, model_state=model_state, rng=rng)
+
+    def abstract_state(self, params, *, ema=None, model_state=None, rng=None) -> TrainState:
+        """The state's ShapeDtypeStructs, with shardings, without allocating anything."""
+        return train_state.abstract_state(self, params, ema=ema, model_state=model_state, rng=rng)
+
+    def state_specs(self, state: TrainState) -> TrainState:
+        """PartitionSpecs for every leaf of ``state`` (concrete or abstract)."""
+        return train_state.state_specs(self, state)
+
+    def state_shardings(self, state: TrainState) -> TrainState:
+        """NamedShardings for ``state`` (for ``jax.jit(in_shardings=, out_shardings=)``)."""
+        return train_state.state_shardings(self, state)
+
+    def constrain(self, state: TrainState) -> TrainState:
+        """Every leaf to its ZeRO sharding and memory kind (inside jit)."""
+        return train_state.constrain(self, state)
+
+    _ema_target = staticmethod(train_state.ema_target)  # what the EMA averages
+
+    # -- the EMA (jaxzero.ema.placement) --------------------------------------------------------
+    def ema_specs(self, ema_tree):
+        """Specs of an EMA tree in its storage (per leaf, or bucketed ``[N, L_g]`` rows)."""
+        return placement.specs(self, ema_tree)
+
+    def bucket_ema(self, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
+        """``ema_state`` in ``ema``'s storage for this mesh and stage (local, no communication);
+        the inverse is :func:`jaxzero.unbucket_ema`."""
+        return placement.bucket(self, ema, ema_state)
+
+    def update_ema(self, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply):
+        """The EMA update as a ``shard_map`` over the EMA's shards: provably local."""
+        return placement.update_on_shards(self, ema, ema_state, master, step=step, apply=apply)
+
+    # -- the update, under jit (jaxzero.train.update) -----------------------------------------
+    def master_view(self, state: TrainState):
+        """The master weights in their shards."""
+        return train_update.master_view(self, state)
+
+    def apply_gradients(
+        self, state: TrainState, grads, *, ema: ShardedEMA | None = None, model_state=None
+    ):
+        """The optax update on shards (call under ``jax.jit``, outside ``shard_map``).
+
+        ``grads`` are the reduced gradients of the (scaled) loss, in any sharding; they are
+        constrained to the master's shards, unscaled, checked for non-finite values
+        (globally), and handed to the optax chain with the master shards. Then
+        ``master += updates``, the EMA is updated on the same shards, and the compute params
+        are ``cast(master)`` all-gathered (stages 1/2) or left as they are placed (stages 0/3).
+        With ``skip_nonfinite`` a non-finite step leaves every leaf unchanged.
+
+        Returns:
+          ``(new_state, metrics)`` with metrics ``grad_norm``, ``finite``, ``skipped``,
+          ``step`` (and ``loss_scale`` with a loss scale).
+        """
+        return train_update.apply_gradients(self, state, grads, ema=ema, model_state=model_state)

@@ -1,0 +1,76 @@
+"""How a ZeRO feature hooks into the loss: one protocol that ``layers=``, ``vocab_parallel=``
+and ``units=`` each answer, so the gradient step asks a list of hooks and knows none of them
+(decision 34).
+
+A hook is the plan of one traced step. Its :meth:`LossHook.scope` makes the plan visible to
+what the model calls while the loss is traced (:func:`jaxzero.gather_layer`,
+:class:`jaxzero.VocabParallelEmbed`), :meth:`LossHook.wrap` rewrites the loss itself
+(``units=`` evaluates it unit by unit), :meth:`LossHook.explain` turns an error the loss
+raised into the user's fix, and :meth:`LossHook.finish` checks, after the trace, that the
+model used what it was handed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+
+class LossHook:
+    """The four questions the gradient step asks each feature; the defaults do nothing."""
+
+    def scope(self):
+        """A context manager inside which the loss is traced."""
+        return contextlib.nullcontext()
+
+    def wrap(self, fn):
+        """The loss ``fn`` as this feature runs it."""
+        return fn
+
+    def explain(self, error: Exception) -> Exception | None:
+        """A clearer error for ``error``, raised by the loss, or None to let it through."""
+        return None
+
+    def finish(self) -> None:
+        """After the loss was traced: raise (or warn) when the model did not use the feature."""
+
+
+def wrap(hooks, fn):
+    """``fn`` wrapped by every hook, the first innermost."""
+    for hook in hooks:
+        fn = hook.wrap(fn)
+    return fn
+
+
+@contextlib.contextmanager
+def scope(hooks):
+    """Every hook's :meth:`LossHook.scope` entered."""
+    with contextlib.ExitStack() as stack:
+        for hook in hooks:
+            stack.enter_context(hook.scope())
+        yield
+
+
+def explain(hooks, error: Exception) -> Exception | None:
+    """The first hook's explanation of ``error`` (None: no hook has one)."""
+    for hook in hooks:
+        better = hook.explain(error)
+        if better is not None:
+            return better
+    return None
+
+
+def finish(hooks) -> None:
+    """Every hook's :meth:`LossHook.finish`."""
+    for hook in hooks:
+        hook.finish()
+
+
+@contextlib.contextmanager
+def scoped(var: contextvars.ContextVar, value):
+    """``var`` set to ``value`` inside the ``with`` block (the plan of a step being traced)."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
