@@ -90,8 +90,9 @@ class Precision:
 
 
 class LossScaleState(NamedTuple):
-    """Dynamic loss-scale state: current scale, clean steps since the last change, and the
-    overflows still tolerated before the scale backs off (hysteresis)."""
+    """Dynamic loss-scale state: current scale, clean steps since the last change (since the
+    last overflow with ``DynamicLossScale(growth="since_overflow")``), and the overflows still
+    tolerated before the scale backs off (hysteresis)."""
 
     scale: jax.Array
     good_steps: jax.Array
@@ -114,6 +115,17 @@ class DynamicLossScale:
     Defaults are DeepSpeed's (initial 2**16, window 1000, factor 2, hysteresis 2, min 1).
     ``on_min`` says what the step does when an overflow happens at ``min_scale``: "raise"
     (DeepSpeed's behaviour), "warn" or "ignore".
+
+    DeepSpeed's ``DynamicLossScaler`` counts otherwise; two options reproduce it exactly:
+
+    * ``growth="since_overflow"``: ``good_steps`` counts the clean steps since the last
+      overflow (DeepSpeed's ``cur_iter - last_overflow_iter - 1``) and is not reset by a
+      growth; a clean step grows the scale when the clean steps before it are a positive
+      multiple of ``window`` (the first growth after an overflow comes on the
+      ``window + 1``-th clean step, later ones every ``window``). The default ``"reset"``
+      grows on the ``window``-th clean step and restarts the count.
+    * ``consecutive_hysteresis=True`` (DeepSpeed's ``consecutive_hysteresis``): every clean
+      step refills ``hysteresis_left``, not only a growth.
     """
 
     init_scale: float = 2.0**16
@@ -122,6 +134,8 @@ class DynamicLossScale:
     hysteresis: int = 2
     min_scale: float = 1.0
     on_min: str = "raise"
+    growth: str = "reset"
+    consecutive_hysteresis: bool = False
 
     def __post_init__(self):
         for name in ("init_scale", "factor", "min_scale"):
@@ -140,6 +154,15 @@ class DynamicLossScale:
             )
         if self.on_min not in ("raise", "warn", "ignore"):
             raise ValueError(f"on_min={self.on_min!r} must be 'raise', 'warn' or 'ignore'.")
+        if self.growth not in ("reset", "since_overflow"):
+            raise ValueError(
+                f"DynamicLossScale.growth={self.growth!r} must be 'reset' or 'since_overflow'."
+            )
+        if not isinstance(self.consecutive_hysteresis, bool):
+            raise TypeError(
+                f"DynamicLossScale.consecutive_hysteresis={self.consecutive_hysteresis!r} must "
+                "be True or False."
+            )
 
     def init(self) -> LossScaleState:
         return LossScaleState(
@@ -150,11 +173,17 @@ class DynamicLossScale:
 
     def update(self, state: LossScaleState, finite: jax.Array) -> LossScaleState:
         good = state.good_steps + 1
-        grow = good >= self.window
+        if self.growth == "reset":
+            grow = good >= self.window
+            counted = jnp.where(grow, 0, good)
+        else:  # DeepSpeed's: the clean steps before this one, a positive multiple of window
+            grow = (state.good_steps > 0) & (state.good_steps % self.window == 0)
+            counted = good
+        refill = jnp.asarray(True) if self.consecutive_hysteresis else grow
         clean = LossScaleState(
             jnp.where(grow, state.scale * self.factor, state.scale),
-            jnp.where(grow, 0, good),
-            jnp.where(grow, self.hysteresis, state.hysteresis_left),
+            counted,
+            jnp.where(refill, self.hysteresis, state.hysteresis_left),
         )
         back_off = state.hysteresis_left <= 1
         overflow = LossScaleState(

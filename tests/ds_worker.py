@@ -4,8 +4,11 @@ python tests/ds_worker.py JOBS.json, with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_POR
 JOBS: a list of job specs, run one after the other in the same process group. A job: model
 (mlp_a/mlp_b/mlp_c), config (ds_config), load (a save dir or null), seed, data (npz
 with x[step, rank, micro, f], y[step, rank, micro]), steps, out (save dir), tag; optionally
-saves ({"k": tag}: also save after step k) and record (an npz path: DeepSpeed's own full fp32
-params after every step, from deepspeed.utils.safe_get_full_fp32_param).
+saves ({"k": tag}: also save after step k), record (an npz path: DeepSpeed's own full fp32
+params after every step, from deepspeed.utils.safe_get_full_fp32_param) and record_steps (the
+steps to record; default all). losses.json also holds, per step, each param group's lr and betas
+and the loss scale the step used, and after it the engine's skipped steps and (fp16 with dynamic
+loss scaling) the loss scaler's state.
 Builds the fixtures' models, optionally loads a checkpoint, trains, saves with DeepSpeed.
 """
 
@@ -99,6 +102,7 @@ def run(spec, rank):
     data = np.load(spec["data"])
     dtype = next(engine.module.parameters()).dtype
     losses, norms, record = [], [], {}
+    seen = {"lrs": [], "betas": [], "loss_scales": [], "skipped_steps": [], "loss_scaler_after": []}
     saves = spec.get("saves") or {}
     for s in range(spec["steps"]):
         x = torch.from_numpy(data["x"][s, rank]).to(dtype)
@@ -106,18 +110,30 @@ def run(spec, rank):
         y = torch.from_numpy(data["y"][s, rank])
         loss = F.mse_loss(out, y) if spec["model"] in MSE else F.cross_entropy(out, y)
         engine.backward(loss)
+        # the lr and betas this step uses, and the loss scale it multiplied the loss by
+        seen["lrs"].append([float(g["lr"]) for g in engine.optimizer.param_groups])
+        seen["betas"].append(
+            [[float(b) for b in g["betas"]] for g in engine.optimizer.param_groups]
+        )
+        scale = getattr(engine.optimizer, "loss_scale", None)
+        seen["loss_scales"].append(None if scale is None else float(scale))
         engine.step()
+        seen["skipped_steps"].append(int(engine.skipped_steps))
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        if getattr(scaler, "dynamic", False):  # the dynamic loss scaler's state after the step
+            keys = ("cur_scale", "cur_hysteresis", "cur_iter", "last_overflow_iter")
+            seen["loss_scaler_after"].append({k: getattr(scaler, k) for k in keys})
         losses.append(float(loss.detach()))
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
-        if spec.get("record"):
+        if spec.get("record") and s + 1 in spec.get("record_steps", range(1, spec["steps"] + 1)):
             record.update(full_state(engine, s + 1))
         if str(s + 1) in saves:
             engine.save_checkpoint(spec["out"], tag=saves[str(s + 1)])
     if spec.get("tag", "after") is not None:  # "tag": null saves only at the `saves` steps
         engine.save_checkpoint(spec["out"], tag=spec.get("tag", "after"))
     if rank == 0:
-        info = {"losses": losses, "grad_norms": norms}
+        info = {"losses": losses, "grad_norms": norms, **seen}
         json.dump(info, open(os.path.join(spec["out"], "losses.json"), "w"))
         if spec.get("record"):
             np.savez(spec["record"], **record)

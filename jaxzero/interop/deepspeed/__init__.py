@@ -7,8 +7,9 @@ running DeepSpeed itself on a CPU: ``docs/guide/deepspeed-cpu.md``).
 * :func:`adamw` + :func:`to_train_state`: that -> a jaxzero ``TrainState`` for any stage and
   device count, with an optax chain reproducing the run's update: the param groups' AdamW and
   every ``ds_config`` setting that changes the update (gradient clipping, DeepSpeed's default
-  1.0 when absent), or a :class:`DeepSpeedSettingError` naming the one it cannot reproduce.
-  :func:`update_settings` lists them.
+  1.0 when absent; lr schedulers; L2 Adam), or a :class:`DeepSpeedSettingError` naming the one
+  it cannot reproduce. :func:`update_settings` lists them; :func:`loss_scale` gives an fp16
+  run's loss scale for the ``ZeRO``.
 * :func:`write_checkpoint`: a jaxzero state (or a :class:`DeepSpeedCheckpoint`) -> a
   checkpoint that DeepSpeed's ``engine.load_checkpoint`` and ``zero_to_fp32`` read.
 * :func:`deepspeed_to_jax` / :func:`jax_to_deepspeed`: whole-checkpoint conversions (Orbax on
@@ -17,6 +18,7 @@ running DeepSpeed itself on a CPU: ``docs/guide/deepspeed-cpu.md``).
 
 from jaxzero.interop.deepspeed._common import DeepSpeedCheckpointError
 from jaxzero.interop.deepspeed.convert import ConversionResult, deepspeed_to_jax, jax_to_deepspeed
+from jaxzero.interop.deepspeed.fp16 import loss_scale
 from jaxzero.interop.deepspeed.jax_state import adamw, from_train_state, to_train_state
 from jaxzero.interop.deepspeed.reader import DeepSpeedCheckpoint, read_checkpoint
 from jaxzero.interop.deepspeed.update import (
@@ -36,6 +38,7 @@ __all__ = [
     "deepspeed_to_jax",
     "from_train_state",
     "jax_to_deepspeed",
+    "loss_scale",
     "read_checkpoint",
     "to_train_state",
     "update_settings",

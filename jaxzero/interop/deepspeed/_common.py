@@ -15,6 +15,10 @@ class DeepSpeedCheckpointError(ValueError):
     """A DeepSpeed checkpoint that is damaged, partial or of an unsupported kind."""
 
 
+class DeepSpeedSettingError(ValueError):
+    """A ``ds_config`` setting that changes the update and that jaxzero does not reproduce."""
+
+
 # ------------------------------------------------------------------ small helpers
 def _err(path, msg: str) -> DeepSpeedCheckpointError:
     return DeepSpeedCheckpointError(f"{path}: {msg}")

@@ -15,12 +15,8 @@ def optimizer_kind(ds_config: Mapping, groups: list[Mapping], path) -> str:
     keys = set(groups[0]) if groups else set()
     if opt:
         kind = str(opt.get("type", "")).lower()
-        params = opt.get("params") or {}
         if kind not in ("adam", "adamw"):
             raise _err(path, f"optimizer type {opt.get('type')!r} is not supported (AdamW only)")
-        if kind == "adam" and params.get("adam_w_mode", True) is False:
-            if any(float(g.get("weight_decay", 0.0)) for g in groups):
-                raise _err(path, "Adam with L2 weight decay (adam_w_mode false) is not supported")
     elif {"momentum", "dampening"} & keys or not {"betas", "eps"} <= keys:
         raise _err(path, f"a client optimizer with param-group keys {sorted(keys)} (AdamW only)")
     for g in groups:
@@ -28,10 +24,19 @@ def optimizer_kind(ds_config: Mapping, groups: list[Mapping], path) -> str:
             raise _err(path, "AdamW with amsgrad/maximize is not supported")
         if g.get("bias_correction") is False:
             raise _err(path, "Adam without bias correction is not supported")
-        if g.get("decoupled_weight_decay") is False and float(g.get("weight_decay", 0.0)):
-            raise _err(path, "torch Adam with L2 weight decay is not supported (AdamW only)")
     torch_keys = {"decoupled_weight_decay", "foreach"} & keys
     return "torch.optim.AdamW" if torch_keys else "FusedAdam"
+
+
+def l2_weight_decay(ds_config: Mapping, groups: list[Mapping]) -> bool:
+    """Whether the optimizer adds the weight decay to the gradient (L2) instead of decoupling
+    it: DeepSpeed's ``"Adam"`` with ``adam_w_mode: false`` (``"AdamW"`` is AdamW whatever it
+    says), or a torch Adam (``decoupled_weight_decay`` False in its groups)."""
+    opt = ds_config.get("optimizer") if isinstance(ds_config, Mapping) else None
+    if opt:
+        kind = str(opt.get("type", "")).lower()
+        return kind == "adam" and (opt.get("params") or {}).get("adam_w_mode", True) is False
+    return any(g.get("decoupled_weight_decay") is False for g in groups)
 
 
 def hyper(group: Mapping, names: list[str]) -> dict:

@@ -85,6 +85,25 @@ def _precision(dtype: str):
     return {"bf16": "bf16", "fp16": "fp16"}.get(dtype)
 
 
+def _convertible_chain(ckpt, template, nm, allow):
+    """``adamw(ckpt)``, refused when its update has parts the way back cannot write."""
+    from jaxzero.interop.deepspeed.jax_state import adamw, settings_of
+
+    tx = adamw(ckpt, template, name_map=nm, allow=allow, report=None)
+    lost = settings_of(tx).not_written()
+    if lost:  # jax2deepspeed could not write them back
+        from jaxzero.interop.deepspeed.update import DeepSpeedSettingError
+
+        raise DeepSpeedSettingError(
+            f"the run uses {lost}: deepspeed2jax converts runs whose whole update its way "
+            "back (jax2deepspeed) writes, and that writes no lr scheduler state, no loss "
+            "scaler and AdamW only; continue the run in Python with "
+            "jaxzero.interop.deepspeed.adamw(ckpt, ...) and to_train_state (and "
+            "loss_scale(ckpt) for fp16)"
+        )
+    return tx
+
+
 def deepspeed_to_jax(
     save_dir,
     out,
@@ -109,7 +128,7 @@ def deepspeed_to_jax(
     import jax
 
     from jaxzero import checkpoint
-    from jaxzero.interop.deepspeed.jax_state import adamw, settings_of, to_train_state
+    from jaxzero.interop.deepspeed.jax_state import settings_of, to_train_state
     from jaxzero.mesh import data_parallel_mesh
     from jaxzero.train.optimizer import ZeRO
 
@@ -123,7 +142,7 @@ def deepspeed_to_jax(
     n_dev = len(jax.devices())
     if devices is not None and not 1 <= devices <= n_dev:
         raise ValueError(f"devices={devices}: this process sees {n_dev} devices")
-    tx = adamw(ckpt, template, name_map=nm, allow=allow, report=None)
+    tx = _convertible_chain(ckpt, template, nm, allow)
     zero = ZeRO(tx, data_parallel_mesh(devices), stage=stage, precision=_precision(ckpt.dtype))
     state = to_train_state(ckpt, zero, template, name_map=nm, model_state=None)
     if ckpt.buffers and state.model_state is None:

@@ -7,12 +7,21 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+import jaxzero.interop.deepspeed.fp16 as LS
 import jaxzero.interop.deepspeed.update as U
+from jaxzero.interop.deepspeed.chain import (
+    _HYPER,
+    _check_groups,
+    _names_only_map,
+    adamw,
+    groups_of,
+    settings_of,
+)
 from jaxzero.interop.deepspeed.reader import DeepSpeedCheckpoint
 from jaxzero.interop.torch import names as ti_names
 from jaxzero.interop.torch import optimizer_state as ti_opt
+from jaxzero.precision import DynamicLossScale
 
 __all__ = [
     "adamw",
@@ -21,26 +30,6 @@ __all__ = [
     "to_train_state",
     "from_train_state",
 ]
-
-# tx -> the param groups and update settings it was built for (so write_checkpoint can recover
-# them from a ZeRO)
-_GROUPS: dict[int, tuple[optax.GradientTransformation, list[dict], U.UpdateSettings]] = {}
-_HYPER = ("lr", "betas", "eps", "weight_decay")
-
-
-def _check_groups(param_groups) -> list[dict]:
-    if not isinstance(param_groups, list | tuple) or not param_groups:
-        raise TypeError(f"param_groups must be a non-empty list of dicts, got {param_groups!r}")
-    out = []
-    for i, g in enumerate(param_groups):
-        missing = [k for k in ("names", *_HYPER) if k not in g]
-        if missing:
-            raise ValueError(
-                f"param group {i} lacks {missing} (needs names, lr, betas, eps, weight_decay)"
-            )
-        out.append({"names": list(g["names"]), **{k: g[k] for k in _HYPER}})
-        out[-1]["betas"] = tuple(float(b) for b in g["betas"])
-    return out
 
 
 def name_map_for(ckpt_or_names, params_template=None, name_map=None) -> ti_names.NameMap:
@@ -64,132 +53,6 @@ def name_map_for(ckpt_or_names, params_template=None, name_map=None) -> ti_names
     nm = ti_names.build_name_map(source, params_template, overrides=name_map)
     nm.check()
     return nm
-
-
-def _label_tree(param_groups, nm: ti_names.NameMap, tree, label_of):
-    """A tree like ``tree`` with ``label_of(group_index)`` at each leaf."""
-    where = {nm.lookup(n)[0]: label_of(i) for i, g in enumerate(param_groups) for n in g["names"]}
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    paths = [_key(p) for p, _ in flat]
-    missing = ["/".join(p) for p in paths if p not in where]
-    if missing:
-        raise ValueError(f"tree leaves in no param group: {missing[:8]}")
-    return jax.tree_util.tree_unflatten(treedef, [where[p] for p in paths])
-
-
-def _key(path) -> tuple[str, ...]:
-    """A jax key path as the str tuple :class:`NameMap` paths use."""
-    return tuple(
-        str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)) for k in path
-    )
-
-
-def adamw(
-    param_groups,
-    params_template,
-    *,
-    name_map=None,
-    ds_config=None,
-    allow=(),
-    report=print,
-) -> optax.GradientTransformation:
-    """The optax chain reproducing a DeepSpeed (or torch) AdamW update on ``params_template``.
-
-    From a checkpoint, every ``ds_config`` setting that changes the update is reproduced, with
-    DeepSpeed 0.19.8's defaults for absent keys, or refused (:class:`DeepSpeedSettingError`
-    naming it, before anything is built): gradient clipping (DeepSpeed clips at global norm 1.0
-    unless ``gradient_clipping`` says otherwise; ZeRO 1/2 optimizer files' ``clip_grad`` wins),
-    the gradient reduction, fp16 loss scaling and lr schedulers (refused), and the param groups:
-
-    ``optax.chain([optax.clip_by_global_norm(c)], scale_by_adam, masked add_decayed_weights per
-    distinct weight decay, scale_by_learning_rate)`` when the groups share lr, betas and eps;
-    ``[optax.chain(clip,] optax.multi_transform(one optax.adamw per group)[)]`` otherwise. Bias
-    correction continues from the optax ``count`` (set from the checkpoint's step by
-    :func:`to_train_state`).
-
-    Args:
-      param_groups: a :class:`DeepSpeedCheckpoint`, or a list of torch-style groups (``names``,
-        ``lr``, ``betas``, ``eps``, ``weight_decay``).
-      params_template: the JAX params tree (None: keyed by the torch names).
-      name_map: see :func:`name_map_for`.
-      ds_config: with a list of groups only: the DeepSpeed config whose settings to reproduce
-        (DeepSpeed's defaults for absent keys, so ``{}`` clips at 1.0). None: a plain torch
-        AdamW, no clipping.
-      allow: refused settings to continue without (see :func:`update.read_settings`).
-      report: called once with the text, one line per setting (value, whether it was
-        DeepSpeed's default, what the chain does); None: silent.
-    """
-    if isinstance(param_groups, DeepSpeedCheckpoint):
-        if ds_config is not None:
-            raise ValueError("ds_config= is for a list of param groups; a checkpoint's own is used")
-        settings = U.update_settings(param_groups, allow)
-        groups = _check_groups(param_groups.param_groups)
-    else:
-        groups = _check_groups(param_groups)
-        settings = U.config_settings(ds_config, allow)
-    names = {n: None for g in groups for n in g["names"]}
-    if params_template is None:
-        params_template = {n: jax.ShapeDtypeStruct((), jnp.float32) for n in names}
-        nm = ti_names.NameMap(entries=tuple((n, (n,), "identity") for n in names))
-    else:
-        nm = _names_only_map(list(names), params_template, name_map)
-    parts = [*settings.transforms(), *_adamw_groups(groups, nm, params_template)]
-    tx = parts[0] if len(parts) == 1 else optax.chain(*parts)
-    _GROUPS[id(tx)] = (tx, groups, settings)
-    if report is not None:
-        report(settings.report(groups))
-    return tx
-
-
-def _adamw_groups(groups, nm, params_template) -> list[optax.GradientTransformation]:
-    """AdamW with the groups' hyperparameters, as the parts of a chain (one Adam when they
-    share lr, betas and eps; without clipping the chain is what it was before clipping was
-    read, so older jaxzero checkpoints of it restore)."""
-    shared = {tuple(g[k] for k in ("lr", "betas", "eps")) for g in groups}
-    if len(shared) == 1:
-        lr, (b1, b2), eps = groups[0]["lr"], groups[0]["betas"], groups[0]["eps"]
-        decays = []
-        for wd in sorted({float(g["weight_decay"]) for g in groups} - {0.0}):
-            mask = _label_tree(
-                groups, nm, params_template, lambda i, wd=wd: float(groups[i]["weight_decay"]) == wd
-            )
-            decays.append(optax.add_decayed_weights(wd, mask=mask))
-        return [
-            optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
-            *decays,
-            optax.scale_by_learning_rate(lr),
-        ]
-    inner = {
-        str(i): optax.adamw(
-            g["lr"],
-            b1=g["betas"][0],
-            b2=g["betas"][1],
-            eps=g["eps"],
-            weight_decay=float(g["weight_decay"]),
-        )
-        for i, g in enumerate(groups)
-    }
-    return [optax.multi_transform(inner, _label_tree(groups, nm, params_template, str))]
-
-
-def _names_only_map(names, params_template, name_map):
-    if isinstance(name_map, ti_names.NameMap):
-        return name_map
-    nm = ti_names.build_name_map(list(names), params_template, overrides=name_map)
-    nm.check()
-    return nm
-
-
-def groups_of(tx) -> list[dict] | None:
-    """The param groups :func:`adamw` built ``tx`` for (None for other transformations)."""
-    hit = _GROUPS.get(id(tx))
-    return hit[1] if hit is not None and hit[0] is tx else None
-
-
-def settings_of(tx) -> U.UpdateSettings | None:
-    """The update settings :func:`adamw` built ``tx`` with (None for other transformations)."""
-    hit = _GROUPS.get(id(tx))
-    return hit[2] if hit is not None and hit[0] is tx else None
 
 
 def _check_tx(zero, ckpt: DeepSpeedCheckpoint, groups) -> None:
@@ -257,6 +120,7 @@ def to_train_state(
         raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}")
     groups = _check_groups(ckpt.param_groups)
     _check_tx(zero, ckpt, groups)
+    scaler = _check_loss_scale(zero, ckpt)
     names = ckpt.param_names
     nm = name_map_for(ckpt, params_template, name_map)
     template = (
@@ -290,7 +154,51 @@ def to_train_state(
         state.opt_state, sd, [g["names"] for g in groups], name_map=nm
     )
     step = jax.device_put(np.int32(ckpt.step), state.step.sharding)
-    return state.replace(opt_state=opt_state, step=step)
+    state = state.replace(opt_state=_with_counts(opt_state, ckpt.step), step=step)
+    if scaler is not None:  # DeepSpeed's loss scaler at the checkpoint, its skipped steps
+        put = lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding)
+        skipped = put(np.asarray(ckpt.skipped_steps or 0), state.skipped)
+        state = state.replace(
+            loss_scale=jax.tree.map(put, LS.loss_scale_state(scaler), state.loss_scale),
+            skipped=skipped,
+        )
+    return state
+
+
+def _with_counts(opt_state, step: int):
+    """Every optax step count in ``opt_state`` (Adam's, the lr schedule's, an injected
+    hyperparameter's) at ``step``: the schedules continue where the run stopped."""
+
+    def put(path, leaf):
+        last = path[-1] if path else None
+        if getattr(last, "name", None) == "count":
+            return jax.device_put(np.asarray(step, dtype=leaf.dtype), leaf.sharding)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(put, opt_state)
+
+
+def _check_loss_scale(zero, ckpt: DeepSpeedCheckpoint):
+    """The checkpoint's dynamic loss scaler state when ``zero`` continues an fp16 run; a
+    :class:`DeepSpeedSettingError` when ``zero.loss_scale`` is not the run's."""
+    want = LS.loss_scale(ckpt)
+    if want is None:
+        return None
+    fix = (
+        "build the ZeRO with precision='fp16', "
+        "loss_scale=jaxzero.interop.deepspeed.loss_scale(ckpt)"
+    )
+    if zero.loss_scale != want:
+        raise U.DeepSpeedSettingError(
+            f"the checkpoint's run scales the loss with {want}, but zero.loss_scale is "
+            f"{zero.loss_scale}: {fix}"
+        )
+    if isinstance(want, DynamicLossScale) and ckpt.loss_scaler is None:
+        raise U.DeepSpeedSettingError(
+            "the checkpoint's run scales the loss dynamically, but its optimizer files hold "
+            "no DynamicLossScaler state to continue from (is it damaged?)"
+        )
+    return ckpt.loss_scaler if isinstance(want, DynamicLossScale) else None
 
 
 def _dtype_name(tree) -> str:
@@ -323,7 +231,15 @@ def from_train_state(
             "weight_decay}, ...] or a zero whose tx was built by jaxzero.interop.deepspeed.adamw"
         )
     groups = _check_groups(groups)
-    clip = U.chain_clipping(settings_of(zero.tx) if zero is not None else None, ds_config)
+    settings = settings_of(zero.tx) if zero is not None else None
+    lost = settings.not_written() if settings is not None else []
+    if lost:
+        raise U.DeepSpeedSettingError(
+            f"zero.tx reproduces {lost}, which a written DeepSpeed checkpoint would not carry "
+            "(the writer writes no lr scheduler state, no loss scaler and AdamW only): "
+            "DeepSpeed would continue with another update; continue the run in jaxzero"
+        )
+    clip = U.chain_clipping(settings, ds_config)
     names = [n for g in groups for n in g["names"]]
     master = state.master if state.master is not None else state.params
     nm = (

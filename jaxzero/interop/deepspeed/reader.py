@@ -55,7 +55,16 @@ class DeepSpeedCheckpoint:
         ``ds_config``: ZeRO 1/2 optimizer files record it (``clip_grad``) and a DeepSpeed run
         loaded from them continues with it; None: as ``ds_config`` says (DeepSpeed's default
         1.0 when absent).
-      lr_scheduler: the saved client lr scheduler state (model states' ``lr_scheduler``).
+      lr_scheduler: the saved lr scheduler state (model states' ``lr_scheduler``: the
+        ``ds_config`` scheduler's ``{"last_batch_iteration": ...}``, or a client scheduler's).
+      loss_scaler: fp16 runs with dynamic loss scaling: the ``DynamicLossScaler``'s attributes
+        (``cur_scale``, ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``,
+        ``delayed_shift``, ``scale_window``, ``min_scale``, ``scale_factor``,
+        ``consecutive_hysteresis``, ``raise_error_at_min_scale``) from the optimizer files,
+        which a DeepSpeed run loaded from them continues with; None otherwise.
+      skipped_steps: the engine's count of skipped (fp16 overflow) steps.
+      l2_weight_decay: the optimizer adds the weight decay to the gradient (Adam with
+        ``adam_w_mode: false``, or a torch Adam) instead of decoupling it (AdamW).
     """
 
     params: dict[str, np.ndarray]
@@ -74,6 +83,9 @@ class DeepSpeedCheckpoint:
     global_steps: int | None = None
     gradient_clipping: float | None = None
     lr_scheduler: object = None
+    loss_scaler: dict | None = None
+    skipped_steps: int | None = None
+    l2_weight_decay: bool = False
 
     @property
     def param_names(self) -> list[str]:
@@ -274,7 +286,36 @@ def _read(tag_dir) -> DeepSpeedCheckpoint:
         global_steps=ms.get("global_steps"),
         gradient_clipping=None if zero3 else _clip_grad(osds[0], paths[0]),
         lr_scheduler=ms.get("lr_scheduler"),
+        loss_scaler=_loss_scaler(osds[0], paths[0]),
+        skipped_steps=ms.get("skipped_steps"),
+        l2_weight_decay=_gather.l2_weight_decay(cfg, groups_raw),
     )
+
+
+_SCALER_KEYS = (
+    "cur_scale",
+    "cur_iter",
+    "last_overflow_iter",
+    "cur_hysteresis",
+    "delayed_shift",
+    "scale_window",
+    "min_scale",
+    "scale_factor",
+    "consecutive_hysteresis",
+    "raise_error_at_min_scale",
+)
+
+
+def _loss_scaler(osd, path) -> dict | None:
+    """The dynamic loss scaler's state (None without one)."""
+    scaler = osd.get("loss_scaler")
+    if scaler is None or not getattr(scaler, "dynamic", False):
+        return None
+    state = getattr(scaler, "__dict__", {})
+    missing = [k for k in _SCALER_KEYS if k not in state]
+    if missing:
+        raise _err(path, f"the dynamic loss scaler lacks {missing}")
+    return {k: state[k] for k in _SCALER_KEYS}
 
 
 def _clip_grad(osd, path) -> float | None:

@@ -25,10 +25,21 @@ after 2 steps for max norms 1.0 down to 0.001, gradient norms about 2.4).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Mapping
 
 import optax
+
+import jaxzero.interop.deepspeed.fp16 as LS
+import jaxzero.interop.deepspeed.schedules as S
+from jaxzero.interop.deepspeed._common import DeepSpeedSettingError
+from jaxzero.interop.deepspeed.clipping import (
+    GRADIENT_CLIPPING_DEFAULT,
+    _number,
+    chain_clipping,
+    check_config_clipping,
+    effective_clipping,
+)
+from jaxzero.precision import DynamicLossScale
 
 __all__ = [
     "DeepSpeedSettingError",
@@ -43,7 +54,6 @@ __all__ = [
 ]
 
 # deepspeed/runtime/constants.py (0.19.8)
-GRADIENT_CLIPPING_DEFAULT = 1.0
 GRADIENT_PREDIVIDE_FACTOR_DEFAULT = 1.0
 
 REFUSABLE = (
@@ -54,10 +64,6 @@ REFUSABLE = (
     "gradient_predivide_factor",
     "zero_optimization.zenflow",
 )
-
-
-class DeepSpeedSettingError(ValueError):
-    """A ``ds_config`` setting that changes the update and that jaxzero does not reproduce."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +86,30 @@ class Setting:
 @dataclasses.dataclass(frozen=True)
 class UpdateSettings:
     """What :func:`read_settings` found. ``gradient_clipping`` is the max global norm the chain
-    clips to (0.0: none); ``not_reproduced`` the refused keys the caller allowed."""
+    clips to (0.0: none); ``not_reproduced`` the refused keys the caller allowed;
+    ``schedule`` the lr scheduler (:class:`schedules.Schedule`, None: constant lr);
+    ``l2_weight_decay`` whether the weight decay is added to the gradient (Adam with
+    ``adam_w_mode: false``); ``loss_scale`` the fp16 run's jaxzero loss scale (None: none)."""
 
     settings: tuple[Setting, ...]
     gradient_clipping: float
     not_reproduced: tuple[str, ...] = ()
+    schedule: S.Schedule | None = None
+    l2_weight_decay: bool = False
+    loss_scale: object = None
+
+    def not_written(self) -> list[str]:
+        """The settings a DeepSpeed checkpoint written from the chain's state would lose (the
+        writer writes neither a scheduler's state nor a loss scaler, and only AdamW)."""
+        return [
+            key
+            for key, on in (
+                ("scheduler", self.schedule is not None),
+                ("optimizer.params.adam_w_mode", self.l2_weight_decay),
+                ("fp16", isinstance(self.loss_scale, DynamicLossScale)),
+            )
+            if on
+        ]
 
     def lines(self) -> list[str]:
         return [s.line() for s in self.settings]
@@ -95,9 +120,10 @@ class UpdateSettings:
     def report(self, groups) -> str:
         """The text :func:`jaxzero.interop.deepspeed.adamw` prints: the param groups, then
         one line per setting."""
+        kind = "Adam, L2: decay added to the gradient" if self.l2_weight_decay else "AdamW"
         lines = [
             f"param group {i}: {len(g['names'])} params, lr={g['lr']}, betas={tuple(g['betas'])}, "
-            f"eps={g['eps']}, weight_decay={g['weight_decay']} (AdamW, decoupled decay)"
+            f"eps={g['eps']}, weight_decay={g['weight_decay']} ({kind})"
             for i, g in enumerate(groups)
         ]
         return "\n".join(["DeepSpeed update reproduced by the optax chain:", *lines, *self.lines()])
@@ -106,62 +132,6 @@ class UpdateSettings:
         """The transformations that go before AdamW in the chain."""
         clip = self.gradient_clipping
         return [optax.clip_by_global_norm(clip)] if clip else []
-
-
-def _number(cfg: Mapping, key: str, default: float) -> tuple[float, bool]:
-    if key not in cfg:
-        return float(default), True
-    v = cfg[key]
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise DeepSpeedSettingError(f"ds_config[{key!r}] = {v!r} is not a number")
-    return float(v), False
-
-
-def effective_clipping(ds_config: Mapping | None, clip_grad: float | None = None) -> float:
-    """The max norm DeepSpeed clips to: ``clip_grad`` (from ZeRO 1/2 optimizer files) when
-    given, else ``ds_config["gradient_clipping"]``, else DeepSpeed's default 1.0; 0.0 for
-    none (DeepSpeed clips only when the value is > 0)."""
-    if clip_grad is not None:
-        return max(float(clip_grad), 0.0)
-    return max(_number(ds_config or {}, "gradient_clipping", GRADIENT_CLIPPING_DEFAULT)[0], 0.0)
-
-
-def _clip_words(clip: float) -> str:
-    return f"global norm {clip:g}" if clip else "no norm (no clipping)"
-
-
-def check_config_clipping(ds_config: Mapping, clip: float, what: str) -> None:
-    """Raise :class:`DeepSpeedSettingError` unless a DeepSpeed job with ``ds_config`` clips
-    at ``clip`` (0.0: none) as ``what`` does."""
-    theirs = effective_clipping(ds_config)
-    if theirs != clip:
-        said = (
-            f"sets gradient_clipping = {ds_config['gradient_clipping']!r}"
-            if "gradient_clipping" in ds_config
-            else "leaves gradient_clipping out, so DeepSpeed clips at its default 1.0"
-        )
-        raise DeepSpeedSettingError(
-            f"the ds_config {said}, but {what} clips at {_clip_words(clip)}; set "
-            f"ds_config['gradient_clipping'] = {clip} (0.0: none) so that DeepSpeed continues "
-            "with the same update"
-        )
-
-
-def chain_clipping(settings: UpdateSettings | None, ds_config: Mapping | None) -> float:
-    """The clipping of a jaxzero chain: from :func:`adamw`'s settings when it built the chain
-    (checked against ``ds_config`` when given), else ``ds_config["gradient_clipping"]``,
-    which must then be given."""
-    if settings is not None:
-        if ds_config is not None:
-            check_config_clipping(ds_config, settings.gradient_clipping, "zero.tx")
-        return settings.gradient_clipping
-    if ds_config is None or "gradient_clipping" not in ds_config:
-        raise DeepSpeedSettingError(
-            "cannot tell whether the optimizer clips gradients (zero.tx was not built by "
-            "jaxzero.interop.deepspeed.adamw): pass ds_config={'gradient_clipping': <max norm, "
-            "0.0 for none>, ...}, the config the DeepSpeed job will use"
-        )
-    return effective_clipping(ds_config)
 
 
 class _Reader:
@@ -240,31 +210,66 @@ def _batches(r: _Reader) -> None:
     r.add("gradient_accumulation_steps", gas, gas is None, effect)
 
 
-def _precision(r: _Reader, dtype: str) -> None:
-    fp16 = r.cfg.get("fp16") if isinstance(r.cfg.get("fp16"), Mapping) else {}
-    if fp16.get("enabled"):
+def _precision(r: _Reader, dtype: str, loss_scaler) -> object:
+    """The fp16 loss scale (None without fp16)."""
+    block = LS.fp16_block(r.cfg)
+    ls = None
+    if block is not None and block.get("fp16_master_weights_and_grads"):
         why = (
-            "DeepSpeed's fp16 loss scaling (skipped overflow steps, its loss-scaler state) is not "
-            "carried over; continue from a bf16 or fp32 run, or allow it and choose "
-            "ZeRO(precision='fp16', loss_scale=...) yourself"
+            "the master weights and gradients are fp16 (DeepSpeedCPUAdam only); jaxzero's are fp32"
         )
-        r.refuse("fp16", dict(fp16), False, why)
+        r.refuse("fp16", "fp16_master_weights_and_grads", False, why)
+    elif block is not None:
+        ls = LS.scale_from_config(block, loss_scaler)
+        r.add("fp16", dict(r.cfg["fp16"]), False, LS.effect(ls))
     else:
         r.add("fp16.enabled", False, "fp16" not in r.cfg, "no loss scaling")
     effect = (
         "bf16 compute: build the ZeRO with precision='bf16' (same update; 16-bit rounding "
         "is not bit-identical to DeepSpeed's)"
         if dtype == "bf16"
+        else "fp16 compute: build the ZeRO with precision='fp16' (16-bit rounding is not "
+        "bit-identical to DeepSpeed's)"
+        if dtype == "fp16"
         else "fp32 compute and master weights"
     )
     r.add("bf16.enabled", dtype == "bf16", "bf16" not in r.cfg, effect)
+    return ls
 
 
-def _schedule(r: _Reader, lr_scheduler) -> None:
+def _base_lrs(cfg: Mapping, groups, saved: bool) -> list:
+    """Each group's lr before any scheduler: the optimizer block's lr, else (no checkpoint)
+    the group's own; None where unknown."""
+    opt = cfg.get("optimizer") if isinstance(cfg.get("optimizer"), Mapping) else {}
+    lr = (opt.get("params") or {}).get("lr")
+    if lr is not None:
+        return [float(lr)] * len(groups)
+    return [None if saved else float(g["lr"]) for g in groups]
+
+
+def _schedule(r: _Reader, lr_scheduler, groups, step: int, saved: bool):
+    """The lr scheduler (None: constant lr)."""
     sched = r.cfg.get("scheduler")
+    found = None
     if isinstance(sched, Mapping) and sched.get("type"):
-        why = "the lr follows DeepSpeed's schedule; the chain would keep the param groups' saved lr"
-        r.refuse("scheduler", sched.get("type"), False, why)
+        name = sched["type"]
+        if name not in S.SCHEDULERS:
+            why = (
+                f"not one of DeepSpeed's own schedulers {list(S.SCHEDULERS)} (a "
+                "torch.optim.lr_scheduler class?); build its optax schedule yourself"
+            )
+            r.refuse("scheduler", name, False, why)
+        elif groups is None:
+            why = "the schedule needs the param groups: pass them (or a checkpoint) to adamw"
+            r.refuse("scheduler", name, False, why)
+        else:
+            last = (
+                lr_scheduler.get("last_batch_iteration")
+                if isinstance(lr_scheduler, Mapping)
+                else None
+            )
+            found = S.read(sched, groups, _base_lrs(r.cfg, groups, saved), last, step, saved)
+            r.add("scheduler", name, False, found.effect())
     elif lr_scheduler is not None:
         why = "a client lr scheduler's state is saved; the chain would keep the saved lr"
         r.refuse("lr_scheduler", "client scheduler", False, why)
@@ -274,6 +279,23 @@ def _schedule(r: _Reader, lr_scheduler) -> None:
     if isinstance(zopt, Mapping) and zopt.get("zenflow"):
         why = "ZenFlow updates only selected gradient columns on some steps"
         r.refuse("zero_optimization.zenflow", "enabled", False, why)
+    return found
+
+
+def _optimizer(r: _Reader, l2: bool | None) -> bool:
+    """Whether the weight decay is L2 (added to the gradient before the moments)."""
+    opt = r.cfg.get("optimizer") if isinstance(r.cfg.get("optimizer"), Mapping) else {}
+    mode = (opt.get("params") or {}).get("adam_w_mode")
+    if l2 is None:
+        l2 = str(opt.get("type", "")).lower() == "adam" and mode is False
+    effect = (
+        "L2: optax.add_decayed_weights before optax.scale_by_adam (torch Adam / FusedAdam "
+        "with adam_w_mode false)"
+        if l2
+        else "decoupled weight decay (AdamW): optax.add_decayed_weights after scale_by_adam"
+    )
+    r.add("optimizer.params.adam_w_mode", mode, mode is None, effect)
+    return l2
 
 
 def read_settings(
@@ -284,6 +306,11 @@ def read_settings(
     world_size: int | None = None,
     dtype: str = "fp32",
     lr_scheduler=None,
+    param_groups=None,
+    step: int = 0,
+    saved: bool = False,
+    l2_weight_decay: bool | None = None,
+    loss_scaler=None,
     allow=(),
 ) -> UpdateSettings:
     """The update settings of ``ds_config`` (DeepSpeed 0.19.8's defaults for absent keys).
@@ -293,7 +320,12 @@ def read_settings(
       clip_grad: the clipping the ZeRO 1/2 optimizer files recorded (it wins over the config).
       stage, world_size: the DeepSpeed ZeRO stage and data-parallel size (None: unknown).
       dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
-      lr_scheduler: the saved client scheduler state (model states' ``lr_scheduler``), if any.
+      lr_scheduler: the saved scheduler state (model states' ``lr_scheduler``), if any.
+      param_groups: torch-style groups (``names``, ``lr``, ``betas``, ...), which a
+        ``scheduler`` needs; ``saved``: they hold a checkpoint's (scheduled) lr and betas,
+        checked against the schedule; ``step``: the checkpoint's optimizer step.
+      l2_weight_decay: whether the optimizer's decay is L2 (None: as ``ds_config`` says).
+      loss_scaler: a checkpoint's dynamic loss scaler state (its settings win).
       allow: keys of settings that cannot be reproduced to accept anyway (each is reported as
         NOT reproduced); each must be one this config sets: ``"fp16"``, ``"scheduler"``,
         ``"lr_scheduler"``, ``"gradient_allreduce_op"``, ``"gradient_predivide_factor"``,
@@ -314,8 +346,9 @@ def read_settings(
     clip = _clipping(r, clip_grad)
     _reduction(r, stage, world_size)
     _batches(r)
-    _precision(r, dtype)
-    _schedule(r, lr_scheduler)
+    ls = _precision(r, dtype, loss_scaler)
+    l2 = _optimizer(r, l2_weight_decay)
+    schedule = _schedule(r, lr_scheduler, param_groups, step, saved)
     if r.refused:
         raise DeepSpeedSettingError(
             "these DeepSpeed settings change the update and are not reproduced by the optax "
@@ -326,7 +359,7 @@ def read_settings(
     unused = [a for a in allow if a not in r.allowed]
     if unused:
         raise ValueError(f"allow={unused}: the config does not set these, nothing to allow")
-    return UpdateSettings(tuple(r.settings), clip, tuple(r.allowed))
+    return UpdateSettings(tuple(r.settings), clip, tuple(r.allowed), schedule, l2, ls)
 
 
 def update_settings(ckpt, allow=()) -> UpdateSettings:
@@ -338,12 +371,18 @@ def update_settings(ckpt, allow=()) -> UpdateSettings:
         world_size=ckpt.world_size,
         dtype=ckpt.dtype,
         lr_scheduler=ckpt.lr_scheduler,
+        param_groups=ckpt.param_groups,
+        step=ckpt.step,
+        saved=True,
+        l2_weight_decay=ckpt.l2_weight_decay,
+        loss_scaler=ckpt.loss_scaler,
         allow=allow,
     )
 
 
-def config_settings(ds_config, allow=()) -> UpdateSettings:
-    """The update settings of a bare ``ds_config`` (None: a torch AdamW without clipping)."""
+def config_settings(ds_config, allow=(), param_groups=None) -> UpdateSettings:
+    """The update settings of a bare ``ds_config`` (None: a torch AdamW without clipping),
+    for a run that starts from its first step with ``param_groups``."""
     if ds_config is None:
         if allow:
             raise ValueError(f"allow={list(allow)} needs a checkpoint or a ds_config")
@@ -354,4 +393,7 @@ def config_settings(ds_config, allow=()) -> UpdateSettings:
     zopt = ds_config.get("zero_optimization")
     stage = zopt.get("stage") if isinstance(zopt, Mapping) else None
     dtype = "bf16" if (ds_config.get("bf16") or {}).get("enabled") else "fp32"
-    return read_settings(ds_config, stage=stage, dtype=dtype, allow=allow)
+    dtype = "fp16" if (ds_config.get("fp16") or {}).get("enabled") else dtype
+    return read_settings(
+        ds_config, stage=stage, dtype=dtype, param_groups=param_groups, allow=allow
+    )

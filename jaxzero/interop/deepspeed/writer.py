@@ -270,6 +270,30 @@ def _copy_zero_to_fp32(save_dir) -> None:
         shutil.copyfile(src, os.path.join(save_dir, "zero_to_fp32.py"))
 
 
+def _check_writable(cfg: dict, ckpt: DeepSpeedCheckpoint) -> None:
+    """Refuse what the written files cannot carry: a scheduler's state, L2 Adam."""
+    sched = cfg.get("scheduler")
+    opt = cfg.get("optimizer") if isinstance(cfg.get("optimizer"), dict) else {}
+    l2 = ckpt.l2_weight_decay or (
+        str(opt.get("type", "")).lower() == "adam"
+        and (opt.get("params") or {}).get("adam_w_mode", True) is False
+    )
+    lost = [
+        k
+        for k, on in (
+            ("scheduler", isinstance(sched, dict) and sched.get("type")),
+            ("optimizer.params.adam_w_mode", l2),
+        )
+        if on
+    ]
+    if lost:
+        raise U.DeepSpeedSettingError(
+            f"the ds_config sets {lost}, which the written files would not carry (the writer "
+            "writes no lr scheduler state and AdamW param groups only): DeepSpeed would "
+            "continue with another update; pass a ds_config without them"
+        )
+
+
 def write_ds_checkpoint(
     ckpt: DeepSpeedCheckpoint, save_dir, *, stage: int, world_size: int, tag=None, ds_config=None
 ) -> list[str]:
@@ -282,6 +306,7 @@ def write_ds_checkpoint(
     if ds_config is not None:
         U.check_config_clipping(ds_config, clip, "the checkpoint's run")
     cfg = dict(ds_config) if ds_config is not None else default_ds_config(ckpt, stage, world_size)
+    _check_writable(cfg, ckpt)
     cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": stage}
     for key in ("bf16", "fp16"):
         cfg.setdefault(key, {"enabled": ckpt.dtype == key})
