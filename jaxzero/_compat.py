@@ -60,6 +60,42 @@ def bind_params(eqn) -> dict:
     return out
 
 
+# The call-like primitives whose inner jaxpr can be evaluated inline, and the parameter that
+# holds it, by name across jax releases (jit was "pjit" before 0.7, remat "checkpoint" or
+# "remat2", a custom_vjp call "custom_vjp_call" with "call_jaxpr" or the older "fun_jaxpr").
+_CALL_JAXPR_PARAMS = {
+    "pjit": ("jaxpr",),
+    "jit": ("jaxpr",),
+    "closed_call": ("call_jaxpr",),
+    "core_call": ("call_jaxpr",),
+    "custom_jvp_call": ("call_jaxpr",),
+    "custom_vjp_call": ("call_jaxpr", "fun_jaxpr"),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr", "call_jaxpr"),
+    "checkpoint": ("jaxpr",),
+    "remat2": ("jaxpr",),
+}
+
+
+def call_jaxpr(eqn):
+    """``(jaxpr, consts)`` of a call-like equation (nested jit, custom_jvp/vjp call,
+    checkpoint), whose outputs are its inner jaxpr evaluated on its inputs; None otherwise."""
+    for name in _CALL_JAXPR_PARAMS.get(eqn.primitive.name, ()):
+        inner = eqn.params.get(name)
+        if inner is None:
+            continue
+        if hasattr(inner, "consts"):  # a ClosedJaxpr
+            return inner.jaxpr, inner.consts
+        return inner, []
+    return None
+
+
+def memory_space_is_host(x) -> bool:
+    """Whether ``x`` (an array or tracer) is typed host memory (jax's aval memory space)."""
+    import jax
+
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
 def compute_on_host(fn):
     """``fn`` run on the devices' hosts, its outputs in host memory. jax 0.10's
     ``compute_on("device_host")`` is a decorator factory (the outputs stay where the host

@@ -84,28 +84,6 @@ def pytest_terminal_summary(terminalreporter, config):
         )
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m / -k deselect
-def pytest_collection_modifyitems(config, items):
-    """Mark :data:`slow_cases.SLOW_CASES` ``slow``; in a run of whole files, a listed id
-    whose file was collected but which no test has any more is an error."""
-    from slow_cases import SLOW_CASES
-
-    ids = {item.nodeid: item for item in items}
-    for nodeid in SLOW_CASES:
-        if nodeid in ids:
-            ids[nodeid].add_marker(pytest.mark.slow)
-    if any("::" in a for a in config.args):
-        return
-    files = {nodeid.split("::")[0] for nodeid in ids}
-    stale = [n for n in SLOW_CASES if n.split("::")[0] in files and n not in ids]
-    if stale:
-        raise pytest.UsageError(
-            "tests/slow_cases.py lists cases no test has (renamed or re-parametrized?): "
-            + ", ".join(stale)
-            + "; update the list."
-        )
-
-
 def repo_module(name, *parts):
     """The repository's script ``parts`` (e.g. ``"benchmarks", "overlap.py"``) imported as
     module ``name``, once per process (its dataclasses look their module up in sys.modules)."""

@@ -199,7 +199,10 @@ def test_verify_reads_a_checkpoint_saved_without_checksums(tmp_path):
 
 
 # --------------------------------------------------------------------------------- failed saves
-@pytest.mark.parametrize("mode", ["sync", "async_wait", "async_next"])
+# slow: the async failure raised by checkpoint.wait (the save's own and the next save's stay)
+@pytest.mark.parametrize(
+    "mode", ["sync", pytest.param("async_wait", marks=pytest.mark.slow), "async_next"]
+)
 def test_failed_save_reaches_the_caller_and_the_previous_step_restores(run, tmp_path, mode):
     directory = tmp_path / "ckpt"
     proc = subprocess.run(

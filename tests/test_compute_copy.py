@@ -50,7 +50,15 @@ def _run(zero, loss_fn, state, batches, ema):
     return state, losses
 
 
-@pytest.mark.parametrize("name", list(PROBLEMS))
+# slow: whole-model and hybrid (per layer stays)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("whole", marks=pytest.mark.slow),
+        "per_layer",
+        pytest.param("hybrid", marks=pytest.mark.slow),
+    ],
+)
 def test_no_copy_trains_like_the_copy(name):
     """The step reads the fp32 master shards in both layouts (stage 3 builds the loss from
     the master), so dropping the bf16 copy changes no number: losses, master, Adam state and
@@ -132,7 +140,10 @@ def test_no_copy_needs_stage3_and_a_bool():
         jz.Precision(compute_copy="no")
 
 
-@pytest.mark.parametrize("direction", ["no_copy_to_copy", "copy_to_no_copy"])
+# slow: the no-copy -> copy restore (copy -> no-copy stays)
+@pytest.mark.parametrize(
+    "direction", [pytest.param("no_copy_to_copy", marks=pytest.mark.slow), "copy_to_no_copy"]
+)
 def test_checkpoints_restore_across_the_two_layouts_and_continue(direction, tmp_path):
     """A checkpoint of either layout restores into the other (the master carries the
     weights, the bf16 params are its cast) and training continues as it would have in the

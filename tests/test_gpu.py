@@ -47,7 +47,6 @@ RENAMED_XLA_FLAGS = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0,
 # gather_layer: each layer gathered where it is used (nn.scan over nn.remat); the prefetching
 # jaxzero.scan_layers loop (the models' default) is checked on SHAPE16 below.
 SHAPE = model_shape(layers=2, hidden=64, heads=2, vocab=128, seq=16, batch=1, loop="gather_layer")
-CASES = [(0, False), (1, False), (2, False), (3, False), (3, True)]
 SCALARS = 16  # int32 step, skipped, Adam's count, the EMA's update counter
 
 
@@ -105,8 +104,23 @@ def expected_state_bytes(stage, precision, n, s, r, phi):
     return params + opt + ema + SCALARS
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage,per_layer", CASES, ids=["0", "1", "2", "3", "3_per_layer"])
+@pytest.mark.parametrize(
+    "stage,per_layer,precision",
+    [
+        # slow: the theory at bf16 for stages 0, 1 and 3, at fp32 for stage 2 and per layer;
+        # stages 0, 1 and 3 stay at fp32, stage 2 and per-layer stage 3 at bf16
+        pytest.param(0, False, "fp32", id="0-fp32"),
+        pytest.param(0, False, "bf16", id="0-bf16", marks=pytest.mark.slow),
+        pytest.param(1, False, "fp32", id="1-fp32"),
+        pytest.param(1, False, "bf16", id="1-bf16", marks=pytest.mark.slow),
+        pytest.param(2, False, "fp32", id="2-fp32", marks=pytest.mark.slow),
+        pytest.param(2, False, "bf16", id="2-bf16"),
+        pytest.param(3, False, "fp32", id="3-fp32"),
+        pytest.param(3, False, "bf16", id="3-bf16", marks=pytest.mark.slow),
+        pytest.param(3, True, "fp32", id="3_per_layer-fp32", marks=pytest.mark.slow),
+        pytest.param(3, True, "bf16", id="3_per_layer-bf16"),
+    ],
+)
 def test_gpu_compiled_step_matches_zero_theory(stage, per_layer, precision):
     rep = compiled(stage, per_layer, precision)
     assert rep.kind == "h100" and rep.devices == N
@@ -494,7 +508,12 @@ SHAPE4 = model_shape(layers=4, hidden=64, heads=2, vocab=128, seq=16, batch=1)
 SHAPE16 = model_shape(layers=16, hidden=64, heads=2, vocab=128, seq=16, batch=1)
 
 
-@pytest.mark.parametrize("flags", [False, True], ids=["default_flags", "recommended_flags"])
+# slow: the recommended flags (the default flags stay: the same >= 90% claim)
+@pytest.mark.parametrize(
+    "flags",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["default_flags", "recommended_flags"],
+)
 def test_gpu_scan_layers_prefetch_hides_stage3_bytes(flags):
     """Stage 3 per layer with jaxzero.scan_layers (the next layer's all-gather issued while
     this one computes, forward and backward): exposed are only layer 0's forward gather, the
@@ -584,6 +603,7 @@ def test_gpu_stage3_without_compute_copy_holds_less_and_moves_the_same_bytes():
     assert none.kernels_per_step <= copy.kernels_per_step
 
 
+@pytest.mark.slow  # vocab_parallel's compiled collectives (make test-all)
 def test_gpu_vocab_parallel_moves_activations_instead_of_the_table():
     """``ZeRO(vocab_parallel="embed")`` on a tied-embedding GPT (4 x 64, vocab 128), per-layer
     stage 3, bf16: no collective carries the [V, H] table, and the bytes follow the formula.
@@ -659,7 +679,8 @@ def test_gpu_stage3_per_layer_gathers_contiguous_shards_with_no_stack_transposed
     assert rep.temp_bytes < old.temp_bytes
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+# slow: stage 1 (stage 2 stays; stage 1 without micro-batches reduces the same way)
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_gpu_stage2_per_layer_hides_the_layers_reduce_scatters(stage):
     """Stage 2 with layers= (and stage 1 without micro-batches, which reduces the same way
     instead of all-reducing after the backward): each layer's gradient is reduce-scattered in
@@ -680,7 +701,8 @@ def test_gpu_stage2_per_layer_hides_the_layers_reduce_scatters(stage):
     assert scalar_copies == [], len(scalar_copies)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 3])
+# slow: stage 0 (stages 1 and 3 stay)
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1, 3])
 def test_gpu_ema_of_350_leaves_is_a_handful_of_kernels_at_12_bytes_per_element(stage):
     """The EMA update alone, in rows (the GPU default at stages 0-2): every float leaf in rows
     of at most 88 leaves (XLA:GPU fuses at most 96 operands and outputs into a kernel), and
@@ -727,7 +749,10 @@ def test_gpu_ema_of_350_leaves_is_a_handful_of_kernels_at_12_bytes_per_element(s
     assert got["rows"][1] <= got["per_leaf"][1] * 1.001
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+# slow: the EMA's kernels at stages 0 and 2 (stage 3 stays): 194 s
+@pytest.mark.parametrize(
+    "stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+)
 def test_gpu_ema_in_the_compiled_step_adds_a_handful_of_kernels(stage):
     """What the default EMA adds to the compiled optimizer step (bf16, Adam, the 350-leaf
     detector), against the same step without an EMA. The EMA's update counter is derived from
@@ -771,6 +796,7 @@ def test_gpu_ema_in_the_compiled_step_adds_a_handful_of_kernels(stage):
         assert extra_bytes == pytest.approx(12 * local, rel=0.10)
 
 
+@pytest.mark.slow  # the plan CLI's no-compute-copy row (make test-all)
 def test_gpu_plan_without_compute_copy_compiles_and_estimates_fsdps_layout(capsys):
     """`jaxzero plan --no-compute-copy`: stage 3 compiled with Precision(compute_copy=False)
     holds exactly the bf16 params shard less state than the default (2 bytes per element a
@@ -798,6 +824,7 @@ def test_gpu_plan_without_compute_copy_compiles_and_estimates_fsdps_layout(capsy
     assert rows[True].estimate.params == 2 * -(-phi // N)
 
 
+@pytest.mark.slow  # the plan CLI's --vocab-parallel rows (make test-all)
 def test_gpu_plan_vocab_parallel_keeps_the_table_sharded_at_stage_3_only(capsys):
     """`jaxzero plan --vocab-parallel` (a gpt ModelShape with vocab_parallel=True): the
     stage-3 row is compiled with ZeRO(vocab_parallel="embed") (no collective carries the
@@ -819,7 +846,8 @@ def test_gpu_plan_vocab_parallel_keeps_the_table_sharded_at_stage_3_only(capsys)
     assert "vocab_parallel=True needs arch='gpt'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("stage", ["1", "2"])
+# slow: --stage1 both (--stage2 both stays)
+@pytest.mark.parametrize("stage", [pytest.param("1", marks=pytest.mark.slow), "2"])
 def test_gpu_plan_cli_prints_stage2_per_layer_hidden_share(stage, capsys):
     """`jaxzero plan --stage2 both` prints stage 2's whole-gradient row (its one reduce-scatter
     after the backward: 0% hidden) and its per-layer row (>= 90% of reduce-scatter bytes

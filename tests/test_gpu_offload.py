@@ -28,7 +28,6 @@ from jaxzero.zero import offload
 N = 8
 # hidden 256: the state (3.9 MB per device) outweighs the step's other buffers
 SHAPE = model_shape(layers=2, hidden=256, heads=2, vocab=512, seq=16, batch=1)
-CASES = [(1, False), (2, False), (3, False), (3, True)]
 
 
 def _step(stage, per_layer, off):
@@ -59,7 +58,16 @@ def _offloaded_bytes(per_layer):
     return 16 * local + 2 * 4
 
 
-@pytest.mark.parametrize("stage,per_layer", CASES, ids=["1", "2", "3", "3_per_layer"])
+@pytest.mark.parametrize(
+    "stage,per_layer",
+    [
+        # slow: stages 1 and 2 (stage 3, whole and per layer, stays)
+        pytest.param(1, False, id="1", marks=pytest.mark.slow),
+        pytest.param(2, False, id="2", marks=pytest.mark.slow),
+        pytest.param(3, False, id="3"),
+        pytest.param(3, True, id="3_per_layer"),
+    ],
+)
 def test_gpu_offload_moves_the_state_from_device_to_host_memory(stage, per_layer):
     """The device's persistent bytes drop by exactly the offloaded state, which the host holds
     (its outputs alias its inputs: the update is in place); the device peak drops by at least

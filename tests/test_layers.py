@@ -37,15 +37,16 @@ CHAINS = {
 @pytest.mark.parametrize(
     "chain,n,accum,stage",
     [
-        ("sgd_nesterov_cosine", 8, 1, 3),
+        # slow: the second optimizer and N = 2 (clip_adamw at N = 8 stays for every stage)
+        pytest.param("sgd_nesterov_cosine", 8, 1, 3, marks=pytest.mark.slow),
         ("clip_adamw", 8, 1, 3),
-        ("clip_adamw", 2, 4, 3),
+        pytest.param("clip_adamw", 2, 4, 3, marks=pytest.mark.slow),
         ("clip_adamw", 8, 1, 2),
-        ("sgd_nesterov_cosine", 2, 4, 2),
+        pytest.param("sgd_nesterov_cosine", 2, 4, 2, marks=pytest.mark.slow),
         ("clip_adamw", 8, 1, 1),
-        ("sgd_nesterov_cosine", 2, 4, 1),
+        pytest.param("sgd_nesterov_cosine", 2, 4, 1, marks=pytest.mark.slow),
         ("clip_adamw", 8, 1, 0),
-        ("sgd_nesterov_cosine", 2, 4, 0),
+        pytest.param("sgd_nesterov_cosine", 2, 4, 0, marks=pytest.mark.slow),
     ],
 )
 def test_per_layer_matches_single_device(chain, n, accum, stage):
@@ -141,7 +142,8 @@ def test_layer_collectives_sit_in_the_scanned_loop():
     assert entry_ag >= 4 * layer_bytes, (entry_ag, layer_bytes)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+# slow: stage 1 (stage 2 stays)
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_stage2_reduce_scatters_each_layer_in_the_backward_loop(stage):
     """Stage 2 with layers= (and stage 1 without micro-batches): the stack's gradient is
     reduce-scattered inside the scanned backward loop (layer by layer, as many bytes as the
@@ -289,7 +291,10 @@ def test_stack_split_dimension_per_stage(stage):
     assert zero.ema_leaf_specs(params) == specs
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+# slow: stages 1 and 2 on the hybrid mesh (stage 0 stays)
+@pytest.mark.parametrize(
+    "stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_per_layer_on_a_hybrid_mesh_matches_single_device(stage):
     """A mesh with a replica axis (2 x 4): stage 0 reduces each layer in the backward (its
     stacks enter the loss invariant over every axis); stages 1/2 fall back to the whole

@@ -22,24 +22,48 @@ N = 8
 BF16 = jz.Precision("bfloat16", "float32", "float32")
 
 # (problem, ZeRO keywords, make_train_step keywords)
-CASES = {
-    "stage1_bf16_accum": ("transformer", {"stage": 1, "precision": BF16}, {"accum_steps": 2}),
-    "stage2_fp16_scaled": (
+CASES = [
+    # slow: stage 1 with micro-batches (stage 1 stays in test_offload_matches_single_device_optax)
+    pytest.param(
+        "transformer",
+        {"stage": 1, "precision": BF16},
+        {"accum_steps": 2},
+        id="stage1_bf16_accum",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
         "transformer",
         {"stage": 2, "precision": "fp16", "loss_scale": jz.DynamicLossScale(2.0**10)},
         {},
+        id="stage2_fp16_scaled",
     ),
-    "stage3_bf16": ("transformer", {"stage": 3, "precision": BF16}, {"accum_steps": 2}),
-    # fp32 reduce: the stacks' gradients are not exact in bf16, so the loss gets fp32 stacks
-    "stage3_per_layer_bf16": ("scanned", {"stage": 3, "precision": BF16, "layers": "layers"}, {}),
+    # slow: whole-model stage 3 (stage 3 stays per layer, with the bf16 reduce below; the
+    # whole model stays at stage 2)
+    pytest.param(
+        "transformer",
+        {"stage": 3, "precision": BF16},
+        {"accum_steps": 2},
+        id="stage3_bf16",
+        marks=pytest.mark.slow,
+    ),
+    # fp32 reduce: the stacks' gradients are not exact in bf16, so the loss gets fp32 stacks.
+    # slow: per-layer stage 3 with the fp32 reduce (the bf16 reduce below stays)
+    pytest.param(
+        "scanned",
+        {"stage": 3, "precision": BF16, "layers": "layers"},
+        {},
+        id="stage3_per_layer_bf16",
+        marks=pytest.mark.slow,
+    ),
     # "bf16" reduces in bf16 over 8 devices: the loss keeps the bf16 stacks (decision 32)
-    "stage3_per_layer_bf16_reduce": (
+    pytest.param(
         "scanned",
         {"stage": 3, "precision": "bf16", "layers": "layers"},
         {"accum_steps": 2},
+        id="stage3_per_layer_bf16_reduce",
     ),
-    "stage2_fp32_no_master": ("transformer", {"stage": 2}, {}),
-}
+    pytest.param("transformer", {"stage": 2}, {}, id="stage2_fp32_no_master"),
+]
 
 
 def _problem(name, steps=3):
@@ -73,11 +97,10 @@ def _numpy(tree):
     return jax.tree.map(np.asarray, jz.gather(tree))
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_offload_trains_like_the_device_state(case):
+@pytest.mark.parametrize("name,zkw,skw", CASES)
+def test_offload_trains_like_the_device_state(name, zkw, skw):
     """Losses, compute params, master, optimizer state, EMA, step and skip counters of the
     offloaded run equal the run without offload after 3 steps."""
-    name, zkw, skw = CASES[case]
     params, loss_fn, batches = _problem(name)
     ema = jz.ShardedEMA(0.9, tau=2.0)
     runs = {}
@@ -144,7 +167,11 @@ def test_gather_and_ema_params_read_offloaded_state():
     chex.assert_trees_all_close(out["optimizer"], out[None], rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("direction", ["offloaded_to_device", "device_to_offloaded"])
+# slow: the offloaded -> device restore (device -> offloaded stays)
+@pytest.mark.parametrize(
+    "direction",
+    [pytest.param("offloaded_to_device", marks=pytest.mark.slow), "device_to_offloaded"],
+)
 def test_checkpoints_restore_across_offload_settings_and_continue(direction, tmp_path):
     """A checkpoint saved from either setting restores into the other (host memory kinds
     where the target offloads) and training continues as in the setting that wrote it."""

@@ -72,8 +72,16 @@ def lowered_collectives(lowered_text):
     return out
 
 
+# slow: stage 2 with the bf16 reduce (stage 2 stays with the fp32 reduce, the bf16
+# reduce-scatter at stage 3)
 @pytest.mark.parametrize(
-    "stage,reduce_dtype", [(1, "bfloat16"), (2, "bfloat16"), (2, "float32"), (3, "bfloat16")]
+    "stage,reduce_dtype",
+    [
+        (1, "bfloat16"),
+        pytest.param(2, "bfloat16", marks=pytest.mark.slow),
+        (2, "float32"),
+        (3, "bfloat16"),
+    ],
 )
 def test_gather_moves_compute_dtype_and_reduce_moves_reduce_dtype(stage, reduce_dtype):
     params, loss_fn, batches = make_problem("transformer", steps=1)

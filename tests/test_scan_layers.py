@@ -41,10 +41,11 @@ TX = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1
 @pytest.mark.parametrize(
     "stage,layers,n,accum",
     [
-        (3, 1, 8, 1),
-        (3, 2, 8, 1),
+        # slow: stage 3 at other layer counts and meshes (every stage stays)
+        pytest.param(3, 1, 8, 1, marks=pytest.mark.slow),
+        pytest.param(3, 2, 8, 1, marks=pytest.mark.slow),
         (3, 3, 8, 1),
-        (3, 5, 2, 2),
+        pytest.param(3, 5, 2, 2, marks=pytest.mark.slow),
         (2, 3, 8, 1),
         (1, 3, 8, 1),
         (0, 2, 4, 1),
@@ -65,7 +66,10 @@ def test_scan_layers_matches_single_device(stage, layers, n, accum):
     assert not np.allclose(ref_params["gain"], params["gain"])
 
 
-@pytest.mark.parametrize("xs,stage", [("index", 3), ("keys", 3), ("keys", 2)])
+# slow: keys at stage 3 (index at stage 3 and keys at stage 2 stay)
+@pytest.mark.parametrize(
+    "xs,stage", [("index", 3), pytest.param("keys", 3, marks=pytest.mark.slow), ("keys", 2)]
+)
 def test_scan_layers_per_layer_inputs_match_single_device(xs, stage):
     """Per-layer inputs (``xs``): layer indices scaling each layer, or rng keys drawing a
     dropout mask per layer; the same numbers as plain single-device optax at 1e-5 (the
@@ -80,7 +84,16 @@ def test_scan_layers_per_layer_inputs_match_single_device(xs, stage):
     chex.assert_trees_all_close(jz.gather(state.opt_state), ref_opt, atol=atol)
 
 
-@pytest.mark.parametrize("stage,layers", [(3, 1), (3, 2), (3, 4), (2, 3)])
+# slow: stage 3 at 2 and 4 layers (stage 3 at 1 layer and stage 2 stay)
+@pytest.mark.parametrize(
+    "stage,layers",
+    [
+        (3, 1),
+        pytest.param(3, 2, marks=pytest.mark.slow),
+        pytest.param(3, 4, marks=pytest.mark.slow),
+        (2, 3),
+    ],
+)
 def test_scan_layers_per_layer_outputs_match_single_device(stage, layers):
     """Per-layer outputs (``with_ys=True``: each layer's feature mean, which the model adds to
     its prediction, so the loss's gradient reaches every layer through its ``y`` as well as

@@ -32,8 +32,26 @@ def _placements(params):
     }
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-@pytest.mark.parametrize("where", ["numpy", "one_device", "last_device", "other_mesh_sharded"])
+@pytest.mark.parametrize(
+    "where,stage",
+    [
+        # slow: each placement at a second and third stage (each placement stays at one stage,
+        # every stage stays: numpy at 3, one_device at 2, last_device at 0, other_mesh_sharded
+        # at 3)
+        pytest.param("numpy", 0, marks=pytest.mark.slow),
+        pytest.param("numpy", 2, marks=pytest.mark.slow),
+        ("numpy", 3),
+        pytest.param("one_device", 0, marks=pytest.mark.slow),
+        ("one_device", 2),
+        pytest.param("one_device", 3, marks=pytest.mark.slow),
+        ("last_device", 0),
+        pytest.param("last_device", 2, marks=pytest.mark.slow),
+        pytest.param("last_device", 3, marks=pytest.mark.slow),
+        pytest.param("other_mesh_sharded", 0, marks=pytest.mark.slow),
+        pytest.param("other_mesh_sharded", 2, marks=pytest.mark.slow),
+        ("other_mesh_sharded", 3),
+    ],
+)
 def test_init_accepts_params_wherever_they_live(stage, where):
     params, loss_fn, batches = make_problem("wide_mlp", steps=2)
     zero = jz.ZeRO(optax.adam(1e-2), jz.data_parallel_mesh(8), stage=stage)

@@ -134,7 +134,8 @@ def _problem(kind):
         ("linen_loop", 8, 1),
         ("linen_remat_loop", 8, 1),
         pytest.param("linen_remat_loop", 2, 4, marks=pytest.mark.slow),
-        ("nnx", 8, 1),
+        # slow: the NNX twin (the Linen loops and Hugging Face's GPT-2 stay)
+        pytest.param("nnx", 8, 1, marks=pytest.mark.slow),
         ("hf_gpt2", 8, 1),
     ],
 )
@@ -316,7 +317,8 @@ def test_gpu_compile_holds_a_few_units_and_gathers_each_twice():
     assert extra == pytest.approx(shape.layers * block, rel=0.01), (extra, block)
 
 
-@pytest.mark.parametrize("kind", ["linen", "nnx"])
+# slow: the NNX twin against the GSPMD-FSDP peer (the Linen loop stays)
+@pytest.mark.parametrize("kind", ["linen", pytest.param("nnx", marks=pytest.mark.slow)])
 def test_gpu_units_against_the_gspmd_fsdp_peer(kind):
     """XLA:GPU for 8 H100s (deviceless), 8 GPT blocks x 256 in a Python loop of nn.remat'd
     Linen blocks or an nnx.List, bf16 Adam: per unit, the peak (arguments + temporaries) and

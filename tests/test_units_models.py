@@ -52,11 +52,15 @@ def test_python_loop_params_are_one_subtree_per_block(shape):
 
 
 # (arch, loop): both loops on the GPT, one each on LLaMA (each pair is a few CPU compiles)
-PAIRS = [(GPT, "python"), (GPT, "python_noremat"), (LLAMA, "python")]
-PAIR_IDS = ["gpt-python", "gpt-python_noremat", "llama-python"]
-
-
-@pytest.mark.parametrize("shape,loop", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize(
+    "shape,loop",
+    [
+        # slow: the GPT's remat loop against the scan (its no-remat loop and the LLaMA stay)
+        pytest.param(GPT, "python", id="gpt-python", marks=pytest.mark.slow),
+        pytest.param(GPT, "python_noremat", id="gpt-python_noremat"),
+        pytest.param(LLAMA, "python", id="llama-python"),
+    ],
+)
 def test_python_loop_loss_equals_the_scanned_decoder_on_the_same_weights(shape, loop):
     """The scanned decoder (scan_layers over a stacked layer axis) is the reference: its
     params unstacked into block_0..block_{L-1} give the Python loop the same loss and the
@@ -93,8 +97,12 @@ def test_nnx_list_params_match_the_formula(shape):
 
 @pytest.mark.parametrize(
     "shape,loop",
-    [(GPT, "python"), (GPT, "python_noremat"), (LLAMA, "python_noremat")],
-    ids=["gpt-python", "gpt-python_noremat", "llama-python_noremat"],
+    [
+        pytest.param(GPT, "python", id="gpt-python"),
+        # slow: the NNX twin of the no-remat GPT (the remat GPT and the LLaMA stay)
+        pytest.param(GPT, "python_noremat", id="gpt-python_noremat", marks=pytest.mark.slow),
+        pytest.param(LLAMA, "python_noremat", id="llama-python_noremat"),
+    ],
 )
 def test_nnx_list_loss_equals_the_linen_loop_on_the_same_weights(shape, loop):
     """The Linen loop's params with block_i moved to layers/i: the same loss and gradients

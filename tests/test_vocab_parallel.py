@@ -160,6 +160,7 @@ def test_vocab_parallel_misuse_is_a_clear_error():
         step(step.init(small), small_batches[0])
 
 
+@pytest.mark.slow  # the bf16 closeness to fp32 optax (make test-all)
 def test_vocab_parallel_bf16_is_as_close_to_fp32_optax_as_the_gathered_table():
     """Under the bf16 policy (bf16 compute, fp32 master and reduce) both stage-3 steps round
     the same way per logit, but the vocabulary-parallel one sums the table's gradient over all

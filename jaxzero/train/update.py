@@ -43,8 +43,12 @@ def _unscaled(zero: ZeROConfig, state: TrainState, grads):
 
 def _optax_update(zero: ZeROConfig, state: TrainState, master, grads):
     """``(new_master, new_opt_state)``, each pinned where ``zero.placement`` says."""
-    updates, opt_state = zero.tx.update(grads, state.opt_state, master)
-    new_master = optax.apply_updates(master, updates)
+
+    def optax_step(grads, opt_state, master):
+        updates, opt_state = zero.tx.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), opt_state
+
+    new_master, opt_state = zero.placement.transform(optax_step)(grads, state.opt_state, master)
     pin = lambda t: zero.placement.pin(t, sh.named(zero.mesh, zero.shard_specs(t)))
     return pin(new_master), pin(opt_state)
 

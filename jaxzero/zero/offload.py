@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero._compat import compute_on_host
 from jaxzero.zero import specs as sh
+from jaxzero.zero.host_types import host_typed
 
 OFFLOADS = ("optimizer",)
 HOST = "pinned_host"
@@ -98,6 +99,10 @@ class DeviceMemory:
         step's ZeRO config, whose ``shard_specs`` place the state)."""
         return update(state, master, grads, *rest)
 
+    def transform(self, fn):
+        """``fn`` (the optax update) as it runs where the state lives: unchanged here."""
+        return fn
+
     def new_params(self, compute, params, keep):
         """The new compute params: ``compute`` where the step applied, ``params`` where not."""
         return keep(compute, params)
@@ -136,6 +141,11 @@ class HostMemory(DeviceMemory):
 
     def new_params(self, compute, params, keep):
         return compute  # already the kept master's cast: the device params are not read
+
+    def transform(self, fn):
+        """``fn`` with the arrays it creates in host memory beside its inputs, so that any
+        optax chain runs on the host (:mod:`jaxzero.zero.host_types`)."""
+        return host_typed(fn)
 
 
 def memory_kinds(mesh: Mesh) -> tuple[str, ...]:
