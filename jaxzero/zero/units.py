@@ -263,7 +263,7 @@ class _Evaluator:
                     local[v] = self._gather(v, x, after)
                 for eqn in eqns:
                     _bind(eqn, local)
-                return [local[v] for v in outs], _token(self.plan.comm, local[gathered[0]])
+                return [local[v] for v in outs], self._token(gathered, local)
 
             results, token = jax.checkpoint(body, policy=_not_gathered)(
                 [shards[v] for v in gathered], [env[v] for v in ins], after
@@ -274,8 +274,19 @@ class _Evaluator:
 
     def _gather(self, v, shard, after):
         """The gathered weight ``v`` from its shard, not before ``after`` (:func:`_after`); the
-        backward reduce-scatters its gradient."""
-        return _gather_leaf(self.plan.comm, _after(shard, after), self.plan.dims[self.lazy[v]])
+        backward reduce-scatters its gradient. A replicated leaf (no dimension divisible by N,
+        decision 3) is not gathered, so nothing orders it: it enters as it is, device-invariant
+        over the data axis, and its backward all-reduces its gradient back to that type (a
+        device-varying token added to it would make the input varying and the all-reduced
+        gradient's type differ from it: jax refuses such a custom VJP)."""
+        d = self.plan.dims[self.lazy[v]]
+        return _gather_leaf(self.plan.comm, shard if d is None else _after(shard, after), d)
+
+    def _token(self, gathered, local):
+        """:func:`_token` of the segment's first gathered weight that was sharded (the one
+        whose gather orders the next segment's), or of its first weight when none was."""
+        sharded = [v for v in gathered if self.plan.dims[self.lazy[v]] is not None]
+        return _token(self.plan.comm, local[(sharded or gathered)[0]])
 
     def _remat(self, eqn, env, shards, after):
         """A model's own ``jax.checkpoint`` equation, re-bound with the gathers of the unit
@@ -299,9 +310,7 @@ class _Evaluator:
             }
             for e in inner.eqns:
                 _bind(e, inner_env)
-            return [_read(inner_env, v) for v in inner.outvars], _token(
-                self.plan.comm, local[lazy[0]]
-            )
+            return [_read(inner_env, v) for v in inner.outvars], self._token(lazy, local)
 
         remat = jax.checkpoint(
             body, policy=eqn.params.get("policy"), prevent_cse=eqn.params.get("prevent_cse", True)
