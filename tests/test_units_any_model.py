@@ -11,10 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hf_models import hf_llama, token_batches
 from models import reference_run, train
 
 import jaxzero as jz
+from jaxzero.zero import units as units_mod
 
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6, weight_decay=0.1))
 
@@ -66,3 +68,55 @@ def test_hf_llama_units_on_3_devices_match_single_device_optax():
     state = train(zero, loss_fn, params, batches)
     chex.assert_trees_all_close(jz.gather(state), ref_params, atol=1e-5)
     chex.assert_trees_all_close(jz.gather(state.opt_state), ref_opt, atol=1e-5)
+
+
+def _odd_problem():
+    model = OddLoop()
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    batches = [{"x": normal(32, 36), "y": normal(32, 5)} for _ in range(2)]
+    params = model.init(jax.random.key(0), batches[0]["x"][:1])["params"]
+    loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+    return params, loss_fn, batches
+
+
+def test_nested_units_match_single_device_optax():
+    """FSDP2's fully_shard on a sub-module, then on its parent: with a block and its ``up``
+    Dense both named, ``up``'s leaves are their own unit and the block's unit is the rest."""
+    params, loss_fn, batches = _odd_problem()
+    nested = (r"block_\d+", r"block_\d+/up")
+    names = dict(
+        zip(
+            [
+                "/".join(jz._tree.path_strs(p))
+                for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+            ],
+            units_mod.unit_names(params, nested),
+            strict=True,
+        )
+    )
+    assert names["block_1/up/kernel"] == names["block_1/up/bias"] == "block_1/up"
+    assert names["block_1/out/kernel"] == names["block_1/norm/scale"] == "block_1"
+    assert names["head/kernel"] is None
+    ref_params, ref_opt = reference_run(TX, params, loss_fn, batches)
+    zero = jz.ZeRO(TX, jz.data_parallel_mesh(8), stage=3, units=nested)
+    state = train(zero, loss_fn, params, batches)
+    chex.assert_trees_all_close(jz.gather(state), ref_params, atol=1e-5)
+    chex.assert_trees_all_close(jz.gather(state.opt_state), ref_opt, atol=1e-5)
+
+
+def test_a_nested_pattern_left_no_leaf_is_refused_by_name():
+    """On tiny FlaxLlama's params: the layer and its attention are both units (no error), but
+    a layer pattern whose every leaf a deeper pattern claims is named with the one that
+    shadows it and the rule."""
+    params, _ = hf_llama(abstract=True)
+    mesh = jz.data_parallel_mesh(8)
+    jz.ZeRO(
+        TX, mesh, stage=3, units=(r"model/layers/\d+", r"model/layers/\d+/self_attn")
+    ).abstract_state(params)
+    shadowed = (r"model/layers/\d+", r"model/layers/\d+/(self_attn|mlp|\w+_layernorm)")
+    with pytest.raises(ValueError) as info:
+        jz.ZeRO(TX, mesh, stage=3, units=shadowed).abstract_state(params)
+    msg = str(info.value)
+    assert repr(shadowed[0]) in msg and repr(shadowed[1]) in msg, msg
+    assert "model/layers/0" in msg and "deepest" in msg, msg
