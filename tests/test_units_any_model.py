@@ -5,6 +5,8 @@ step is checked against plain single-device optax."""
 
 from __future__ import annotations
 
+import re
+
 import chex
 import flax.linen as nn
 import jax
@@ -12,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hf_models import hf_llama, token_batches
-from models import reference_run, train
+from hf_models import hf_llama, hf_t5, token_batches
+from models import make_problem, reference_run, train
 
 import jaxzero as jz
 from jaxzero.zero import units as units_mod
@@ -120,3 +122,34 @@ def test_a_nested_pattern_left_no_leaf_is_refused_by_name():
     msg = str(info.value)
     assert repr(shadowed[0]) in msg and repr(shadowed[1]) in msg, msg
     assert "model/layers/0" in msg and "deepest" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "model,units",
+    [
+        ("llama", {"model/layers/0", "model/layers/1"}),
+        ("t5", {f"{part}/block/{i}" for part in ("encoder", "decoder") for i in (0, 1)}),
+        ("linen_loop", {"layer0", "layer1"}),
+    ],
+)
+def test_no_match_error_suggests_a_pattern_built_from_the_params_paths(model, units):
+    """A pattern that matches nothing is refused with one built from the numbered path
+    segments the params repeat; that suggestion names exactly the model's blocks."""
+    if model == "llama":
+        params, _ = hf_llama(abstract=True)
+    elif model == "t5":
+        params, _ = hf_t5(abstract=True)
+    else:
+        params = make_problem("transformer", steps=1)[0]
+    with pytest.raises(ValueError, match="fullmatches no params path") as info:
+        jz.ZeRO(TX, jz.data_parallel_mesh(8), stage=3, units=r"blocks?_\d+").abstract_state(params)
+    suggested = re.search(r"try units=r'([^']+)'", str(info.value))
+    assert suggested, str(info.value)
+    assert set(units_mod.unit_names(params, (suggested[1],))) - {None} == units
+
+
+def test_no_match_error_without_numbered_blocks_says_what_a_unit_is():
+    params = {"encoder": {"kernel": jnp.zeros((8, 8))}, "head": {"kernel": jnp.zeros((8, 2))}}
+    with pytest.raises(ValueError, match="A unit is a subtree of the params") as info:
+        jz.ZeRO(TX, jz.data_parallel_mesh(8), stage=3, units=r"block_\d+").abstract_state(params)
+    assert "try units=" not in str(info.value)

@@ -11,6 +11,7 @@ each layer's norms and MLP another.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import jax
@@ -102,12 +103,7 @@ def check(params, units: tuple[str, ...]) -> None:
         named = [(unit, n[i]) for unit, n in owners if n[i] is not None]
         if named:
             raise ValueError(_shadowed(units, u, named))
-        paths = subtree_paths(params)
-        raise ValueError(
-            f"ZeRO(units={units!r}): {u!r} fullmatches no params path; paths begin "
-            f"{paths[:8]}. Write the pattern over '/'-joined keys, e.g. r'block_\\d+' or "
-            f"r'layers/\\d+'."
-        )
+        raise ValueError(_no_match(params, units, u))
 
 
 def _shadowed(units, u, named) -> str:
@@ -122,3 +118,81 @@ def _shadowed(units, u, named) -> str:
         f"Leave {u!r} out (its leaves are already in units), or narrow the deeper pattern so "
         f"some of its leaves stay in it."
     )
+
+
+def _no_match(params, units, u) -> str:
+    """The error for pattern ``u``, which fullmatches no params path prefix: with a pattern
+    built from the numbered blocks the params repeat, when they do."""
+    found = suggest(params)
+    if found is None:
+        hint = (
+            "A unit is a subtree of the params: write a pattern that fullmatches the "
+            "'/'-joined keys of each block's subtree"
+        )
+    else:
+        pattern, blocks = found
+        hint = (
+            f"The params repeat numbered blocks ({', '.join(blocks[:4])}, ...): "
+            f"try units=r'{pattern}'"
+        )
+    return (
+        f"ZeRO(units={units!r}): {u!r} fullmatches no params path; paths begin "
+        f"{subtree_paths(params)[:8]}. {hint}."
+    )
+
+
+def _numbered(key: str) -> str | None:
+    """The pattern of a numbered key (``0`` -> ``\\d+``, ``block_3`` -> ``block_\\d+``), or None."""
+    m = re.fullmatch(r"(.*?)(\d+)", key)
+    return None if m is None else re.escape(m[1]) + r"\d+"
+
+
+def _templates(params) -> dict[tuple[str, ...], dict[str, int]]:
+    """Every path prefix ending in a numbered key, as a tuple of per-key patterns (numbered
+    keys generalised), with the concrete prefixes it covers and their leaf counts."""
+    out: dict[tuple[str, ...], dict[str, int]] = {}
+    for keys in _paths(params):
+        pieces = [_numbered(k) or re.escape(k) for k in keys]
+        for i, key in enumerate(keys[:-1]):  # a unit is a subtree, not a leaf
+            if _numbered(key) is not None:
+                seen = out.setdefault(tuple(pieces[: i + 1]), {})
+                prefix = "/".join(keys[: i + 1])
+                seen[prefix] = seen.get(prefix, 0) + 1
+    return out
+
+
+def _merge(kept: list[tuple[str, ...]]) -> list[tuple[tuple[str, ...], ...]]:
+    """Templates of one length that differ in one key become one, with alternatives there
+    (``encoder/block/\\d+`` and ``decoder/block/\\d+``: ``(encoder|decoder)/block/\\d+``)."""
+    merged = [tuple((p,) for p in t) for t in kept]
+    differ = lambda x, y: [i for i in range(len(x)) if x[i] != y[i]] if len(x) == len(y) else []
+    while True:
+        pairs = itertools.combinations(range(len(merged)), 2)
+        found = next(((a, b) for a, b in pairs if len(differ(merged[a], merged[b])) == 1), None)
+        if found is None:
+            return merged
+        a, b = found
+        x, y = merged[a], merged.pop(b)
+        i = differ(x, y)[0]
+        merged[a] = x[:i] + (x[i] + y[i],) + x[i + 1 :]
+
+
+def suggest(params) -> tuple[str, list[str]] | None:
+    """A ``units=`` pattern for ``params`` and the blocks it names: the outermost numbered
+    path segments the params repeat (``model/layers/\\d+`` for Hugging Face's Llama,
+    ``(encoder|decoder)/block/\\d+`` for its T5), the one covering most leaves; None when the
+    params repeat no numbered subtree."""
+    templates = {t: seen for t, seen in _templates(params).items() if len(seen) > 1}
+    outer = [t for t in templates if not any(o != t and t[: len(o)] == o for o in templates)]
+    if not outer:
+        return None
+    covers = lambda pattern: [p for t in outer for p in templates[t] if re.fullmatch(pattern, p)]
+    leaves = lambda pattern: sum(
+        n for t in outer for p, n in templates[t].items() if p in covers(pattern)
+    )
+    candidates = [
+        "/".join(alts[0] if len(alts) == 1 else f"({'|'.join(alts)})" for alts in m)
+        for m in _merge(outer)
+    ]
+    pattern = max(candidates, key=leaves)
+    return pattern, covers(pattern)
