@@ -41,6 +41,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
+from jax.extend import source_info_util
 from jax.sharding import PartitionSpec as P
 
 from jaxzero._compat import bind_params
@@ -115,7 +116,13 @@ def _read(env, v):
 
 
 def _bind(eqn, env):
-    ans = eqn.primitive.bind(*[_read(env, v) for v in eqn.invars], **bind_params(eqn))
+    """``eqn`` bound on its inputs in ``env`` under its own source line and module name stack
+    (as ``jax.core.eval_jaxpr`` does: profiles and :func:`jaxzero.precision.warn_wide_compute`
+    name the model's modules, not this function)."""
+    info = eqn.source_info
+    names = source_info_util.current_name_stack() + info.name_stack
+    with source_info_util.user_context(info.traceback, name_stack=names):
+        ans = eqn.primitive.bind(*[_read(env, v) for v in eqn.invars], **bind_params(eqn))
     outs = ans if eqn.primitive.multiple_results else [ans]
     for v, x in zip(eqn.outvars, outs, strict=True):
         env[v] = x
