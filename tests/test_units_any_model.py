@@ -18,6 +18,8 @@ from hf_models import hf_llama, hf_t5, token_batches
 from models import make_problem, reference_run, train
 
 import jaxzero as jz
+from jaxzero.gpu.models import model_shape
+from jaxzero.gpu.plan import row_estimate, unit_bound
 from jaxzero.zero import units as units_mod
 
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6, weight_decay=0.1))
@@ -153,3 +155,17 @@ def test_no_match_error_without_numbered_blocks_says_what_a_unit_is():
     with pytest.raises(ValueError, match="A unit is a subtree of the params") as info:
         jz.ZeRO(TX, jz.data_parallel_mesh(8), stage=3, units=r"block_\d+").abstract_state(params)
     assert "try units=" not in str(info.value)
+
+
+def test_plan_estimates_a_unit_row_with_two_units_gathered_not_the_whole_model():
+    """`jaxzero plan`'s estimate column: the whole-model stage 3 row counts the model gathered
+    in bf16 (p Φ), the "3 per unit" row the formula unit_bound states, (2p + g) unit +
+    g (Φ - L unit), p = g = 2 bytes; the rest (state, activations) is the same in both."""
+    shape = model_shape(layers=4, hidden=64, heads=2, vocab=128, seq=16, arch="gpt", loop="python")
+    whole = row_estimate(shape, 8, 3, False, "bf16", False, False)
+    unit = row_estimate(shape, 8, 3, True, "bf16", False, False, per="unit")
+    phi, u, p = shape.num_params, shape.layer_params, 2
+    assert whole.gathered == p * phi
+    assert unit.gathered == 3 * p * u + p * (phi - 4 * u)
+    assert unit.total - unit.gathered == whole.total - whole.gathered
+    assert unit.total == unit_bound(shape, 8, compute_copy=False)
