@@ -18,6 +18,7 @@ from hf_models import hf_llama, hf_t5, token_batches
 from models import make_problem, reference_run, train
 
 import jaxzero as jz
+from jaxzero._tree import path_strs
 from jaxzero.gpu.models import model_shape
 from jaxzero.gpu.plan import row_estimate, unit_bound
 from jaxzero.zero import units as units_mod
@@ -43,13 +44,18 @@ class OddLoop(nn.Module):
         return nn.Dense(5, name="head")(x)
 
 
-def test_units_with_leaves_eight_does_not_divide_match_single_device_optax():
+def _odd_problem():
     model = OddLoop()
     rng = np.random.default_rng(0)
     normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
     batches = [{"x": normal(32, 36), "y": normal(32, 5)} for _ in range(2)]
     params = model.init(jax.random.key(0), batches[0]["x"][:1])["params"]
     loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+    return params, loss_fn, batches
+
+
+def test_units_with_leaves_eight_does_not_divide_match_single_device_optax():
+    params, loss_fn, batches = _odd_problem()
     ref_params, ref_opt = reference_run(TX, params, loss_fn, batches)
     zero = jz.ZeRO(TX, jz.data_parallel_mesh(8), stage=3, units=r"block_\d+")
     specs = zero.param_specs(params)["block_1"]
@@ -74,34 +80,25 @@ def test_hf_llama_units_on_3_devices_match_single_device_optax():
     chex.assert_trees_all_close(jz.gather(state.opt_state), ref_opt, atol=1e-5)
 
 
-def _odd_problem():
-    model = OddLoop()
-    rng = np.random.default_rng(0)
-    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
-    batches = [{"x": normal(32, 36), "y": normal(32, 5)} for _ in range(2)]
-    params = model.init(jax.random.key(0), batches[0]["x"][:1])["params"]
-    loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
-    return params, loss_fn, batches
+def _names(params, patterns) -> dict:
+    paths = ["/".join(path_strs(p)) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return dict(zip(paths, units_mod.unit_names(params, patterns), strict=True))
 
 
-def test_nested_units_match_single_device_optax():
-    """FSDP2's fully_shard on a sub-module, then on its parent: with a block and its ``up``
-    Dense both named, ``up``'s leaves are their own unit and the block's unit is the rest."""
-    params, loss_fn, batches = _odd_problem()
-    nested = (r"block_\d+", r"block_\d+/up")
-    names = dict(
-        zip(
-            [
-                "/".join(jz._tree.path_strs(p))
-                for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-            ],
-            units_mod.unit_names(params, nested),
-            strict=True,
-        )
-    )
-    assert names["block_1/up/kernel"] == names["block_1/up/bias"] == "block_1/up"
-    assert names["block_1/out/kernel"] == names["block_1/norm/scale"] == "block_1"
-    assert names["head/kernel"] is None
+def test_nested_units_on_hf_t5_match_single_device_optax():
+    """Tiny FlaxT5 (encoder-decoder, 2 + 2 blocks) with FSDP2's fully_shard on a sub-module and
+    then on its parent: each block's self-attention sub-layer (``layer/0``) is a unit, and the
+    block's unit keeps the rest (cross-attention, feed-forward); the shared embedding and the
+    final norms are in no unit."""
+    params, loss_fn = hf_t5()
+    nested = (r"(encoder|decoder)/block/\d+", r"(encoder|decoder)/block/\d+/layer/0")
+    names = _names(params, nested)
+    q = "decoder/block/1/layer/0/SelfAttention/q/kernel"
+    assert names[q] == "decoder/block/1/layer/0"
+    assert names["decoder/block/1/layer/1/EncDecAttention/q/kernel"] == "decoder/block/1"
+    assert names["encoder/block/0/layer/1/DenseReluDense/wi/kernel"] == "encoder/block/0"
+    assert names["shared/embedding"] is None and names["encoder/final_layer_norm/weight"] is None
+    batches = token_batches(64, 8, steps=2, batch=16)
     ref_params, ref_opt = reference_run(TX, params, loss_fn, batches)
     zero = jz.ZeRO(TX, jz.data_parallel_mesh(8), stage=3, units=nested)
     state = train(zero, loss_fn, params, batches)
