@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxzero.simulate import DEVICE_COUNT_FLAG, requested_cpu_devices
+
 
 def data_parallel_mesh(
     num_devices: int | None = None,
@@ -54,7 +56,7 @@ def data_parallel_mesh(
     if not isinstance(replicas, int) or replicas < 1 or n % replicas:
         raise ValueError(f"replicas={replicas!r} must be a positive int dividing num_devices={n}.")
     if num_devices is None and n == 1 and devices[0].platform == "cpu":
-        _warn_one_cpu_device()
+        _warn_one_cpu_device(requested_cpu_devices())
     chosen = np.asarray(devices[:n], dtype=object)
     if replicas == 1:
         return Mesh(chosen, (axis,), axis_types=(AxisType.Auto,))
@@ -66,14 +68,29 @@ def data_parallel_mesh(
 
 
 @functools.cache
-def _warn_one_cpu_device() -> None:
-    """Warn (once per process) that a mesh of all devices is one CPU device."""
+def _warn_one_cpu_device(requested: int | None) -> None:
+    """Warn (once per process and count) that a mesh of all devices is one CPU device;
+    ``requested``: the CPU device count the process asked for (None: it did not ask)."""
+    if requested == 1:
+        how = (
+            f"as this process asked ({DEVICE_COUNT_FLAG}=1 in XLA_FLAGS, which "
+            f"jaxzero.simulate_cpu_devices(1) sets, or jax_num_cpu_devices=1)"
+        )
+        fix = (
+            "To simulate N devices, ask for N instead: jaxzero.simulate_cpu_devices(N) at the "
+            "start of a new process (XLA reads the count once, when its backend starts)"
+        )
+    else:
+        how = "the default"
+        fix = (
+            "To simulate N devices on a CPU, call jaxzero.simulate_cpu_devices(N) before the "
+            "first jax call that touches devices (or set "
+            f"XLA_FLAGS={DEVICE_COUNT_FLAG}=N before it)"
+        )
     warnings.warn(
-        "jaxzero.data_parallel_mesh(): this process sees one CPU device, so nothing is "
-        "sharded: every stage runs as a one-device run. To simulate N devices on a CPU, call "
-        "jaxzero.simulate_cpu_devices(N) before the first jax call that touches devices (or "
-        "set XLA_FLAGS=--xla_force_host_platform_device_count=N before it); pass "
-        "num_devices=1 to ask for one device on purpose.",
+        f"jaxzero.data_parallel_mesh(): this process sees one CPU device ({how}), so nothing "
+        f"is sharded: every stage runs as a one-device run. {fix}; pass num_devices=1 to ask "
+        f"for one device on purpose, without this warning.",
         UserWarning,
         stacklevel=3,
     )

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Literal
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _MASTER_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -253,16 +255,105 @@ def _sub_jaxprs(params):
                 yield q.jaxpr
 
 
-def wide_matmuls(jaxpr, dtype=jnp.float32) -> int:
-    """How many ``dot_general``/convolutions in ``jaxpr`` (sub-jaxprs included) take an
-    operand of ``dtype``."""
-    n = 0
+class WideMatmul(NamedTuple):
+    """A matmul of the loss with a float32 operand: where it is (the module path from the
+    equation's name stack, the user source line) and whether that operand is computed from
+    the weights alone (an upcast weight: the module's own dtype) or from activations."""
+
+    module: str
+    source: str
+    from_weights: bool
+
+
+def _where(eqn) -> tuple[str, str]:
+    """(module path, source line) of ``eqn``: its name stack without a trailing einsum's
+    subscripts, and jax's summary of the user frame with the installation prefix dropped."""
+    parts = str(eqn.source_info.name_stack).split("/")
+    if parts and "->" in parts[-1]:
+        parts = parts[:-1]
+    try:
+        from jax.extend.source_info_util import summarize
+
+        source = re.sub(r"^.*(site|dist)-packages/", "", summarize(eqn.source_info))
+    except Exception:  # noqa: BLE001 - the location is advice; a jax without it gives none
+        source = "?"
+    return "/".join(parts) or "(top level)", source
+
+
+def wide_matmuls(jaxpr, weights=(), dtype=jnp.float32) -> list[WideMatmul]:
+    """Every ``dot_general``/convolution in ``jaxpr`` (sub-jaxprs included) that takes an
+    operand of ``dtype``; ``weights``: the variables holding the params (see
+    :func:`_weight_flow`)."""
+    return _weight_flow(jaxpr, weights, dtype)[0]
+
+
+def _weight_flow(jaxpr, weights, dtype) -> tuple[list[WideMatmul], set]:
+    """:func:`wide_matmuls`, and the variables computed from ``weights`` alone: an equation's
+    outputs when its inputs are such variables or constants (at least one of them a weight),
+    or, for an equation holding a sub-jaxpr (its inputs aligned with the equation's last
+    inputs), the outputs the sub-jaxpr computes from them (a ``jax.checkpoint`` that also
+    reads activations can return a weight-only value)."""
+    derived, consts, out = set(weights), set(), []
     for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
         if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-            n += any(getattr(v.aval, "dtype", None) == dtype for v in eqn.invars)
+            wide = [v for v in ins if getattr(v.aval, "dtype", None) == dtype]
+            if wide:
+                out.append(WideMatmul(*_where(eqn), any(v in derived for v in wide)))
         for sub in _sub_jaxprs(eqn.params):
-            n += wide_matmuls(sub, dtype)
-    return n
+            k = min(len(sub.invars), len(eqn.invars))
+            pairs = zip(eqn.invars[-k:] if k else [], sub.invars[-k:] if k else [], strict=True)
+            given = [s for v, s in pairs if not isinstance(v, Literal) and v in derived]
+            found, inner = _weight_flow(sub, given, dtype)
+            out += found
+            if len(sub.outvars) == len(eqn.outvars):
+                derived.update(
+                    o
+                    for o, s in zip(eqn.outvars, sub.outvars, strict=True)
+                    if not isinstance(s, Literal) and s in inner
+                )
+        if all(v in consts for v in ins):  # computed from literals alone
+            consts.update(eqn.outvars)
+        elif all(v in derived or v in consts for v in ins):
+            derived.update(eqn.outvars)
+    return out, derived
+
+
+def _places(found: list[WideMatmul], most: int = 3) -> str:
+    """Where ``found`` are, grouped by source line: "2 at file.py:12 (fn) in Model/a, ..."."""
+    groups: dict[str, list[str]] = {}
+    for m in found:
+        groups.setdefault(m.source, [])
+        if m.module not in groups[m.source]:
+            groups[m.source].append(m.module)
+    text = []
+    for source, modules in list(groups.items())[:most]:
+        n = sum(m.source == source for m in found)
+        text.append(f"{n} at {source} in {', '.join(modules[:most])}")
+        text[-1] += f" and {len(modules) - most} more" if len(modules) > most else ""
+    more = len(groups) - most
+    return "; ".join(text) + (f"; and {more} more places" if more > 0 else "")
+
+
+def wide_compute_advice(found: list[WideMatmul], name: str) -> str:
+    """The warning for the float32 matmuls ``found`` under a ``name`` (16-bit) policy."""
+    upcast = [m for m in found if m.from_weights]
+    head = f"the precision policy computes in {name}, but {len(found)} matmul(s) of the loss "
+    if upcast:
+        return (
+            f"{head}run in float32, {len(upcast)} of them on {name} weights upcast to float32 "
+            f"({_places(upcast)}): a Flax module computes in its own dtype (float32 by "
+            f"default) and upcasts the {name} weights. Build those modules with "
+            f"dtype=jnp.{name} (e.g. nn.Dense(features, dtype=jnp.{name}), or the module's "
+            f"dtype= field) to compute in {name}; keep param_dtype as it is."
+        )
+    return (
+        f"{head}run in float32 ({_places(found)}), none of them on upcast weights: the model "
+        f"computes these activations in float32 itself, which may be deliberate (e.g. an "
+        f"attention softmax kept in float32 for accuracy, as Hugging Face's Llama does). "
+        f"Neither the precision policy nor a module's dtype= is the cause; change that code "
+        f"only if float32 there is not intended."
+    )
 
 
 def warn_wide_compute(fn, args, policy: Precision) -> None:
@@ -270,8 +361,11 @@ def warn_wide_compute(fn, args, policy: Precision) -> None:
 
     ``precision="bf16"`` stores and communicates bf16 weights, but a Flax module computes in
     its own ``dtype`` (float32 by default): the weights are upcast again and the matmuls run
-    in float32, costing the speed the policy was chosen for. Traces ``fn`` once more (at
-    trace time of the step, not per step); does nothing for a float32 policy.
+    in float32, costing the speed the policy was chosen for. ``args[0]`` are the params: a
+    matmul whose float32 operand is computed from them alone takes an upcast weight (the
+    warning advises the module's ``dtype=``); one on float32 activations only is the model's
+    own choice (the warning says where, and that it may be deliberate). Traces ``fn`` once
+    more (at trace time of the step, not per step); does nothing for a float32 policy.
     """
     if jnp.finfo(policy.param_dtype).bits >= 32:
         return
@@ -279,15 +373,8 @@ def warn_wide_compute(fn, args, policy: Precision) -> None:
         jaxpr = jax.make_jaxpr(fn)(*args)
     except Exception:  # noqa: BLE001 - the check is advice; the real trace reports errors
         return
-    n = wide_matmuls(jaxpr.jaxpr)
-    if n:
+    weights = jaxpr.jaxpr.invars[: len(jax.tree.leaves(args[0]))]
+    found = wide_matmuls(jaxpr.jaxpr, weights)
+    if found:
         name = jnp.dtype(policy.param_dtype).name
-        warnings.warn(
-            f"the precision policy computes in {name}, but {n} matmul(s) of the loss run in "
-            f"float32: a Flax module computes in its own dtype (float32 by default) and "
-            f"upcasts the {name} weights. Build the model with dtype=jnp.{name} (e.g. "
-            f"nn.Dense(features, dtype=jnp.{name}), or the module's dtype= field) to compute "
-            f"in {name}; keep param_dtype as it is.",
-            UserWarning,
-            stacklevel=2,
-        )
+        warnings.warn(wide_compute_advice(found, name), UserWarning, stacklevel=2)

@@ -62,6 +62,22 @@ def simulate_cpu_devices(devices: int | None = None) -> str:
     return os.environ["XLA_FLAGS"]
 
 
+def requested_cpu_devices() -> int | None:
+    """The CPU device count this process asked for: ``XLA_FLAGS``'s device-count flag (what
+    :func:`simulate_cpu_devices` sets) or jax's ``jax_num_cpu_devices``; None when neither
+    says."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if any(p.startswith(DEVICE_COUNT_FLAG + "=") for p in flags.split()):
+        try:
+            return _device_count(flags)
+        except ValueError:
+            return None
+    import jax
+
+    n = getattr(jax.config, "jax_num_cpu_devices", -1)
+    return n if isinstance(n, int) and n > 0 else None
+
+
 def _device_count(flags: str) -> int:
     """The device count the ``XLA_FLAGS`` value ``flags`` (from :func:`cpu_xla_flags`) asks for."""
     counts = [p.split("=", 1)[1] for p in flags.split() if p.startswith(DEVICE_COUNT_FLAG + "=")]

@@ -360,3 +360,20 @@ def test_inspect_and_metadata(run):
     params_leaves = jax.tree.leaves(run["params"])
     assert len(meta["leaves"]) == 4 * len(params_leaves) + 4  # params, mu, nu, ema + counters
     assert meta["total_bytes"] == 4 * sum(x.size * 4 for x in params_leaves) + 4 * 4
+
+
+def test_inspect_shows_units_and_offload_saved_with_the_step(tmp_path):
+    """A stage-3 per-unit, optimizer-offloaded state: the metadata keeps units= and offload=
+    as given, and `jaxzero inspect` shows them (a checkpoint without them shows neither:
+    test_legacy_checkpoint)."""
+    from jaxzero import cli
+
+    params, _, _ = make_problem("transformer", steps=1)
+    zero = jz.ZeRO(tx(), jz.data_parallel_mesh(8), stage=3, units=r"layer\d+", offload="optimizer")
+    ck.save(tmp_path / "c", 0, zero.init(params), zero=zero, wait=True)
+    meta = ck.load_metadata(tmp_path / "c")
+    assert (meta["units"], meta["offload"], meta["layers"]) == ([r"layer\d+"], "optimizer", None)
+    text = ck.inspect(tmp_path / "c")
+    assert "  units: ['layer\\\\d+']" in text and "  offload: optimizer" in text, text
+    assert "  layers:" not in text
+    assert cli.main(["inspect", str(tmp_path / "c")]) == 0

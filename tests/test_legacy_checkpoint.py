@@ -44,3 +44,11 @@ def test_checkpoint_from_before_the_restructuring_restores_bitwise(tmp_path, n, 
     for k in want.files:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
     assert int(state.step) == 3
+
+
+def test_a_checkpoint_without_units_or_offload_metadata_inspects_as_before():
+    text = jz.checkpoint.inspect(os.path.join(DATA, "legacy_ckpt"))
+    assert "ZeRO stage:" in text and "state:" in text
+    assert not any(
+        line.split(":")[0].strip() in ("units", "offload", "layers") for line in text.splitlines()
+    )

@@ -389,6 +389,7 @@ def test_gpu_plan_runs_an_unscanned_model_unit_by_unit(capsys):
     assert per_unit.report.argument_bytes + per_unit.report.temp_bytes <= unit_bound(
         shape, 8, compute_copy=False
     )
+    assert per_unit.estimate.total == unit_bound(shape, 8, compute_copy=False)
     unit = shape.layer_params
     outside = shape.num_params - shape.layers * unit
     gathered = per_unit.report.payload("all-gather")

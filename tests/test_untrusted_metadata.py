@@ -56,6 +56,7 @@ CASES = {
     "checksums": (_set("checksums", {"algorithm": "x", "leaves": {"a": "zz"}}), "16 lowercase"),
     "not_an_object": (lambda meta: ["a", "list"], r"must be a JSON object"),
     "nul_name": (_leaf("path", "params\x00.fc1"), r"leaves\[0\]\.path"),
+    "units": (_set("units", r"layer\d+"), r"field 'units' = 'layer\\\\d\+' \(must be a list"),
 }
 
 

@@ -155,6 +155,36 @@ def test_simulated_devices_after_jax_started_raise_and_one_device_warns_once():
     assert "XLA_FLAGS None" in out.stdout  # refused before anything was changed
 
 
+SIMULATE_ONE = """
+import warnings
+import jaxzero as jz
+
+jz.simulate_cpu_devices(1)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    jz.data_parallel_mesh()
+print("WARNING", *[str(w.message) for w in seen if "nothing is sharded" in str(w.message)])
+"""
+
+
+def test_one_simulated_device_asked_for_is_not_told_to_simulate_devices():
+    """simulate_cpu_devices(1), then a mesh of all devices: the warning says the one device is
+    what the process asked for, not to call simulate_cpu_devices before jax starts."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SIMULATE_ONE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("WARNING ")]
+    assert "as this process asked" in line and "simulate_cpu_devices(1)" in line, line
+    assert "before the first jax call" not in line, line
+
+
 # --------------------------------------------------------------- item 6: raw errors made clear
 @pytest.fixture(scope="module")
 def trained():

@@ -56,6 +56,9 @@ def _metadata_lines(meta: dict) -> list[str]:
     ]
     if meta.get("loss_scale"):
         lines.append(f"  loss scale: {meta['loss_scale']}")
+    for key in ("layers", "units", "offload"):
+        if meta.get(key):  # absent in checkpoints written before these were saved
+            lines.append(f"  {key}: {meta[key]}")
     if meta.get("user") is not None:
         lines += _outline("user metadata", meta["user"], "  ")
     return lines
@@ -111,8 +114,8 @@ def inspect(directory, *, step: int | None = None) -> str:
 
     Lists the complete steps and any interrupted saves, then for ``step`` (default: the
     newest complete one) the jaxzero metadata (version, stage, mesh, precision, optimizer,
-    user metadata) and every leaf's path, shape, dtype, bytes and partition spec. Reads
-    metadata only (no arrays).
+    ``layers=``, ``units=`` and ``offload=`` where saved, user metadata) and every leaf's
+    path, shape, dtype, bytes and partition spec. Reads metadata only (no arrays).
     """
     with _opened(directory) as mngr:
         lines = [f"checkpoint directory: {os.fspath(mngr.directory)}"]

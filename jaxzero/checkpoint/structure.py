@@ -110,6 +110,10 @@ def describe(
         "process_count": jax.process_count(),
         "precision": precision,
         "loss_scale": None if zero is None or zero.loss_scale is None else repr(zero.loss_scale),
+        # how stage 3 gathers and where the state lives; absent from checkpoints before them
+        "layers": None if zero is None else list(zero.layers or ()) or None,
+        "units": None if zero is None else list(zero.units or ()) or None,
+        "offload": None if zero is None else zero.offload,
         "optimizer": optimizer
         if optimizer is not None
         else (None if zero is None else _describe_tx(zero.tx)),

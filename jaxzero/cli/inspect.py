@@ -10,8 +10,9 @@ from jaxzero.cli.command import Command
 INSPECT_DESCRIPTION = """\
 Show a jaxzero checkpoint directory: its complete steps (and any interrupted
 saves, which are ignored), then for one step (default: the newest complete one)
-the jaxzero version, ZeRO stage, mesh, precision policy, optimizer, user
-metadata, and every state leaf's path, shape, dtype, bytes and partition spec.
+the jaxzero version, ZeRO stage, mesh, precision policy, optimizer, layers=,
+units= and offload= (in checkpoints that saved them), user metadata, and every
+state leaf's path, shape, dtype, bytes and partition spec.
 Reads metadata only; nothing is loaded onto devices and nothing is written.
 
 With --verify it reads every array of every complete step (or of --step) and

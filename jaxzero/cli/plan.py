@@ -330,7 +330,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     print(
         "GPU-compiled: arguments + outputs - donated aliases + temporaries per device "
         "(XLA:GPU memory_analysis); estimate: jaxzero.estimate_memory with activations "
-        "(ckpt_every=1) and f32 logits; state: persistent arguments less the batch; host "
+        "(ckpt_every=1) and f32 logits (stage 3: the whole model gathered; per layer: one "
+        "layer with its gradient; per unit: that and the next unit's weights, "
+        "jaxzero.gpu.plan.unit_bound); state: persistent arguments less the batch; host "
         "(with --offload): the same sum in pinned host memory, next to the estimate's; hidden: "
         "the share of collective bytes per step whose start and done the GPU schedule "
         "separates by a gemm/conv/attention kernel (jaxzero.gpu.overlap), of max the share "

@@ -26,7 +26,7 @@ from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.offload import check_offload
 
-__all__ = ["PlanRow", "plan", "plan_cases", "unit_bound"]
+__all__ = ["PlanRow", "plan", "plan_cases", "row_estimate", "unit_bound"]
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 UNITS = r"block_\d+"  # the unscanned decoder's blocks (jaxzero.gpu.models, loop="python")
@@ -91,13 +91,24 @@ def plan_cases(
     return out
 
 
-def _estimate(
-    shape: ModelShape, n: int, stage: int, per_layer: bool, precision, ema, copy=True, offload=None
-):
-    """``estimate_memory`` for this shape and stage: activations of the whole scanned stack,
-    plus one layer gathered (per-layer stage 3) or the whole model gathered (stage 3)."""
+def row_estimate(
+    shape: ModelShape,
+    n: int,
+    stage: int,
+    per_layer: bool,
+    precision,
+    ema,
+    copy=True,
+    offload=None,
+    per: str = "layer",
+) -> MemoryEstimate:
+    """The estimate column of a plan row: ``estimate_memory`` for this shape and stage, with
+    activations of the whole stack, plus the whole model gathered (stage 3), one layer
+    gathered with its gradient (stage 3 per layer, ``per="layer"``), or :func:`unit_bound`'s
+    accounting (stage 3 per unit, ``per="unit"``: that layer and the next unit's prefetched
+    weights, in ``gathered``)."""
     dims = {k: getattr(shape, k) for k in ("batch", "seq", "hidden", "layers", "heads", "vocab")}
-    return estimate_memory(
+    est = estimate_memory(
         shape.num_params,
         n,
         stage=stage,
@@ -110,6 +121,10 @@ def _estimate(
         offload=offload,
         **dims,
     )
+    if stage == 3 and per_layer and per == "unit":
+        prefetched = param_bytes(precision) * shape.layer_params
+        est = dataclasses.replace(est, gathered=est.gathered + prefetched)
+    return est
 
 
 def unit_bound(
@@ -124,9 +139,8 @@ def unit_bound(
 
         state + (2p + g) * unit + g * (Φ - layers * unit) + activations
 
-    with p = g = 2 bytes in bf16/fp16, 4 in fp32."""
-    est = _estimate(shape, devices, 3, True, precision, False, compute_copy)
-    return est.total + param_bytes(precision) * shape.layer_params
+    with p = g = 2 bytes in bf16/fp16, 4 in fp32 (the "3 per unit" row's estimate)."""
+    return row_estimate(shape, devices, 3, True, precision, False, compute_copy, per="unit").total
 
 
 def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy: bool, offload):
@@ -242,7 +256,9 @@ def plan(
                 per_layer=per_layer,
                 num_params=shape.num_params,
                 report=report,
-                estimate=_estimate(shape, n, stage, per_layer, precision, ema, copy, offload),
+                estimate=row_estimate(
+                    shape, n, stage, per_layer, precision, ema, copy, offload, per
+                ),
                 state_bytes=report.argument_bytes - batch_bytes,
                 per=per,
             )

@@ -5,6 +5,9 @@ of Linen blocks, an NNX list of layers.
 each distinct path prefix the pattern matches (``block_0``, ``block_1``, ...; ``layers/0``, ...
 for an ``nnx.List``) is one unit, and every leaf outside the units (embeddings, the final norm)
 is gathered whole at the start of the loss as without ``units=``. The model is not changed.
+Units may nest (``fully_shard`` on a sub-module, then on its parent): a leaf belongs to the
+deepest unit named, and the parent's other weights, read before and after the sub-unit runs,
+form two segments of the parent (:mod:`jaxzero.zero.unit_patterns`: the rule, the checks).
 
 Inside the step the loss gets each unit's leaves as shards. :func:`run` traces the loss once to
 a jaxpr with a marker where each unit leaf would be gathered, and evaluates that jaxpr
@@ -34,70 +37,22 @@ outputs), and the backward's gathers and the reduce-scatters are exposed, becaus
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
+from jax.extend import source_info_util
 from jax.sharding import PartitionSpec as P
 
 from jaxzero._compat import bind_params
-from jaxzero._tree import path_strs
 from jaxzero.zero.collectives import Comm
 from jaxzero.zero.hooks import LossHook
 from jaxzero.zero.layers import _gather_leaf, gather_shard
-from jaxzero.zero.specs import spec_dim, subtree_paths
+from jaxzero.zero.specs import spec_dim
+from jaxzero.zero.unit_patterns import check, mask, patterns, unit_names
 
 MARK = "jaxzero_unit_gather"
-
-
-def patterns(units, stage: int, layers) -> tuple[str, ...]:
-    """``ZeRO(units=)`` checked: a regular expression or a tuple of them, stage 3, not with
-    ``layers=``."""
-    if units is None or units == ():  # () : dataclasses.replace of a ZeRO without units
-        return ()
-    found = (units,) if isinstance(units, str) else units
-    if not isinstance(found, tuple) or not found or not all(isinstance(u, str) for u in found):
-        raise TypeError(
-            f"units={units!r} must be a regular expression over params paths, or a tuple of "
-            f"them, e.g. units=r'block_\\d+' (Linen blocks) or units=r'layers/\\d+' (an nnx.List)."
-        )
-    for u in found:
-        try:
-            re.compile(u)
-        except re.error as e:
-            raise ValueError(f"units={units!r}: {u!r} is not a regular expression ({e}).") from e
-    if stage != 3:
-        raise ValueError(
-            f"units={units!r} needs stage=3 (got stage={stage}): below stage 3 every device "
-            f"holds the whole params and nothing is gathered; drop units= or use stage=3."
-        )
-    if layers:
-        raise ValueError(
-            f"units={units!r} and layers={layers!r}: name scanned layer stacks with layers= "
-            f"(jaxzero.gather_layer / jaxzero.scan_layers) or Python-loop blocks with units=, "
-            f"not both."
-        )
-    return found
-
-
-def check(params, units: tuple[str, ...]) -> None:
-    """Every pattern in ``units`` must match a params path (raises ValueError listing some)."""
-    names = unit_names(params, units)
-    for u in units:
-        if not any(n is not None and re.fullmatch(u, n) for n in names):
-            paths = subtree_paths(params)
-            raise ValueError(
-                f"ZeRO(units={units!r}): {u!r} fullmatches no params path; paths begin "
-                f"{paths[:8]}. Write the pattern over '/'-joined keys, e.g. r'block_\\d+' or "
-                f"r'layers/\\d+'."
-            )
-
-
-def mask(tree, units: tuple[str, ...]):
-    """True for the leaves of ``tree`` in a unit (the loss gets them as shards)."""
-    names = unit_names(tree, units)
-    return jax.tree.unflatten(jax.tree.structure(tree), [u is not None for u in names])
+__all__ = ["build_plan", "check", "mask", "patterns", "run", "unit_names"]
 
 
 def build_plan(comm: Comm, units: tuple[str, ...], local_params, specs) -> UnitPlan | None:
@@ -107,23 +62,6 @@ def build_plan(comm: Comm, units: tuple[str, ...], local_params, specs) -> UnitP
         return None
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
     return UnitPlan(comm, unit_names(local_params, units), [spec_dim(s) for s in flat_specs])
-
-
-def unit_names(params, patterns: tuple[str, ...]) -> list[str | None]:
-    """Per flat leaf of ``params``: the unit it belongs to (the shortest ``/``-joined key-path
-    prefix that one of ``patterns`` fullmatches), or None (gathered whole)."""
-    compiled = [re.compile(p) for p in patterns]
-    out = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = path_strs(path)
-        unit = None
-        for depth in range(1, len(keys) + 1):
-            prefix = "/".join(keys[:depth])
-            if any(c.fullmatch(prefix) for c in compiled):
-                unit = prefix
-                break
-        out.append(unit)
-    return out
 
 
 @dataclasses.dataclass
@@ -176,7 +114,13 @@ def _read(env, v):
 
 
 def _bind(eqn, env):
-    ans = eqn.primitive.bind(*[_read(env, v) for v in eqn.invars], **bind_params(eqn))
+    """``eqn`` bound on its inputs in ``env`` under its own source line and module name stack
+    (as ``jax.core.eval_jaxpr`` does: profiles and :func:`jaxzero.precision.warn_wide_compute`
+    name the model's modules, not this function)."""
+    info = eqn.source_info
+    names = source_info_util.current_name_stack() + info.name_stack
+    with source_info_util.user_context(info.traceback, name_stack=names):
+        ans = eqn.primitive.bind(*[_read(env, v) for v in eqn.invars], **bind_params(eqn))
     outs = ans if eqn.primitive.multiple_results else [ans]
     for v, x in zip(eqn.outvars, outs, strict=True):
         env[v] = x
@@ -261,7 +205,7 @@ class _Evaluator:
                     local[v] = self._gather(v, x, after)
                 for eqn in eqns:
                     _bind(eqn, local)
-                return [local[v] for v in outs], _token(self.plan.comm, local[gathered[0]])
+                return [local[v] for v in outs], self._token(gathered, local)
 
             results, token = jax.checkpoint(body, policy=_not_gathered)(
                 [shards[v] for v in gathered], [env[v] for v in ins], after
@@ -272,8 +216,19 @@ class _Evaluator:
 
     def _gather(self, v, shard, after):
         """The gathered weight ``v`` from its shard, not before ``after`` (:func:`_after`); the
-        backward reduce-scatters its gradient."""
-        return _gather_leaf(self.plan.comm, _after(shard, after), self.plan.dims[self.lazy[v]])
+        backward reduce-scatters its gradient. A replicated leaf (no dimension divisible by N,
+        decision 3) is not gathered, so nothing orders it: it enters as it is, device-invariant
+        over the data axis, and its backward all-reduces its gradient back to that type (a
+        device-varying token added to it would make the input varying and the all-reduced
+        gradient's type differ from it: jax refuses such a custom VJP)."""
+        d = self.plan.dims[self.lazy[v]]
+        return _gather_leaf(self.plan.comm, shard if d is None else _after(shard, after), d)
+
+    def _token(self, gathered, local):
+        """:func:`_token` of the segment's first gathered weight that was sharded (the one
+        whose gather orders the next segment's), or of its first weight when none was."""
+        sharded = [v for v in gathered if self.plan.dims[self.lazy[v]] is not None]
+        return _token(self.plan.comm, local[(sharded or gathered)[0]])
 
     def _remat(self, eqn, env, shards, after):
         """A model's own ``jax.checkpoint`` equation, re-bound with the gathers of the unit
@@ -297,9 +252,7 @@ class _Evaluator:
             }
             for e in inner.eqns:
                 _bind(e, inner_env)
-            return [_read(inner_env, v) for v in inner.outvars], _token(
-                self.plan.comm, local[lazy[0]]
-            )
+            return [_read(inner_env, v) for v in inner.outvars], self._token(lazy, local)
 
         remat = jax.checkpoint(
             body, policy=eqn.params.get("policy"), prevent_cse=eqn.params.get("prevent_cse", True)
