@@ -76,6 +76,10 @@ _CALL_JAXPR_PARAMS = {
 }
 
 
+#: a nested jax.jit call's primitive ("pjit" in jax 0.10, "jit" from 0.11 on)
+JIT_PRIMITIVES = ("pjit", "jit")
+
+
 def call_jaxpr(eqn):
     """``(jaxpr, consts)`` of a call-like equation (nested jit, custom_jvp/vjp call,
     checkpoint), whose outputs are its inner jaxpr evaluated on its inputs; None otherwise."""

@@ -37,6 +37,7 @@ outputs), and the backward's gathers and the reduce-scatters are exposed, becaus
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,7 @@ from jax.extend import core as jcore
 from jax.extend import source_info_util
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._compat import bind_params
+from jaxzero._compat import JIT_PRIMITIVES, bind_params
 from jaxzero.zero.collectives import Comm
 from jaxzero.zero.hooks import LossHook
 from jaxzero.zero.layers import _gather_leaf, gather_shard
@@ -88,7 +89,7 @@ def _marker(comm: Comm, d):
 
 
 def _is_marker(eqn) -> bool:
-    return eqn.primitive.name in ("pjit", "jit") and eqn.params.get("name") == MARK
+    return eqn.primitive.name in JIT_PRIMITIVES and eqn.params.get("name") == MARK
 
 
 def run(plan: UnitPlan, fn, params, *rest):
@@ -105,12 +106,37 @@ def run(plan: UnitPlan, fn, params, *rest):
 
     closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(leaves, rest)
     flat = list(leaves) + jax.tree.leaves(rest)
+    if any(_is_jit(e) for e in closed.jaxpr.eqns):  # a jitted loss (or model): inline it
+        closed = jax.make_jaxpr(lambda *a: _inline_jits(closed.jaxpr, closed.consts, a))(*flat)
     outs = _Evaluator(plan, closed.jaxpr, len(leaves)).run(closed.consts, flat)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
 def _read(env, v):
     return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _is_jit(eqn) -> bool:
+    """A nested ``jax.jit`` call that is not a unit's gather marker."""
+    return eqn.primitive.name in JIT_PRIMITIVES and not _is_marker(eqn)
+
+
+def _inline_jits(jaxpr, consts, args):
+    """``jaxpr`` evaluated with every nested ``jax.jit`` call evaluated inline (recursively),
+    so that the units' equations stand at the top level where :class:`_Evaluator` segments
+    them (a jitted loss was one equation: every unit in one segment). Inlining a jit call
+    changes no value; other calls (``jax.checkpoint``, ``custom_vjp``) keep their meaning and
+    stay whole."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        if _is_jit(eqn):
+            inner = eqn.params["jaxpr"]
+            outs = _inline_jits(inner.jaxpr, inner.consts, [_read(env, v) for v in eqn.invars])
+            env.update(zip(eqn.outvars, outs, strict=True))
+        else:
+            _bind(eqn, env)
+    return [_read(env, v) for v in jaxpr.outvars]
 
 
 def _bind(eqn, env):
@@ -142,6 +168,7 @@ class _Evaluator:
             eqns.append(eqn)
             labels.append(self._label(eqn))
         self.eqns, self.segments = eqns, _segments(labels)
+        _warn_units_together(eqns, labels)
         last = {}
         for k, eqn in enumerate(eqns):
             for v in eqn.invars:
@@ -315,6 +342,26 @@ def _not_gathered(prim, *avals, **params) -> bool:
     if copy:
         return avals[0].ndim < 2
     return prim.name not in _NOT_SAVED
+
+
+def _warn_units_together(eqns, labels) -> None:
+    """Warn when one equation (an ``nn.remat`` / ``jax.checkpoint`` or another call around
+    several blocks) reads the weights of several units: they are gathered together for it,
+    whole-model stage 3 within that call."""
+    for eqn, units in zip(eqns, labels, strict=True):
+        if len(units) > 1:
+            names = sorted(units)
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            warnings.warn(
+                f"ZeRO(units=...): the units {shown} ({len(names)}) run inside one "
+                f"{eqn.primitive.name} call of the loss, so they are gathered together for it "
+                f"(and for its backward), as stage 3 without units= would. Apply nn.remat / "
+                f"jax.checkpoint to each block rather than around several, or name the "
+                f"enclosing module as the unit.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
 
 
 def _segments(labels) -> list[tuple[frozenset | None, int, int]]:
