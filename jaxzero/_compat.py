@@ -78,6 +78,8 @@ _CALL_JAXPR_PARAMS = {
 
 #: a nested jax.jit call's primitive ("pjit" in jax 0.10, "jit" from 0.11 on)
 JIT_PRIMITIVES = ("pjit", "jit")
+#: jax.checkpoint / nn.remat's primitive ("checkpoint"; "remat2" in older releases)
+REMAT_PRIMITIVES = ("checkpoint", "remat2")
 
 
 def call_jaxpr(eqn):

@@ -45,7 +45,7 @@ from jax.extend import core as jcore
 from jax.extend import source_info_util
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._compat import JIT_PRIMITIVES, bind_params
+from jaxzero._compat import JIT_PRIMITIVES, REMAT_PRIMITIVES, bind_params
 from jaxzero.zero.collectives import Comm
 from jaxzero.zero.hooks import LossHook
 from jaxzero.zero.layers import _gather_leaf, gather_shard
@@ -293,7 +293,7 @@ class _Evaluator:
 
 
 _LAYOUT = ("transpose", "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "copy", "copy_p")
-_NOT_SAVED = ("all_gather", "all_gather_invariant", "checkpoint", "remat2")
+_NOT_SAVED = ("all_gather", "all_gather_invariant", *REMAT_PRIMITIVES)
 
 
 def _token(comm: Comm, w):
@@ -323,7 +323,7 @@ def _after(shard, token):
 
 def _is_remat(eqn) -> bool:
     """A ``jax.checkpoint`` (``nn.remat``) equation."""
-    return eqn.primitive.name in ("checkpoint", "remat2") and "jaxpr" in eqn.params
+    return eqn.primitive.name in REMAT_PRIMITIVES and "jaxpr" in eqn.params
 
 
 def _not_gathered(prim, *avals, **params) -> bool:
