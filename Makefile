@@ -40,13 +40,13 @@ demo: $(DEMO_STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" tests
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow" tests
 
 test-loaded: $(STAMP)
 	bash tests/loaded.sh
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) tests
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check jaxzero tests examples benchmarks
@@ -89,7 +89,7 @@ $(LATEST_STAMP): $(LATEST_BIN)/python pyproject.toml Makefile constraints-latest
 
 test-latest: $(LATEST_STAMP)
 	@$(LATEST_BIN)/python -c 'import sys, jax, flax; print(f"make test-latest: Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")'
-	$(LATEST_BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow and not interop" tests
+	$(LATEST_BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow and not interop" tests
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) runs .pytest_cache docs/_build

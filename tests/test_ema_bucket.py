@@ -481,6 +481,10 @@ def test_several_rows_equal_per_leaf_bitwise(stage):
     assert moved > 1e-4
 
 
+# slow: several rows to another N and storage; make test keeps the bucketed EMA's checkpoint
+# round trip at any mode and N (test_checkpoint_round_trip_any_mode_any_n) and the storage
+# conversion both ways (test_bucket_ema_converts_both_ways)
+@pytest.mark.slow
 def test_several_rows_checkpoint_to_other_n_and_storage(tmp_path):
     """A 3-row EMA saved at N=8 restores at N=4 (rows re-planned for 4) and per leaf, with
     the per-leaf EMA's bytes."""

@@ -293,6 +293,10 @@ def test_bad_units_arguments_are_refused_before_anything_runs():
         jz.ZeRO(TX, mesh, stage=3, units=r"block_\d+").init(params)
 
 
+# slow: make test keeps the units' GPU compile against the GSPMD-FSDP peer (peak <= peer and
+# <= unit_bound, hidden share), on FlaxGPT2, and jaxzero plan's per-unit rows (all-gather bytes
+# = 2 x (2 L unit + outside): each unit gathered again for its backward)
+@pytest.mark.slow
 def test_gpu_compile_holds_a_few_units_and_gathers_each_twice():
     """XLA:GPU for 8 H100s (deviceless), a Python loop of 8 nn.remat'd GPT blocks, bf16 Adam:
     the whole-model stage 3 holds every block gathered at once, units hold about three (the
