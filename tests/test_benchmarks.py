@@ -35,6 +35,12 @@ def expected_collectives(phi, stage, bytes_per_param):
     }[stage]
 
 
+# slow, every test of the smoke run (benchmarks/run.py --smoke, a minute of compiles): make test
+# keeps the same claims on the library itself: tests/test_stages.py's persistent bytes against
+# the ZeRO formula and each stage's collectives in the compiled HLO, per stage
+SMOKE = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "run.json"
@@ -62,6 +68,7 @@ def smoke(tmp_path_factory):
     return result, proc.stdout
 
 
+@SMOKE
 def test_every_configuration_present_and_timed(smoke):
     result, stdout = smoke
     assert sorted(result["configs"]) == sorted(CONFIGS)
@@ -76,6 +83,7 @@ def test_every_configuration_present_and_timed(smoke):
     assert "| zero3-bf16 |" in stdout  # the markdown table is printed
 
 
+@SMOKE
 def test_persistent_bytes_match_formula(smoke):
     result, _ = smoke
     phi = result["model"]["params"]
@@ -87,6 +95,7 @@ def test_persistent_bytes_match_formula(smoke):
         assert 0 <= got / want - 1 < 0.02, (name, got, want)
 
 
+@SMOKE
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_jaxzero_collectives_match_theory(smoke, stage, precision):

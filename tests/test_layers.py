@@ -113,6 +113,9 @@ def _entry(hlo):
     )
 
 
+# slow: make test keeps the layer collectives inside the scanned loop on the GPU compile
+# (tests/test_gpu.py's scan_layers prefetch and stage-2 per-layer reduce-scatter tests)
+@pytest.mark.slow
 def test_layer_collectives_sit_in_the_scanned_loop():
     """The compiled HLO: the layer stack's all-gathers and reduce-scatters are inside the
     scanned loop bodies (per layer), moving 2x (forward + remat recompute) and 1x one layer's
@@ -213,6 +216,9 @@ def test_stage1_with_micro_batches_keeps_one_all_reduce_after_the_backward(stage
     assert sum(op.bytes for op in entry_ar) >= _layer_param_bytes(params, 4)
 
 
+# slow: make test keeps the per-layer stage 3 memory on the GPU compile
+# (tests/test_gpu.py::test_gpu_compiled_step_matches_zero_theory[3_per_layer-bf16])
+@pytest.mark.slow
 def test_temp_memory_grows_by_checkpoints_not_weights():
     """4 vs 16 scanned layers at fixed width: with per-layer gathering each extra layer adds
     exactly its gradient shard (1/N of its weights) and its activation checkpoint to temp
