@@ -23,6 +23,17 @@ class MLP(nn.Module):
         return nn.Dense(self.out, name="fc2")(x)
 
 
+class Residual(nn.Module):
+    """``x + Dense(width)(tanh(Dense(hidden)(x)))``: the small block of the Python-loop models
+    in tests/test_readme.py and tests/test_units_nested.py."""
+
+    hidden: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1])(jnp.tanh(nn.Dense(self.hidden)(x)))
+
+
 class Block(nn.Module):
     d_model: int = 32
     heads: int = 4

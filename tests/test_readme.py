@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from models import Residual
 
 import jaxzero as jz
 
@@ -21,17 +22,11 @@ README = Path(__file__).parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
-class _Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(16)(jnp.tanh(nn.Dense(32)(x)))
-
-
 class _Loop(nn.Module):
     @nn.compact
     def __call__(self, x):
         for i in range(2):
-            x = _Block(name=f"block_{i}")(x)
+            x = Residual(32, name=f"block_{i}")(x)
         return nn.Dense(4, name="head")(x)
 
 

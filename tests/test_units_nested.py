@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from models import make_problem, reference_run
+from models import Residual, make_problem, reference_run
 
 import jaxzero as jz
 from jaxzero.zero import units as units_mod
@@ -62,16 +62,10 @@ def test_a_jitted_loss_keeps_one_segment_per_unit_and_the_numbers():
     chex.assert_trees_all_close(got, jax.tree.map(np.asarray, want), atol=1e-5, rtol=1e-5)
 
 
-class _Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(16)(jnp.tanh(nn.Dense(16)(x)))
-
-
 class _Pair(nn.Module):
     @nn.compact
     def __call__(self, x):
-        return _Block(name="block_1")(_Block(name="block_0")(x))
+        return Residual(name="block_1")(Residual(name="block_0")(x))
 
 
 class _TwoUnderOneRemat(nn.Module):

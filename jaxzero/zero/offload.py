@@ -76,7 +76,6 @@ class DeviceMemory:
     offload). Each method is the device side of a question the training step asks its
     placement; :class:`HostMemory` answers the same questions for offload."""
 
-    offload = None
     #: whether the step builds the loss's params from the master (stage 3 with a separate
     #: master: decision 22) where it can; the host's master is out of the device's reach
     master_on_device = True
@@ -89,10 +88,9 @@ class DeviceMemory:
         """``tree`` (inside jit) in ``shardings``."""
         return jax.lax.with_sharding_constraint(tree, shardings)
 
-    def pin(self, tree, shardings):
-        """The optax update's outputs pinned to their shardings: otherwise GSPMD may propagate
-        the EMA's (sharded) layout backward into a stage-0 update and all-gather it."""
-        return jax.lax.with_sharding_constraint(tree, shardings)
+    # The optax update's outputs pinned to their shardings: otherwise GSPMD may propagate the
+    # EMA's (sharded) layout backward into a stage-0 update and all-gather it.
+    pin = constrain
 
     def run_update(self, zero, update, state, master, grads, *rest):
         """``update(state, master, grads, *rest)`` where the state lives: here (``zero``: the
@@ -113,7 +111,6 @@ class HostMemory(DeviceMemory):
     from the compute params), the optimizer state and the EMA in pinned host memory, updated
     on the host (decision 32)."""
 
-    offload = "optimizer"
     master_on_device = False
 
     def shardings(self, mesh: Mesh, specs):

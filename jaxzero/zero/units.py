@@ -45,7 +45,7 @@ from jax.extend import core as jcore
 from jax.extend import source_info_util
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._compat import JIT_PRIMITIVES, REMAT_PRIMITIVES, bind_params
+from jaxzero._compat import JIT_PRIMITIVES, REMAT_PRIMITIVES, bind_params, call_jaxpr
 from jaxzero.zero.collectives import Comm
 from jaxzero.zero.hooks import LossHook
 from jaxzero.zero.layers import _gather_leaf, gather_shard
@@ -131,8 +131,8 @@ def _inline_jits(jaxpr, consts, args):
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
         if _is_jit(eqn):
-            inner = eqn.params["jaxpr"]
-            outs = _inline_jits(inner.jaxpr, inner.consts, [_read(env, v) for v in eqn.invars])
+            inner, consts = call_jaxpr(eqn)
+            outs = _inline_jits(inner, consts, [_read(env, v) for v in eqn.invars])
             env.update(zip(eqn.outvars, outs, strict=True))
         else:
             _bind(eqn, env)
