@@ -42,9 +42,11 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # hf_models: Hugging Face's FlaxLlama
 
 import flax  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import jaxlib  # noqa: E402
 import optax  # noqa: E402
 from overlap import jaxzero_row, peer_row  # noqa: E402
@@ -66,12 +68,24 @@ class Model:
     shape: object  # jaxzero.gpu.models.ModelShape
     nnx: bool  # the NNX twin (nnx_model) instead of the Linen decoder
     units: str  # the ZeRO(units=) pattern naming one block's params
+    hf_ffn: int = 0  # > 0: Hugging Face's FlaxLlamaForCausalLM of this MLP width instead
 
     def build(self):
         """(abstract params, loss_fn)."""
+        if self.hf_ffn:
+            from hf_models import hf_llama
+
+            s = self.shape
+            return hf_llama(
+                s.layers, s.hidden, self.hf_ffn, s.vocab, s.seq, jnp.bfloat16, True, heads=16
+            )
         if self.nnx:
             return nnx_model(self.shape)
         return abstract_params(self.shape), make_loss(self.shape)
+
+    @property
+    def num_params(self) -> int:
+        return sum(x.size for x in jax.tree.leaves(self.build()[0]))
 
 
 def models(quick: bool) -> list[Model]:
@@ -86,10 +100,18 @@ def models(quick: bool) -> list[Model]:
             Model("GPT, Python loop of nn.remat blocks, 4 x 256", small, False, r"block_\d+"),
             Model("NNX, nnx.List of 4 blocks x 256", small, True, r"layers/\d+"),
         ]
+    llama = gpt(12, 1024, vocab=8192)  # 171M params with FlaxLlama's MLP of width 2816
     return [
         Model("GPT, Python loop of nn.remat blocks, 12 x 1024", gpt(12, 1024), False, r"block_\d+"),
         Model("GPT, Python loop of nn.remat blocks, 16 x 2048", gpt(16, 2048), False, r"block_\d+"),
         Model("NNX, nnx.List of 12 blocks x 1024", gpt(12, 1024), True, r"layers/\d+"),
+        Model(
+            "Hugging Face FlaxLlamaForCausalLM (no remat), 12 x 1024",
+            llama,
+            False,
+            r"model/layers/\d+",
+            hf_ffn=2816,
+        ),
     ]
 
 
@@ -102,10 +124,11 @@ def _no_copy():
     return jz.Precision.create("bf16", compute_copy=False)
 
 
-def _units_row(m: Model, mesh, options, precision):
+def _units_row(m: Model, mesh, options, precision, prefetch=True):
     if not units_available():
         return None
-    return jaxzero_row(m.shape, mesh, 3, False, options, precision, model=m.build(), units=m.units)
+    zero = {"units": m.units, "prefetch": prefetch}
+    return jaxzero_row(m.shape, mesh, 3, False, options, precision, model=m.build(), **zero)
 
 
 # (label, row(model, mesh, options) -> figures or None when the variant is not available)
@@ -126,6 +149,14 @@ VARIANTS = (
     (
         "jaxzero stage 3 units, compute_copy=False",
         lambda m, mesh, o: _units_row(m, mesh, o, _no_copy()),
+    ),
+    (
+        "jaxzero stage 3 units, prefetch=False",
+        lambda m, mesh, o: _units_row(m, mesh, o, "bf16", prefetch=False),
+    ),
+    (
+        "jaxzero stage 3 units, prefetch=False, compute_copy=False",
+        lambda m, mesh, o: _units_row(m, mesh, o, _no_copy(), prefetch=False),
     ),
 )
 PEER = "GSPMD-FSDP peer"
@@ -151,7 +182,7 @@ def model_table(model: Model, n: int, rows: dict) -> list[str]:
     shape = model.shape
     peer = rows[PEER]["args_temp"]
     lines = [
-        f"## {model.label}, N = {n}: {shape.num_params:,} params, units=`{model.units}`",
+        f"## {model.label}, N = {n}: {model.num_params:,} params, units=`{model.units}`",
         "",
         "| variant | peak (args + temp) | / peer | formula | AG+RS bytes | hidden AG+RS | ceiling "
         "| kernels |",
@@ -163,8 +194,9 @@ def model_table(model: Model, n: int, rows: dict) -> list[str]:
             continue
         share = lambda k, f=f: "-" if f[k] is None else f"{f[k]:.2f}"
         bound = "-"
-        if label.startswith(UNITS):
-            bound = _mb(unit_bound(shape, n, compute_copy=not label.endswith(NO_COPY)))
+        if label.startswith(UNITS) and not model.hf_ffn:  # the formula knows the GPT decoder
+            copy, prefetch = not label.endswith(NO_COPY), "prefetch=False" not in label
+            bound = _mb(unit_bound(shape, n, compute_copy=copy, prefetch=prefetch))
         lines.append(
             f"| {label} | {_mb(f['args_temp'])} | {f['args_temp'] / peer:.2f} | {bound} | "
             f"{_mb(f['ag_rs_bytes'])} | {share('ag_rs_hidden')} | {share('ag_rs_max')} | "
@@ -189,8 +221,8 @@ def summary_table(results: list[tuple[Model, int, dict]]) -> list[str]:
             else f"{_mb(rows[k]['args_temp'])} ({rows[k]['args_temp'] / peer:.2f})"
             for k in labels
         ]
-        bf16 = _mb(2 * model.shape.num_params)
-        params = f"{model.shape.num_params / 1e6:.0f}M params"
+        bf16 = _mb(2 * model.num_params)
+        params = f"{model.num_params / 1e6:.0f}M params"
         lines.append(f"| {model.label} ({params}) | {n} | {bf16} | " + " | ".join(cells) + " |")
     return lines
 

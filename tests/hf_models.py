@@ -30,7 +30,9 @@ def _token_loss(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def hf_llama(layers=2, hidden=32, ffn=48, vocab=64, seq=8, dtype=jnp.float32, abstract=False):
+def hf_llama(
+    layers=2, hidden=32, ffn=48, vocab=64, seq=8, dtype=jnp.float32, abstract=False, heads=2
+):
     """(params, loss_fn) of FlaxLlamaForCausalLM: blocks ``model/layers/0`` ... in a Python
     loop; its attention softmax runs in float32 whatever ``dtype`` is."""
     t = _transformers()
@@ -38,8 +40,8 @@ def hf_llama(layers=2, hidden=32, ffn=48, vocab=64, seq=8, dtype=jnp.float32, ab
         hidden_size=hidden,
         intermediate_size=ffn,
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         vocab_size=vocab,
         # FlaxLlama keeps num_pos of its sin/cos columns: at least 2 x head_dim
         max_position_embeddings=max(seq, hidden),

@@ -9,6 +9,8 @@ residuals (no gathered weight kept for the backward) and bad arguments.
 
 from __future__ import annotations
 
+import re
+
 import chex
 import flax.linen as nn
 import jax
@@ -223,7 +225,10 @@ def test_each_unit_is_gathered_again_for_its_backward():
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batches[0])
     whole = _traced_gathers(jz.ZeRO(optax.sgd(0.1), mesh, stage=3), params, loss_fn, batch)
     per_unit = _traced_gathers(
-        jz.ZeRO(optax.sgd(0.1), mesh, stage=3, units=pattern), params, loss_fn, batch
+        jz.ZeRO(optax.sgd(0.1), mesh, stage=3, units=pattern, prefetch=False),
+        params,
+        loss_fn,
+        batch,
     )
     sharded = sum(x.ndim > 0 and max(x.shape) % 8 == 0 for x in jax.tree.leaves(params))
     assert whole == sharded, (whole, sharded)
@@ -234,10 +239,37 @@ def test_each_unit_is_gathered_again_for_its_backward():
     assert per_unit == sharded + 2 * 3 + 3, (per_unit, sharded)
 
 
-def test_no_gathered_weight_is_saved_for_the_backward():
+def test_prefetch_gathers_each_unit_but_the_last_again_for_its_backward():
+    """``prefetch=True`` (the lowered step: the custom VJP's forward and backward): every
+    sharded leaf is gathered once in the forward, where it is read, and each unit's sharded
+    leaves once more in the backward. The head (outside the units, read last) is not: its
+    forward gather is kept for its backward, which comes next (FSDP2 does not reshard the
+    last module after its forward)."""
+    params, loss_fn, batches, pattern = _problem("linen_loop")
+    mesh = jz.data_parallel_mesh(8)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batches[0])
+    zero = jz.ZeRO(optax.sgd(0.1), mesh, stage=3, units=pattern, prefetch=True)
+    step = jz.make_train_step(loss_fn, zero)
+    text = step.jitted.lower(zero.abstract_state(params), batch).as_text()
+    gathers = len(re.findall(r"stablehlo\.all_gather|\ball_gather\(", text))
+    names = units_mod.unit_names(params, (pattern,))
+    sharded = [
+        u
+        for x, u in zip(jax.tree.leaves(params), names, strict=True)
+        if x.ndim > 0 and max(x.shape) % 8 == 0
+    ]
+    again = sum(u is not None for u in sharded)
+    assert len(set(names) - {None}) >= 2 and again < len(sharded)
+    assert gathers == len(sharded) + again, (gathers, len(sharded), again)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_no_gathered_weight_is_saved_for_the_backward(prefetch):
     """What the backward keeps (jax's own residual listing): the unit shards and activations,
     never a gathered (full-size) unit weight nor a transposed copy of one, with or without
-    nn.remat, also in Hugging Face's FlaxGPT2, whose blocks compute ``kernel.T``."""
+    nn.remat, also in Hugging Face's FlaxGPT2, whose blocks compute ``kernel.T``. With
+    ``prefetch`` the last unit's gathered weights are kept for its backward, which comes
+    next (FSDP2 does not reshard the last unit after its forward): at most one unit's."""
     for kind in ("linen_loop", "linen_remat_loop", "hf_gpt2"):
         params, loss_fn, batches, pattern = _problem(kind)
         names = units_mod.unit_names(params, (pattern,))
@@ -245,10 +277,11 @@ def test_no_gathered_weight_is_saved_for_the_backward():
         mesh = jz.data_parallel_mesh(8)
         specs = jz.ZeRO(optax.sgd(0.1), mesh, stage=3).param_specs(params)
         comm = jz.ZeRO(optax.sgd(0.1), mesh, stage=3).comm
-        plan = units_mod.build_plan(comm, (pattern,), params, specs)
-        unit_shapes = {
-            x.shape for x, u in zip(leaves, names, strict=True) if u is not None and x.ndim > 1
-        }
+        plan = units_mod.build_plan(comm, (pattern,), params, specs, prefetch)
+        unit_leaves = [x.shape for x, u in zip(leaves, names, strict=True) if u is not None]
+        last = max((u for u in names if u), key=lambda u: int(re.findall(r"\d+", u)[-1]))
+        one_unit = [x.shape for x, u in zip(leaves, names, strict=True) if u == last]
+        unit_shapes = {shape for shape in unit_leaves if len(shape) > 1}
         unit_shapes |= {shape[::-1] for shape in unit_shapes}
         saved = []
 
@@ -260,15 +293,20 @@ def test_no_gathered_weight_is_saved_for_the_backward():
             return jax.lax.pmean(f(p), "data")
 
         flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-        root = [
-            s if u is not None else P() for s, u in zip(flat_specs, names, strict=True)
-        ]  # whole
+        root = [  # without prefetch the leaves outside the units enter whole
+            s if u is not None or prefetch else P() for s, u in zip(flat_specs, names, strict=True)
+        ]
         in_specs = (jax.tree.unflatten(treedef, root), P("data"))
         jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P()))(
             params, batches[0]
         )
-        assert saved and not unit_shapes & set(saved), (kind, unit_shapes & set(saved))
-        assert plan.segments == (2 if kind == "linen_loop" else 3), plan.segments
+        full = [shape for shape in saved if shape in unit_shapes]
+        if prefetch:
+            kept = [shape for shape in one_unit if len(shape) > 1]
+            assert saved and len(full) <= len(kept), (kind, full, kept)
+        else:
+            assert saved and not full, (kind, full)
+            assert plan.segments == (2 if kind == "linen_loop" else 3), plan.segments
         assert kind != "hf_gpt2" or unit_shapes == {
             (64, 192),
             (192, 64),
@@ -287,6 +325,10 @@ def test_bad_units_arguments_are_refused_before_anything_runs():
         jz.ZeRO(TX, mesh, stage=3, units=r"layer\d+", layers="layers")
     with pytest.raises(ValueError, match="not a regular expression"):
         jz.ZeRO(TX, mesh, stage=3, units="layer(")
+    with pytest.raises(ValueError, match="acts on units= only"):
+        jz.ZeRO(TX, mesh, stage=3, prefetch=False)
+    with pytest.raises(TypeError, match="must be True or False"):
+        jz.ZeRO(TX, mesh, stage=3, units=r"layer\d+", prefetch="yes")
     with pytest.raises(TypeError, match="regular expression"):
         jz.ZeRO(TX, mesh, stage=3, units=[r"layer\d+"])
     with pytest.raises(ValueError, match="fullmatches no params path"):

@@ -154,15 +154,20 @@ def test_no_match_error_without_numbered_blocks_says_what_a_unit_is():
     assert "try units=" not in str(info.value)
 
 
-def test_plan_estimates_a_unit_row_with_two_units_gathered_not_the_whole_model():
+def test_plan_estimates_a_unit_row_with_three_units_gathered_not_the_whole_model():
     """`jaxzero plan`'s estimate column: the whole-model stage 3 row counts the model gathered
-    in bf16 (p Φ), the "3 per unit" row the formula unit_bound states, (2p + g) unit +
-    g (Φ - L unit), p = g = 2 bytes; the rest (state, activations) is the same in both."""
+    in bf16 (p Φ), the "3 per unit" row the formula unit_bound states, (3p + g) unit +
+    g (Φ - L unit), p = g = 2 bytes (the running unit, the prefetched one and the last one
+    kept for its backward; 2p without prefetch); the rest (state, activations) is the same in
+    both."""
     shape = model_shape(layers=4, hidden=64, heads=2, vocab=128, seq=16, arch="gpt", loop="python")
     whole = row_estimate(shape, 8, 3, False, "bf16", False, False)
     unit = row_estimate(shape, 8, 3, True, "bf16", False, False, per="unit")
     phi, u, p = shape.num_params, shape.layer_params, 2
     assert whole.gathered == p * phi
-    assert unit.gathered == 3 * p * u + p * (phi - 4 * u)
+    assert unit.gathered == 4 * p * u + p * (phi - 4 * u)
     assert unit.total - unit.gathered == whole.total - whole.gathered
     assert unit.total == unit_bound(shape, 8, compute_copy=False)
+    lean = row_estimate(shape, 8, 3, True, "bf16", False, False, per="unit", prefetch=False)
+    assert unit.total - lean.total == p * u
+    assert lean.total == unit_bound(shape, 8, compute_copy=False, prefetch=False)

@@ -23,11 +23,12 @@ PATTERN = r"layer\d+"  # tests/models.py's transformer blocks
 
 def _segments(loss_fn, params, batch, pattern=PATTERN):
     """How many unit segments :func:`jaxzero.zero.units.run` ran for ``loss_fn`` inside the
-    8-device shard_map (units gathered segment by segment, the rest whole)."""
+    8-device shard_map (units gathered segment by segment, the rest whole: the segments are
+    the same with prefetch, which also gathers the rest where it is read)."""
     mesh = jz.data_parallel_mesh(8)
     zero = jz.ZeRO(optax.sgd(0.1), mesh, stage=3)
     specs = zero.param_specs(params)
-    plan = units_mod.build_plan(zero.comm, (pattern,), params, specs)
+    plan = units_mod.build_plan(zero.comm, (pattern,), params, specs, prefetch=False)
     names = units_mod.unit_names(params, (pattern,))
     leaves, treedef = jax.tree.flatten(params)
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))

@@ -101,12 +101,14 @@ def row_estimate(
     copy=True,
     offload=None,
     per: str = "layer",
+    prefetch: bool = True,
 ) -> MemoryEstimate:
     """The estimate column of a plan row: ``estimate_memory`` for this shape and stage, with
     activations of the whole stack, plus the whole model gathered (stage 3), one layer
     gathered with its gradient (stage 3 per layer, ``per="layer"``), or :func:`unit_bound`'s
-    accounting (stage 3 per unit, ``per="unit"``: that layer and the next unit's prefetched
-    weights, in ``gathered``)."""
+    accounting (stage 3 per unit, ``per="unit"``: that layer and, in ``gathered``, the next
+    unit's prefetched weights and, with ``prefetch``, the last unit's, kept from its forward
+    for its backward)."""
     dims = {k: getattr(shape, k) for k in ("batch", "seq", "hidden", "layers", "heads", "vocab")}
     est = estimate_memory(
         shape.num_params,
@@ -122,25 +124,33 @@ def row_estimate(
         **dims,
     )
     if stage == 3 and per_layer and per == "unit":
-        prefetched = param_bytes(precision) * shape.layer_params
+        prefetched = (2 if prefetch else 1) * param_bytes(precision) * shape.layer_params
         est = dataclasses.replace(est, gathered=est.gathered + prefetched)
     return est
 
 
 def unit_bound(
-    shape: ModelShape, devices: int, *, precision: str = "bf16", compute_copy: bool = True
+    shape: ModelShape,
+    devices: int,
+    *,
+    precision: str = "bf16",
+    compute_copy: bool = True,
+    prefetch: bool = True,
 ) -> int:
     """Bytes per device that stage 3 one unit at a time (``ZeRO(units=...)``, one block of
     ``shape`` per unit) must stay under: :func:`jaxzero.estimate_memory` with
     ``layer_params`` (the persistent state, one unit gathered with its full gradient, the
     full gradients of the leaves outside the units, the activations with ``ckpt_every=1``
     and the f32 logits) plus a second unit gathered in the compute dtype, the next unit's
-    prefetched weights::
+    prefetched weights, and with ``prefetch`` (``ZeRO(prefetch=True)``, the default) a third,
+    the last unit's weights kept from its forward for its backward::
 
-        state + (2p + g) * unit + g * (Φ - layers * unit) + activations
+        state + (3p + g) * unit + g * (Φ - layers * unit) + activations
 
-    with p = g = 2 bytes in bf16/fp16, 4 in fp32 (the "3 per unit" row's estimate)."""
-    return row_estimate(shape, devices, 3, True, precision, False, compute_copy, per="unit").total
+    with p = g = 2 bytes in bf16/fp16, 4 in fp32 (the "3 per unit" row's estimate); ``2p``
+    without prefetch."""
+    args = (shape, devices, 3, True, precision, False, compute_copy)
+    return row_estimate(*args, per="unit", prefetch=prefetch).total
 
 
 def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy: bool, offload):

@@ -56,6 +56,13 @@ class ZeRO(ZeROConfig):
         :class:`jaxzero.VocabParallelEmbed` (:mod:`jaxzero.zero.vocab`: pays at small N).
       units: stage 3: regular expressions over params paths (``r"block_\\d+"``), each match
         gathered where it runs and for its backward (``fully_shard``: :mod:`jaxzero.zero.units`).
+      prefetch: with ``units=`` only (default True): the units run as one chain that gathers
+        unit ``k + 1`` under unit ``k``'s forward and unit ``k - 1`` under unit ``k``'s
+        backward, reduce-scatters each unit's gradient under the next unit's backward, gathers
+        the leaves outside the units where they are read, and recomputes each unit from its
+        input for its backward (:mod:`jaxzero.zero.unit_chain`; MaxText's
+        ``prefetch_fsdp_weights``). False: each unit is a ``jax.checkpoint`` that keeps the
+        model's own remat policy, with the backward's collectives exposed (decision 33).
       offload: None, or ``"optimizer"`` (stages 1-3, DeepSpeed's ``offload_optimizer``): the
         master, optimizer state, EMA in host memory, updated there (the config's
         ``placement``, :class:`~jaxzero.zero.config.ZeROConfig`).

@@ -70,6 +70,7 @@ class ZeROConfig:
     vocab_parallel: tuple[str, ...] | str | None = None
     offload: str | None = None
     units: tuple[str, ...] | str | None = None
+    prefetch: bool | None = None
 
     def __post_init__(self):
         if self.stage not in STAGES or isinstance(self.stage, bool):
@@ -87,6 +88,7 @@ class ZeROConfig:
         object.__setattr__(self, "vocab_parallel", vocab.names(self.vocab_parallel, self.stage))
         object.__setattr__(self, "precision", _precision(self.precision, self.stage))
         object.__setattr__(self, "units", units.patterns(self.units, self.stage, self.layers))
+        object.__setattr__(self, "prefetch", units.prefetch_option(self.prefetch, self.units))
         check_loss_scale(self.loss_scale, self.precision)
         offload.placement(self.offload, self.stage, self.mesh)
 
@@ -157,7 +159,9 @@ class ZeROConfig:
     def _stacked_mask(self, tree, on: bool | None = None):  # the loss gets them as shards
         if not (self.per_layer or self.units if on is None else on):
             return None
-        return units.mask(tree, self.units) if self.units else sh.subtree_mask(tree, self.layers)
+        if self.units:
+            return units.mask(tree, self.units, self.prefetch)
+        return sh.subtree_mask(tree, self.layers)
 
     def _whole_mask(self, tree):  # stage 0 per layer: the stacks stay device-invariant
         on = self.stage == 0 and layers.reduces_in_backward(0, self.layers, self.precision)
@@ -201,7 +205,9 @@ class ZeROConfig:
         hooks = (
             vocab.build_plan(self.comm, self.vocab_parallel, local_params, specs),
             self._layer_plan(local_params, specs),
-            units.build_plan(self.comm, self.units, local_params, specs),
+            units.build_plan(
+                self.comm, self.units, local_params, specs, self.prefetch, self.vocab_parallel
+            ),
         )
         return [h for h in hooks if h is not None]
 

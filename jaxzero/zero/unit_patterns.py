@@ -81,15 +81,22 @@ def _owners(params, patterns: tuple[str, ...]) -> list[tuple[str | None, list[st
     return out
 
 
-def unit_names(params, patterns: tuple[str, ...]) -> list[str | None]:
+#: The unit name of the leaves outside every unit when they are gathered where they are read
+#: (``ZeRO(prefetch=True)``: :mod:`jaxzero.zero.unit_chain`)
+OUTSIDE = "(outside the units)"
+
+
+def unit_names(params, patterns: tuple[str, ...], outside: bool = False) -> list[str | None]:
     """Per flat leaf of ``params``: the unit it belongs to (see the module docstring), or
-    None (gathered whole)."""
-    return [unit for unit, _ in _owners(params, patterns)]
+    None (gathered whole at the start of the loss), or with ``outside`` :data:`OUTSIDE`."""
+    other = OUTSIDE if outside else None
+    return [other if unit is None else unit for unit, _ in _owners(params, patterns)]
 
 
-def mask(tree, units: tuple[str, ...]):
-    """True for the leaves of ``tree`` in a unit (the loss gets them as shards)."""
-    names = unit_names(tree, units)
+def mask(tree, units: tuple[str, ...], outside: bool = False):
+    """True for the leaves of ``tree`` the loss gets as shards: those in a unit, and with
+    ``outside`` every leaf."""
+    names = unit_names(tree, units, outside)
     return jax.tree.unflatten(jax.tree.structure(tree), [u is not None for u in names])
 
 

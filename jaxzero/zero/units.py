@@ -42,27 +42,55 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
-from jax.extend import source_info_util
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._compat import JIT_PRIMITIVES, REMAT_PRIMITIVES, bind_params, call_jaxpr
+from jaxzero._compat import JIT_PRIMITIVES, REMAT_PRIMITIVES, call_jaxpr
+from jaxzero.zero import unit_chain
 from jaxzero.zero.collectives import Comm
 from jaxzero.zero.hooks import LossHook
+from jaxzero.zero.jaxpr_eval import bind as _bind
+from jaxzero.zero.jaxpr_eval import is_remat as _is_remat
+from jaxzero.zero.jaxpr_eval import read as _read
 from jaxzero.zero.layers import _gather_leaf, gather_shard
-from jaxzero.zero.specs import spec_dim
-from jaxzero.zero.unit_patterns import check, mask, patterns, unit_names
+from jaxzero.zero.specs import spec_dim, subtree_mask
+from jaxzero.zero.unit_patterns import OUTSIDE, check, mask, patterns, unit_names
 
 MARK = "jaxzero_unit_gather"
 __all__ = ["build_plan", "check", "mask", "patterns", "run", "unit_names"]
 
 
-def build_plan(comm: Comm, units: tuple[str, ...], local_params, specs) -> UnitPlan | None:
+def prefetch_option(prefetch, units: tuple[str, ...]) -> bool | None:
+    """``ZeRO(prefetch=)`` checked: True (the default with ``units=``) or False, and only with
+    ``units=``, where it acts (None without)."""
+    if prefetch is None:
+        return True if units else None
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch={prefetch!r} must be True or False.")
+    if not units:
+        raise ValueError(
+            f"prefetch={prefetch!r} acts on units= only (stage 3 per module), and no units= "
+            f"was given: drop prefetch=, or name the blocks with units=r'block_\\d+'."
+        )
+    return prefetch
+
+
+def build_plan(
+    comm: Comm, units: tuple[str, ...], local_params, specs, prefetch: bool = True, tables=()
+) -> UnitPlan | None:
     """The :class:`UnitPlan` of a stage-3 step with ``units`` (None without), from the local
-    params and their global ``specs``."""
+    params and their global ``specs``; with ``prefetch`` the leaves outside the units are
+    gathered where they are read too (:data:`OUTSIDE`), except the ``vocab_parallel`` tables
+    (``tables``: their names), which are never gathered."""
     if not units:
         return None
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
-    return UnitPlan(comm, unit_names(local_params, units), [spec_dim(s) for s in flat_specs])
+    dims = [spec_dim(s) for s in flat_specs]
+    names = unit_names(local_params, units, outside=prefetch)
+    if tables:
+        names = [
+            None if t else u for u, t in zip(names, vocab_mask(local_params, tables), strict=True)
+        ]
+    return UnitPlan(comm, names, dims, prefetch=prefetch)
 
 
 @dataclasses.dataclass
@@ -75,6 +103,7 @@ class UnitPlan(LossHook):
     units: list[str | None]
     dims: list[int | None]
     segments: int = 0
+    prefetch: bool = True
 
     def wrap(self, fn):
         return lambda params, *rest: run(self, fn, params, *rest)
@@ -112,8 +141,13 @@ def run(plan: UnitPlan, fn, params, *rest):
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
-def _read(env, v):
-    return v.val if isinstance(v, jcore.Literal) else env[v]
+def vocab_mask(params, tables) -> list[bool]:
+    """Per flat leaf: under one of the ``vocab_parallel`` tables."""
+    return jax.tree.leaves(subtree_mask(params, tables))
+
+
+def _is_var(v) -> bool:
+    return not isinstance(v, jcore.Literal)
 
 
 def _is_jit(eqn) -> bool:
@@ -139,45 +173,54 @@ def _inline_jits(jaxpr, consts, args):
     return [_read(env, v) for v in jaxpr.outvars]
 
 
-def _bind(eqn, env):
-    """``eqn`` bound on its inputs in ``env`` under its own source line and module name stack
-    (as ``jax.core.eval_jaxpr`` does: profiles and :func:`jaxzero.precision.warn_wide_compute`
-    name the model's modules, not this function)."""
-    info = eqn.source_info
-    names = source_info_util.current_name_stack() + info.name_stack
-    with source_info_util.user_context(info.traceback, name_stack=names):
-        ans = eqn.primitive.bind(*[_read(env, v) for v in eqn.invars], **bind_params(eqn))
-    outs = ans if eqn.primitive.multiple_results else [ans]
-    for v, x in zip(eqn.outvars, outs, strict=True):
-        env[v] = x
-
-
 class _Evaluator:
     def __init__(self, plan: UnitPlan, jaxpr, n_params: int):
         self.plan, self.jaxpr = plan, jaxpr
         self.leaf_of = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
         self.lazy: dict = {}  # gathered var -> its leaf index
-        self.unit_of: dict = {}  # gathered (or only-gathered-derived) var -> unit name
-        eqns, labels = [], []
+        self.eager: dict = {}  # outside leaves read by several segments: gathered at the start
+        self.eqns = []
         for eqn in jaxpr.eqns:
             if _is_marker(eqn):
-                i = self.leaf_of[eqn.invars[0]]
-                self.lazy[eqn.outvars[0]] = i
-                self.unit_of[eqn.outvars[0]] = plan.units[i]
-                continue
-            eqns.append(eqn)
-            labels.append(self._label(eqn))
-        self.eqns, self.segments = eqns, _segments(labels)
-        _warn_units_together(eqns, labels)
-        last = {}
+                self.lazy[eqn.outvars[0]] = self.leaf_of[eqn.invars[0]]
+            else:
+                self.eqns.append(eqn)
+        labels = self._labels()
+        shared = self._shared_outside(_segments(labels))
+        if shared:  # a tied embedding: one gather and one reduce-scatter, as without prefetch
+            self.eager = {v: self.lazy.pop(v) for v in shared}
+            labels = self._labels()
+        self.segments = _segments(labels)
+        _warn_units_together(self.eqns, labels)
+        eqns = self.eqns
+        last, self.defined_at = {}, {}
         for k, eqn in enumerate(eqns):
             for v in eqn.invars:
                 if not isinstance(v, jcore.Literal):
                     last[v] = k
+            self.defined_at.update((v, k) for v in eqn.outvars)
         for v in jaxpr.outvars:
             if not isinstance(v, jcore.Literal):
                 last[v] = len(eqns)
         self.last_use = last
+
+    def _labels(self) -> list[frozenset]:
+        """Per equation: the units whose weights it reads (:meth:`_label`)."""
+        self.unit_of = {v: self.plan.units[i] for v, i in self.lazy.items()}
+        return [self._label(eqn) for eqn in self.eqns]
+
+    def _shared_outside(self, segments) -> list:
+        """The gathered leaves outside the units that more than one segment reads."""
+        count: dict = {}
+        for kind, lo, hi in segments:
+            if kind is None:
+                continue
+            eqns = self.eqns[lo:hi]
+            read = {v for e in eqns for v in e.invars if _is_var(v) and v in self.lazy}
+            for v in read:
+                if self.plan.units[self.lazy[v]] == OUTSIDE:
+                    count[v] = count.get(v, 0) + 1
+        return [v for v, c in count.items() if c > 1]
 
     def _label(self, eqn) -> frozenset:
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
@@ -190,15 +233,40 @@ class _Evaluator:
     def run(self, consts, args):
         env = dict(zip(self.jaxpr.constvars, consts, strict=True))
         env.update(zip(self.jaxpr.invars, args, strict=True))
+        for v, i in self.eager.items():
+            env[v] = _gather_leaf(self.plan.comm, env[self.jaxpr.invars[i]], self.plan.dims[i])
         self.plan.segments = 0
         self.tokens: list = []  # per segment run: a scalar of its first gathered weight
-        for kind, lo, hi in self.segments:
+        segments = self.segments
+        if self.plan.prefetch:
+            units = [k for k, (kind, _, _) in enumerate(segments) if kind]
+            first, last = units[0], units[-1] + 1
+            for _, lo, hi in segments[:first]:
+                for eqn in self.eqns[lo:hi]:
+                    _bind(eqn, env)
+            self._chain(env, segments[first:last])
+            segments = segments[last:]
+        for kind, lo, hi in segments:
             if kind is None:
                 for eqn in self.eqns[lo:hi]:
                     _bind(eqn, env)
             else:
                 self._segment(env, lo, hi)
         return [_read(env, v) for v in self.jaxpr.outvars]
+
+    def _chain(self, env, segments):
+        """The segments from the first unit's to the last's as one custom VJP that prefetches
+        across units (:mod:`jaxzero.zero.unit_chain`)."""
+        pieces = unit_chain.pieces(segments, self.eqns, self.lazy, self.last_use, self.defined_at)
+        hi = segments[-1][2]
+        defined = dict.fromkeys(v for p in pieces for e in p.eqns for v in e.outvars)
+        outs = [v for v in defined if self._live(v, hi)]
+        dim_of = lambda v: self.plan.dims[self.lazy[v]]
+        chain = unit_chain.Chain(self.plan.comm, pieces, dim_of, outs)
+        shards = [env[self.jaxpr.invars[self.lazy[v]]] for v in chain.gathered]
+        results = chain(shards, [env[v] for v in chain.ins])
+        env.update(zip(outs, results, strict=True))
+        self.plan.segments += len(chain.units)
 
     def _segment(self, env, lo, hi):
         eqns = self.eqns[lo:hi]
@@ -321,11 +389,6 @@ def _after(shard, token):
     return shard + (token[0] * 0).astype(shard.dtype)
 
 
-def _is_remat(eqn) -> bool:
-    """A ``jax.checkpoint`` (``nn.remat``) equation."""
-    return eqn.primitive.name in REMAT_PRIMITIVES and "jaxpr" in eqn.params
-
-
 def _not_gathered(prim, *avals, **params) -> bool:
     """Save what the model saves, except the gathered weights (the all-gather's outputs) and
     copies of them: a transpose, reshape, broadcast or widening cast of a matrix (or larger) is
@@ -349,8 +412,8 @@ def _warn_units_together(eqns, labels) -> None:
     several blocks) reads the weights of several units: they are gathered together for it,
     whole-model stage 3 within that call."""
     for eqn, units in zip(eqns, labels, strict=True):
-        if len(units) > 1:
-            names = sorted(units)
+        names = sorted(u for u in units if u != OUTSIDE)
+        if len(names) > 1:
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             warnings.warn(
                 f"ZeRO(units=...): the units {shown} ({len(names)}) run inside one "

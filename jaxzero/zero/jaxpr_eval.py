@@ -1,0 +1,47 @@
+"""Evaluating a jaxpr equation by equation under the caller's transformations, as
+``jax.core.eval_jaxpr`` does, keeping each equation's source line and module name stack
+(profiles and :func:`jaxzero.precision.warn_wide_compute` name the model's modules, not the
+evaluator). Used by ``units=`` (:mod:`jaxzero.zero.units`, :mod:`jaxzero.zero.unit_chain`)."""
+
+from __future__ import annotations
+
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from jaxzero._compat import REMAT_PRIMITIVES, bind_params
+
+
+def read(env, v):
+    """``v``'s value: a literal's, or ``env``'s."""
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def bind(eqn, env) -> None:
+    """``eqn`` bound on its inputs in ``env``, its outputs written to ``env``."""
+    info = eqn.source_info
+    names = source_info_util.current_name_stack() + info.name_stack
+    with source_info_util.user_context(info.traceback, name_stack=names):
+        ans = eqn.primitive.bind(*[read(env, v) for v in eqn.invars], **bind_params(eqn))
+    outs = ans if eqn.primitive.multiple_results else [ans]
+    for v, x in zip(eqn.outvars, outs, strict=True):
+        env[v] = x
+
+
+def is_remat(eqn) -> bool:
+    """A ``jax.checkpoint`` (``nn.remat``) equation."""
+    return eqn.primitive.name in REMAT_PRIMITIVES and "jaxpr" in eqn.params
+
+
+def bind_unrematted(eqn, env) -> None:
+    """:func:`bind`, with a ``jax.checkpoint`` equation (and those nested in it) evaluated
+    inline: under a caller that already recomputes the equation for its backward, the
+    checkpoint would recompute it a second time."""
+    if not is_remat(eqn):
+        bind(eqn, env)
+        return
+    inner = eqn.params["jaxpr"]
+    local = {iv: read(env, ov) for iv, ov in zip(inner.invars, eqn.invars, strict=True)}
+    for e in inner.eqns:
+        bind_unrematted(e, local)
+    for v, ov in zip(eqn.outvars, inner.outvars, strict=True):
+        env[v] = read(local, ov)

@@ -1,0 +1,243 @@
+"""Prefetch across units: the chain of ``units=`` segments as one ``jax.custom_vjp``
+(MaxText's ``prefetch_fsdp_weights``; FSDP2's forward and backward prefetch).
+
+:mod:`jaxzero.zero.units` cuts the loss's jaxpr into *pieces*: a segment per unit (the
+equations that read its weights) and the equations between them. With
+``ZeRO(units=..., prefetch=True)`` the pieces from the first unit's to the last unit's run as
+one custom VJP whose
+
+* **forward** gathers unit ``k + 1``'s shards while unit ``k`` computes (the gather waits for
+  unit ``k``'s weights and its input, so at most two units are gathered at a time and no two
+  gathers can be combined), runs each piece, and saves only each piece's inputs (the
+  activations at the unit boundaries) and the last unit's gathered weights (FSDP2 does not
+  reshard the last unit after its forward: its backward comes next);
+* **backward** walks the pieces in reverse: it gathers unit ``k - 1``'s shards (once unit
+  ``k``'s cotangent and weights exist: under unit ``k``'s recompute and backward, not hoisted
+  to the start), recomputes unit ``k`` from its saved input (``jax.vjp``, a model's own
+  ``nn.remat`` inlined: it would recompute a second time) and reduce-scatters its weight
+  gradient, which must be reduced before unit ``k - 1``'s is (so it runs under unit
+  ``k - 1``'s backward and is not combined with it). At most three units' worth are live:
+  W(k), W(k - 1) and dW(k).
+
+Every order is a data dependency (``0 * token`` added to the next collective's input, which
+XLA does not fold for floats; :func:`after`), not an ``optimization_barrier``: XLA:GPU drops
+barriers before its collective combiners run. Nothing here is differentiated, so the tokens
+have no backward. Each piece is recomputed in the backward (the model's own remat policy is
+not kept: FLOPs of one more forward for a model that does not remat, none for one that
+remats every block); only the pieces' inputs are saved for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from jaxzero.zero.collectives import reduce_leaf, varying_axes
+from jaxzero.zero.jaxpr_eval import bind, bind_unrematted
+from jaxzero.zero.layers import gather_shard
+
+
+def token(values):
+    """A one-element float32 that exists once every array of ``values`` does (the sum of
+    their first elements): what the next collective waits for."""
+    t = [jax.lax.slice(x.reshape(-1), (0,), (1,)).astype(jnp.float32) for x in values]
+    return sum(t[1:], t[0])
+
+
+def after(x, tok):
+    """``x``, not read before ``tok`` exists: ``x + 0 * tok`` (XLA does not fold it for
+    floats, so it is a data dependency the collective combiners and the scheduler keep)."""
+    if tok is None:
+        return x
+    return x + (tok[0] * 0).astype(x.dtype)
+
+
+def barrier(values: list, ties: list) -> list:
+    """``values``, not read before every array of ``ties`` exists, and not merged (CSE) with
+    copies computed before: an ``optimization_barrier`` over both, here where it stays (a
+    gradient's reduce-scatter waiting for the previous one, a recompute for its cotangent;
+    a ``0 * token`` added instead would be fused into the gemm that computes the value and
+    make the gemm wait). Only the values device-varying over every axis some tie varies
+    over go through it: the barrier types its outputs varying over the union of its inputs'
+    axes, which would change the others' type."""
+    if not ties:
+        return values
+    axes = set().union(*(varying_axes(t) for t in ties))
+    idx = [k for k, x in enumerate(values) if axes <= set(varying_axes(x))]
+    if not idx:
+        return values
+    tied, _ = jax.lax.optimization_barrier(([values[k] for k in idx], ties))
+    out = list(values)
+    for k, x in zip(idx, tied, strict=True):
+        out[k] = x
+    return out
+
+
+def _float(v) -> bool:
+    return jnp.issubdtype(v.aval.dtype, jnp.inexact)
+
+
+@dataclasses.dataclass
+class Piece:
+    """A run of the loss's equations: a unit's segment (``gathered``: the gathered weights it
+    reads) or the equations between two units (none). ``reads``: the other values it reads
+    (defined before it); ``outs``: what it defines that is read after it; ``source``: the
+    read defined last before it (its input activation; None when it reads only the loss's
+    arguments)."""
+
+    eqns: list
+    gathered: list
+    reads: list
+    outs: list
+    source: object
+
+    @property
+    def unit(self) -> bool:
+        return bool(self.gathered)
+
+
+def pieces(segments, eqns, lazy, last_use, defined_at) -> list[Piece]:
+    """The :class:`Piece` of each ``(units, lo, hi)`` segment."""
+    out = []
+    for _, lo, hi in segments:
+        run = eqns[lo:hi]
+        defined = {v for e in run for v in e.outvars}
+        reads = []
+        for e in run:
+            for v in e.invars:
+                if not isinstance(v, jcore.Literal) and v not in defined and v not in reads:
+                    reads.append(v)
+        gathered = [v for v in reads if v in lazy]
+        reads = [v for v in reads if v not in lazy]
+        outs = [
+            v
+            for v in dict.fromkeys(v for e in run for v in e.outvars)
+            if not isinstance(v, jcore.DropVar) and last_use.get(v, -1) >= hi
+        ]
+        sources = [v for v in reads if _float(v) and defined_at.get(v, -1) >= 0]
+        source = max(sources, key=lambda v: defined_at[v]) if sources else None
+        out.append(Piece(run, gathered, reads, outs, source))
+    return out
+
+
+class Chain:
+    """The pieces from the first unit's to the last unit's, as one custom VJP (see the module
+    docstring). ``shard_of(v)``: the shard (a loss argument) of gathered weight ``v``;
+    ``dim_of(v)``: the dimension it is gathered on (None: a replicated leaf, not gathered)."""
+
+    def __init__(self, comm, chain: list[Piece], dim_of, chain_outs):
+        self.comm, self.pieces, self.dim_of = comm, chain, dim_of
+        self.units = [i for i, p in enumerate(chain) if p.unit]
+        self.gathered = list(dict.fromkeys(v for p in chain for v in p.gathered))
+        defined = {v for p in chain for e in p.eqns for v in e.outvars}
+        self.ins = list(dict.fromkeys(v for p in chain for v in p.reads if v not in defined))
+        self.saved = list(dict.fromkeys(v for p in chain for v in p.reads))
+        self.outs = chain_outs
+
+    def __call__(self, shards, ins):
+        fn = jax.custom_vjp(lambda s, i: self._forward(s, i)[0])
+        fn.defvjp(self._forward, self._backward)
+        return fn(shards, ins)
+
+    # -- gathers ---------------------------------------------------------------------------
+    def _gather(self, i, shard_of, tok):
+        """Piece ``i``'s weights gathered, not before ``tok``."""
+        out = []
+        for v in self.pieces[i].gathered:
+            d = self.dim_of(v)
+            x = shard_of[v] if d is None else after(shard_of[v], tok)
+            out.append(gather_shard(self.comm, x, d))
+        return out
+
+    def _next_unit(self, i, step):
+        k = self.units.index(i) + step
+        return self.units[k] if 0 <= k < len(self.units) else None
+
+    # -- forward ---------------------------------------------------------------------------
+    def _forward(self, shards, ins):
+        shard_of = dict(zip(self.gathered, shards, strict=True))
+        env = dict(zip(self.ins, ins, strict=True))
+        weights = {self.units[0]: self._gather(self.units[0], shard_of, None)}
+        saved = {}
+        for i, p in enumerate(self.pieces):
+            saved.update((v, env[v]) for v in p.reads if v not in saved)
+            if p.unit:
+                nxt = self._next_unit(i, 1)
+                if nxt is not None:  # unit k + 1 gathered under unit k's compute
+                    tie = weights[i] + ([env[p.source]] if p.source is not None else [])
+                    weights[nxt] = self._gather(nxt, shard_of, token(tie))
+                env.update(zip(p.gathered, weights[i], strict=True))
+            for eqn in p.eqns:
+                bind(eqn, env)
+            if p.unit:
+                for v in p.gathered:
+                    del env[v]
+                if i != self.units[-1]:
+                    del weights[i]
+        res = ([saved[v] for v in self.saved], weights[self.units[-1]], shards)
+        return [env[v] for v in self.outs], res
+
+    # -- backward --------------------------------------------------------------------------
+    def _backward(self, res, cts):
+        saved_values, last_weights, shards = res
+        shard_of = dict(zip(self.gathered, shards, strict=True))
+        value = dict(zip(self.saved, saved_values, strict=True))
+        ct = {v: c for v, c in zip(self.outs, cts, strict=True) if _float(v) and c is not None}
+        grads: dict = {}
+        weights = {self.units[-1]: last_weights}
+        reduced = None  # token of the last unit's reduced gradients
+        for i in reversed(range(len(self.pieces))):
+            p = self.pieces[i]
+            outs = [v for v in p.outs if _float(v)]
+            out_cts = [ct.pop(v, None) for v in outs]
+            for v in p.outs:
+                ct.pop(v, None)
+            xs = [v for v in p.reads if _float(v)]
+            fixed = {v: value[v] for v in p.reads if not _float(v)}
+            w = weights.pop(i) if p.unit else []
+            if p.unit:
+                prev = self._next_unit(i, -1)
+                if prev is not None:  # unit k - 1 gathered under unit k's backward
+                    tie = w + [c for c in out_cts if c is not None]
+                    tie += [reduced] if reduced is not None else []
+                    weights[prev] = self._gather(prev, shard_of, token(tie))
+
+            def piece(w, x, p=p, fixed=fixed, xs=xs, outs=outs):
+                env = dict(fixed)
+                env.update(zip(xs, x, strict=True))
+                env.update(zip(p.gathered, w, strict=True))
+                for eqn in p.eqns:
+                    bind_unrematted(eqn, env)
+                return [env[v] for v in outs]
+
+            given = [c for c in out_cts if c is not None]
+            w, x = barrier(w, given), barrier([value[v] for v in xs], given)
+            primal, vjp = jax.vjp(piece, w, x)
+            out_cts = [
+                _zeros_like(y) if c is None else c for y, c in zip(primal, out_cts, strict=True)
+            ]
+            dw, dxs = vjp(out_cts)
+            for v, g in zip(xs, dxs, strict=True):
+                ct[v] = g if v not in ct else ct[v] + g
+            if p.unit:
+                reduced = self._reduce(p, dw, shard_of, grads, reduced)
+        return [grads[v] for v in self.gathered], [ct.get(v) for v in self.ins]
+
+    def _reduce(self, p: Piece, dw, shard_of, grads, before):
+        """Reduce-scatter piece ``p``'s weight gradients ``dw`` (after ``before``, the previous
+        unit's); returns their token."""
+        out = []
+        for v, g in zip(p.gathered, dw, strict=True):
+            d = self.dim_of(v)
+            g = barrier([g], [before] if before is not None else [])[0]
+            r = reduce_leaf(self.comm, g, d).astype(shard_of[v].dtype)
+            grads[v] = r if v not in grads else grads[v] + r
+            out.append(r)
+        return token(out)
+
+
+def _zeros_like(x):
+    return jnp.zeros_like(x)
