@@ -86,23 +86,25 @@ class Piece:
     reads) or the equations between two units (none). ``reads``: the other values it reads
     (defined before it); ``outs``: what it defines that is read after it; ``source``: the
     read defined last before it (its input activation; None when it reads only the loss's
-    arguments)."""
+    arguments); ``in_unit``: it reads a unit's weights, not only leaves outside the units."""
 
     eqns: list
     gathered: list
     reads: list
     outs: list
     source: object
+    in_unit: bool = True  # reads a unit's weights (not only those outside the units)
 
     @property
     def unit(self) -> bool:
         return bool(self.gathered)
 
 
-def pieces(segments, eqns, lazy, last_use, defined_at) -> list[Piece]:
-    """The :class:`Piece` of each ``(units, lo, hi)`` segment."""
+def pieces(segments, eqns, lazy, last_use, defined_at, outside=frozenset()) -> list[Piece]:
+    """The :class:`Piece` of each ``(units, lo, hi)`` segment (``outside``: the name of the
+    leaves outside the units, which do not make a piece a unit's)."""
     out = []
-    for _, lo, hi in segments:
+    for kind, lo, hi in segments:
         run = eqns[lo:hi]
         defined = {v for e in run for v in e.outvars}
         reads = []
@@ -119,7 +121,7 @@ def pieces(segments, eqns, lazy, last_use, defined_at) -> list[Piece]:
         ]
         sources = [v for v in reads if _float(v) and defined_at.get(v, -1) >= 0]
         source = max(sources, key=lambda v: defined_at[v]) if sources else None
-        out.append(Piece(run, gathered, reads, outs, source))
+        out.append(Piece(run, gathered, reads, outs, source, bool(kind and kind - outside)))
     return out
 
 
@@ -131,6 +133,9 @@ class Chain:
     def __init__(self, comm, chain: list[Piece], dim_of, chain_outs):
         self.comm, self.pieces, self.dim_of = comm, chain, dim_of
         self.units = [i for i, p in enumerate(chain) if p.unit]
+        # the weights of the last unit and of what follows it are kept for their backward
+        last = max((i for i in self.units if chain[i].in_unit), default=self.units[-1])
+        self.kept = [i for i in self.units if i >= last]
         self.gathered = list(dict.fromkeys(v for p in chain for v in p.gathered))
         defined = {v for p in chain for e in p.eqns for v in e.outvars}
         self.ins = list(dict.fromkeys(v for p in chain for v in p.reads if v not in defined))
@@ -175,9 +180,9 @@ class Chain:
             if p.unit:
                 for v in p.gathered:
                     del env[v]
-                if i != self.units[-1]:
+                if i not in self.kept:
                     del weights[i]
-        res = ([saved[v] for v in self.saved], weights[self.units[-1]], shards)
+        res = ([saved[v] for v in self.saved], [weights[i] for i in self.kept], shards)
         return [env[v] for v in self.outs], res
 
     # -- backward --------------------------------------------------------------------------
@@ -187,7 +192,7 @@ class Chain:
         value = dict(zip(self.saved, saved_values, strict=True))
         ct = {v: c for v, c in zip(self.outs, cts, strict=True) if _float(v) and c is not None}
         grads: dict = {}
-        weights = {self.units[-1]: last_weights}
+        weights = dict(zip(self.kept, last_weights, strict=True))
         reduced = None  # token of the last unit's reduced gradients
         for i in reversed(range(len(self.pieces))):
             p = self.pieces[i]
@@ -200,7 +205,7 @@ class Chain:
             w = weights.pop(i) if p.unit else []
             if p.unit:
                 prev = self._next_unit(i, -1)
-                if prev is not None:  # unit k - 1 gathered under unit k's backward
+                if prev is not None and prev not in weights:  # under unit k's backward
                     tie = w + [c for c in out_cts if c is not None]
                     tie += [reduced] if reduced is not None else []
                     weights[prev] = self._gather(prev, shard_of, token(tie))

@@ -257,7 +257,8 @@ class _Evaluator:
     def _chain(self, env, segments):
         """The segments from the first unit's to the last's as one custom VJP that prefetches
         across units (:mod:`jaxzero.zero.unit_chain`)."""
-        pieces = unit_chain.pieces(segments, self.eqns, self.lazy, self.last_use, self.defined_at)
+        facts = (self.eqns, self.lazy, self.last_use, self.defined_at, frozenset([OUTSIDE]))
+        pieces = unit_chain.pieces(segments, *facts)
         hi = segments[-1][2]
         defined = dict.fromkeys(v for p in pieces for e in p.eqns for v in e.outvars)
         outs = [v for v in defined if self._live(v, hi)]
