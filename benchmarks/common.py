@@ -298,6 +298,14 @@ def fmt_bytes(n) -> str:
     return f"{n} B"
 
 
+def emit(text: str, out: str | None) -> None:
+    """Print a benchmark's markdown, and write it to ``out`` too when given (``--out``)."""
+    print(text)
+    if out:
+        with open(out, "w") as fh:
+            fh.write(text + "\n")
+
+
 def md_table(header, rows) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

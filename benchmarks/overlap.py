@@ -34,11 +34,13 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from common import emit  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -251,11 +253,7 @@ def main(argv=None) -> None:
     out = [f"Recommended flags: `{flags}`", ""]
     for n in devices:
         out += [*table(shape, n), ""]
-    text = "\n".join(out)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    emit("\n".join(out), args.out)
 
 
 if __name__ == "__main__":

@@ -275,11 +275,14 @@ def main(argv=None) -> None:
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args(argv)
     devices = args.devices or ((8,) if args.quick else DEVICES)
+    # the compile-only meshes first: the flags' check compiles on the CPU, which initializes
+    # jax's backends without the CUDA plugin's compile-only topology
+    meshes = {n: gpu.compile_only_mesh(KIND, n) for n in devices}
     options = gpu.xla_options() if args.flags == "recommended" else None
     flags = "`" + " ".join(gpu.recommended_xla_flags()) + "`" if options else "XLA's defaults"
     results = []
     for n in devices:
-        mesh = gpu.compile_only_mesh(KIND, n)
+        mesh = meshes[n]
         for model in models(args.quick):
             tokens = model.shape.seq * model.shape.batch
             print(

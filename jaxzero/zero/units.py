@@ -23,6 +23,11 @@ each segment runs as a ``jax.checkpoint`` that
   cast of a matrix is recomputed, not saved: Hugging Face's ``FlaxConv1D`` computes
   ``kernel.T``), which its backward gathers again (FSDP's ``reshard_after_forward=True``).
 
+With ``ZeRO(prefetch=True)`` (the default) the segments from the first unit's to the last's
+run instead as one custom VJP that prefetches across units and gathers the leaves outside the
+units where they are read (:mod:`jaxzero.zero.unit_chain`); what follows is
+``prefetch=False``.
+
 Order (``0 * token`` added to each shard, and that token's cotangent): segment ``k + 1``'s
 gather may start once segment ``k``'s weights are whole (XLA cannot fold every unit's gather
 into one combined gather up front); segment ``k``'s backward starts once segment ``k + 1``'s
