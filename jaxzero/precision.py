@@ -289,7 +289,8 @@ def wide_matmuls(jaxpr, weights=(), dtype=jnp.float32) -> list[WideMatmul]:
 
 def _weight_flow(jaxpr, weights, dtype) -> tuple[list[WideMatmul], set]:
     """:func:`wide_matmuls`, and the variables computed from ``weights`` alone: an equation's
-    outputs when its inputs are such variables or constants (at least one of them a weight),
+    outputs when its inputs are such variables, constants or scalars (at least one of them a
+    weight),
     or, for an equation holding a sub-jaxpr (its inputs aligned with the equation's last
     inputs), the outputs the sub-jaxpr computes from them (a ``jax.checkpoint`` that also
     reads activations can return a weight-only value)."""
@@ -314,9 +315,15 @@ def _weight_flow(jaxpr, weights, dtype) -> tuple[list[WideMatmul], set]:
                 )
         if all(v in consts for v in ins):  # computed from literals alone
             consts.update(eqn.outvars)
-        elif all(v in derived or v in consts for v in ins):
+        elif all(v in derived or v in consts or _scalar(v) for v in ins) and any(
+            v in derived for v in ins
+        ):  # a weight shifted or scaled by a scalar (units='s ordering tokens) stays one
             derived.update(eqn.outvars)
     return out, derived
+
+
+def _scalar(v) -> bool:
+    return getattr(getattr(v, "aval", None), "size", 2) <= 1
 
 
 def _places(found: list[WideMatmul], most: int = 3) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from jaxzero._compat import REMAT_PRIMITIVES, bind_params
+from jaxzero._compat import REMAT_PRIMITIVES, bind_params, call_jaxpr
 
 
 def read(env, v):
@@ -45,3 +45,46 @@ def bind_unrematted(eqn, env) -> None:
         bind_unrematted(e, local)
     for v, ov in zip(eqn.outvars, inner.outvars, strict=True):
         env[v] = read(local, ov)
+
+
+def inline_calls(jaxpr, consts, args, is_call):
+    """``jaxpr`` evaluated with every nested call that ``is_call(eqn)`` accepts evaluated
+    inline (recursively). ``units=`` inlines nested ``jax.jit`` calls, so that the units'
+    equations stand at the top level where they are segmented (a jitted loss was one
+    equation: every unit in one segment). Inlining a jit call changes no value; other calls
+    (``jax.checkpoint``, ``custom_vjp``) keep their meaning and stay whole."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        if is_call(eqn):
+            inner, consts = call_jaxpr(eqn)
+            outs = inline_calls(inner, consts, [read(env, v) for v in eqn.invars], is_call)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        else:
+            bind(eqn, env)
+    return [read(env, v) for v in jaxpr.outvars]
+
+
+def runs(labels) -> list[tuple[frozenset | None, int, int]]:
+    """``(units or None, start, stop)`` runs over the equations: a segment from an equation
+    that reads one unit's weights to the last one that reads them with no other unit's
+    equation between; equations that read no unit weights between segments run on their own
+    (None)."""
+    out: list = []
+    cur, start, tail = None, 0, 0  # tail: one past cur's last equation that read its units
+    for k, units in enumerate(labels):
+        if not units:
+            continue
+        if units == cur:
+            tail = k + 1
+            continue
+        if cur is not None:
+            out.append((cur, start, tail))
+        if tail < k:
+            out.append((None, tail, k))
+        cur, start, tail = units, k, k + 1
+    if cur is not None:
+        out.append((cur, start, tail))
+    if tail < len(labels):
+        out.append((None, tail, len(labels)))
+    return out

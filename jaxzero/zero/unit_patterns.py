@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import warnings
 
 import jax
 
@@ -54,6 +55,21 @@ def patterns(units, stage: int, layers) -> tuple[str, ...]:
             f"not both."
         )
     return found
+
+
+def prefetch_option(prefetch, units: tuple[str, ...]) -> bool | None:
+    """``ZeRO(prefetch=)`` checked: True (the default with ``units=``) or False, and only with
+    ``units=``, where it acts (None without)."""
+    if prefetch is None:
+        return True if units else None
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch={prefetch!r} must be True or False.")
+    if not units:
+        raise ValueError(
+            f"prefetch={prefetch!r} acts on units= only (stage 3 per module), and no units= "
+            f"was given: drop prefetch=, or name the blocks with units=r'block_\\d+'."
+        )
+    return prefetch
 
 
 def _paths(params) -> list[tuple[str, ...]]:
@@ -203,3 +219,23 @@ def suggest(params) -> tuple[str, list[str]] | None:
     ]
     pattern = max(candidates, key=leaves)
     return pattern, covers(pattern)
+
+
+def warn_units_together(eqns, labels) -> None:
+    """Warn when one equation (an ``nn.remat`` / ``jax.checkpoint`` or another call around
+    several blocks) reads the weights of several units: they are gathered together for it,
+    whole-model stage 3 within that call."""
+    for eqn, units in zip(eqns, labels, strict=True):
+        names = sorted(u for u in units if u != OUTSIDE)
+        if len(names) > 1:
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            warnings.warn(
+                f"ZeRO(units=...): the units {shown} ({len(names)}) run inside one "
+                f"{eqn.primitive.name} call of the loss, so they are gathered together for it "
+                f"(and for its backward), as stage 3 without units= would. Apply nn.remat / "
+                f"jax.checkpoint to each block rather than around several, or name the "
+                f"enclosing module as the unit.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return

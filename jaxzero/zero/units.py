@@ -42,41 +42,35 @@ outputs), and the backward's gathers and the reduce-scatters are exposed, becaus
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._compat import JIT_PRIMITIVES, REMAT_PRIMITIVES, call_jaxpr
+from jaxzero._compat import JIT_PRIMITIVES, REMAT_PRIMITIVES
 from jaxzero.zero import unit_chain
 from jaxzero.zero.collectives import Comm
 from jaxzero.zero.hooks import LossHook
 from jaxzero.zero.jaxpr_eval import bind as _bind
+from jaxzero.zero.jaxpr_eval import inline_calls
 from jaxzero.zero.jaxpr_eval import is_remat as _is_remat
 from jaxzero.zero.jaxpr_eval import read as _read
+from jaxzero.zero.jaxpr_eval import runs as _segments
 from jaxzero.zero.layers import _gather_leaf, gather_shard
 from jaxzero.zero.specs import spec_dim, subtree_mask
-from jaxzero.zero.unit_patterns import OUTSIDE, check, mask, patterns, unit_names
+from jaxzero.zero.unit_patterns import (
+    OUTSIDE,
+    check,
+    mask,
+    patterns,
+    prefetch_option,
+    unit_names,
+)
+from jaxzero.zero.unit_patterns import warn_units_together as _warn_units_together
 
 MARK = "jaxzero_unit_gather"
-__all__ = ["build_plan", "check", "mask", "patterns", "run", "unit_names"]
-
-
-def prefetch_option(prefetch, units: tuple[str, ...]) -> bool | None:
-    """``ZeRO(prefetch=)`` checked: True (the default with ``units=``) or False, and only with
-    ``units=``, where it acts (None without)."""
-    if prefetch is None:
-        return True if units else None
-    if not isinstance(prefetch, bool):
-        raise TypeError(f"prefetch={prefetch!r} must be True or False.")
-    if not units:
-        raise ValueError(
-            f"prefetch={prefetch!r} acts on units= only (stage 3 per module), and no units= "
-            f"was given: drop prefetch=, or name the blocks with units=r'block_\\d+'."
-        )
-    return prefetch
+__all__ = ["build_plan", "check", "mask", "patterns", "prefetch_option", "run", "unit_names"]
 
 
 def build_plan(
@@ -141,7 +135,8 @@ def run(plan: UnitPlan, fn, params, *rest):
     closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(leaves, rest)
     flat = list(leaves) + jax.tree.leaves(rest)
     if any(_is_jit(e) for e in closed.jaxpr.eqns):  # a jitted loss (or model): inline it
-        closed = jax.make_jaxpr(lambda *a: _inline_jits(closed.jaxpr, closed.consts, a))(*flat)
+        inline = lambda *a: inline_calls(closed.jaxpr, closed.consts, a, _is_jit)
+        closed = jax.make_jaxpr(inline)(*flat)
     outs = _Evaluator(plan, closed.jaxpr, len(leaves)).run(closed.consts, flat)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -158,24 +153,6 @@ def _is_var(v) -> bool:
 def _is_jit(eqn) -> bool:
     """A nested ``jax.jit`` call that is not a unit's gather marker."""
     return eqn.primitive.name in JIT_PRIMITIVES and not _is_marker(eqn)
-
-
-def _inline_jits(jaxpr, consts, args):
-    """``jaxpr`` evaluated with every nested ``jax.jit`` call evaluated inline (recursively),
-    so that the units' equations stand at the top level where :class:`_Evaluator` segments
-    them (a jitted loss was one equation: every unit in one segment). Inlining a jit call
-    changes no value; other calls (``jax.checkpoint``, ``custom_vjp``) keep their meaning and
-    stay whole."""
-    env = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        if _is_jit(eqn):
-            inner, consts = call_jaxpr(eqn)
-            outs = _inline_jits(inner, consts, [_read(env, v) for v in eqn.invars])
-            env.update(zip(eqn.outvars, outs, strict=True))
-        else:
-            _bind(eqn, env)
-    return [_read(env, v) for v in jaxpr.outvars]
 
 
 class _Evaluator:
@@ -411,48 +388,3 @@ def _not_gathered(prim, *avals, **params) -> bool:
     if copy:
         return avals[0].ndim < 2
     return prim.name not in _NOT_SAVED
-
-
-def _warn_units_together(eqns, labels) -> None:
-    """Warn when one equation (an ``nn.remat`` / ``jax.checkpoint`` or another call around
-    several blocks) reads the weights of several units: they are gathered together for it,
-    whole-model stage 3 within that call."""
-    for eqn, units in zip(eqns, labels, strict=True):
-        names = sorted(u for u in units if u != OUTSIDE)
-        if len(names) > 1:
-            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-            warnings.warn(
-                f"ZeRO(units=...): the units {shown} ({len(names)}) run inside one "
-                f"{eqn.primitive.name} call of the loss, so they are gathered together for it "
-                f"(and for its backward), as stage 3 without units= would. Apply nn.remat / "
-                f"jax.checkpoint to each block rather than around several, or name the "
-                f"enclosing module as the unit.",
-                UserWarning,
-                stacklevel=4,
-            )
-            return
-
-
-def _segments(labels) -> list[tuple[frozenset | None, int, int]]:
-    """``(units or None, start, stop)`` runs over the equations: a segment from an equation
-    that reads one unit's weights to the last one that reads them with no other unit's
-    equation between; equations that read no unit weights between segments run on their own
-    (None)."""
-    out: list = []
-    cur, start, tail = None, 0, 0  # tail: one past cur's last equation that read its units
-    for k, units in enumerate(labels):
-        if not units:
-            continue
-        if units == cur:
-            tail = k + 1
-            continue
-        if cur is not None:
-            out.append((cur, start, tail))
-        if tail < k:
-            out.append((None, tail, k))
-        cur, start, tail = units, k, k + 1
-    if cur is not None:
-        out.append((cur, start, tail))
-    if tail < len(labels):
-        out.append((None, tail, len(labels)))
-    return out
