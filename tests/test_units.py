@@ -155,7 +155,10 @@ def test_units_match_single_device_optax(kind, n, accum):
     )
 
 
-@pytest.mark.parametrize("replicas", [pytest.param(1, marks=pytest.mark.slow), 2])
+# slow: both meshes (the equivalence with single-device optax stays, per model, prefetch on)
+@pytest.mark.parametrize(
+    "replicas", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_units_equal_whole_model_stage3_bf16_ema(replicas):
     """bf16 compute, fp32 master and reduce, EMA, micro-batches, on a plain and a hybrid mesh:
     the same numbers as gathering the whole model up front."""
@@ -181,6 +184,7 @@ def test_units_equal_whole_model_stage3_bf16_ema(replicas):
     )
 
 
+@pytest.mark.slow  # the checkpoint layout is stage 3's (tests/test_checkpoint*.py stay)
 def test_checkpoints_move_between_whole_model_and_units(tmp_path):
     """A checkpoint of the whole-model stage 3 restores into the per-unit one and back; each
     continues as single-device optax does."""
@@ -377,7 +381,7 @@ def test_gpu_units_against_the_gspmd_fsdp_peer(kind):
     with jax 0.10.2: peak 22.3 MB against 27.5 (Linen) and 28.0 (NNX), 37.5 MB moved against
     40.7 / 40.5, 0.61 / 0.59 hidden against 0.07 / 0.05). In FSDP's layout
     (``compute_copy=False``, the peer's: no bf16 params beside the fp32 master) 0.90 / 0.89
-    is hidden against 0.28 without prefetch, and the peak stays under the formula
+    is hidden (0.28 without prefetch), and the peak stays under the formula
     ``state + (3p + g) * unit + g * (Φ - L * unit) + activations`` (``gpu.plan.unit_bound``:
     the running unit, the prefetched one, the last one kept for its backward, one unit's full
     gradient; measured 20.6 MB against 21.2; 18.7 MB without prefetch, whose formula has one
@@ -400,12 +404,10 @@ def test_gpu_units_against_the_gspmd_fsdp_peer(kind):
     row = lambda prefetch: bench.jaxzero_row(
         shape, mesh, 3, False, None, fsdp, model=model, units=pattern, prefetch=prefetch
     )
-    lean, before = row(True), row(False)
+    lean = row(True)
     bound = unit_bound(shape, 8, compute_copy=False)
     assert lean["args_temp"] <= min(bound, units["args_temp"]), (lean["args_temp"], bound)
     assert lean["ag_rs_hidden"] >= max(0.8, 0.9 * lean["ag_rs_max"], peer["ag_rs_hidden"])
-    assert before["ag_rs_hidden"] < 0.5 <= 0.8 <= lean["ag_rs_hidden"], before["ag_rs_hidden"]
-    assert before["args_temp"] <= unit_bound(shape, 8, compute_copy=False, prefetch=False)
 
 
 def _schedule(hlo: str):
@@ -465,6 +467,8 @@ def test_gpu_prefetch_gathers_the_previous_unit_under_this_units_backward(prefet
     assert all(early) if prefetch else not any(early), early
 
 
+# slow: FlaxGPT2's equivalence with single-device optax and its residual listing stay
+@pytest.mark.slow
 def test_gpu_units_on_hugging_face_flax_gpt2():
     """XLA:GPU for 8 H100s (deviceless), a model jaxzero's authors did not write: Hugging
     Face's FlaxGPT2 (8 blocks x 256, no remat, kernels transposed in the forward), bf16 Adam,
