@@ -16,6 +16,15 @@ def read(env, v):
     return v.val if isinstance(v, jcore.Literal) else env[v]
 
 
+def reads(eqns) -> list:
+    """The variables ``eqns`` read that they do not define, in first-read order."""
+    defined = {v for e in eqns for v in e.outvars}
+    out: dict = {}
+    for e in eqns:
+        out.update((v, None) for v in e.invars if not isinstance(v, jcore.Literal))
+    return [v for v in out if v not in defined]
+
+
 def bind(eqn, env) -> None:
     """``eqn`` bound on its inputs in ``env``, its outputs written to ``env``."""
     info = eqn.source_info

@@ -37,6 +37,7 @@ from jax.extend import core as jcore
 
 from jaxzero.zero.collectives import reduce_leaf, varying_axes
 from jaxzero.zero.jaxpr_eval import bind, bind_unrematted
+from jaxzero.zero.jaxpr_eval import reads as read_vars
 from jaxzero.zero.layers import gather_shard
 
 
@@ -106,14 +107,9 @@ def pieces(segments, eqns, lazy, last_use, defined_at, outside=frozenset()) -> l
     out = []
     for kind, lo, hi in segments:
         run = eqns[lo:hi]
-        defined = {v for e in run for v in e.outvars}
-        reads = []
-        for e in run:
-            for v in e.invars:
-                if not isinstance(v, jcore.Literal) and v not in defined and v not in reads:
-                    reads.append(v)
-        gathered = [v for v in reads if v in lazy]
-        reads = [v for v in reads if v not in lazy]
+        outside_reads = read_vars(run)
+        gathered = [v for v in outside_reads if v in lazy]
+        reads = [v for v in outside_reads if v not in lazy]
         outs = [
             v
             for v in dict.fromkeys(v for e in run for v in e.outvars)
@@ -222,7 +218,7 @@ class Chain:
             w, x = barrier(w, given), barrier([value[v] for v in xs], given)
             primal, vjp = jax.vjp(piece, w, x)
             out_cts = [
-                _zeros_like(y) if c is None else c for y, c in zip(primal, out_cts, strict=True)
+                jnp.zeros_like(y) if c is None else c for y, c in zip(primal, out_cts, strict=True)
             ]
             dw, dxs = vjp(out_cts)
             for v, g in zip(xs, dxs, strict=True):
@@ -242,7 +238,3 @@ class Chain:
             grads[v] = r if v not in grads else grads[v] + r
             out.append(r)
         return token(out)
-
-
-def _zeros_like(x):
-    return jnp.zeros_like(x)

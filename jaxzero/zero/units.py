@@ -56,6 +56,7 @@ from jaxzero.zero.jaxpr_eval import bind as _bind
 from jaxzero.zero.jaxpr_eval import inline_calls
 from jaxzero.zero.jaxpr_eval import is_remat as _is_remat
 from jaxzero.zero.jaxpr_eval import read as _read
+from jaxzero.zero.jaxpr_eval import reads as read_vars
 from jaxzero.zero.jaxpr_eval import runs as _segments
 from jaxzero.zero.layers import _gather_leaf, gather_shard
 from jaxzero.zero.specs import spec_dim, subtree_mask
@@ -253,12 +254,7 @@ class _Evaluator:
 
     def _segment(self, env, lo, hi):
         eqns = self.eqns[lo:hi]
-        defined = {v for eqn in eqns for v in eqn.outvars}
-        reads = []
-        for eqn in eqns:
-            for v in eqn.invars:
-                if not isinstance(v, jcore.Literal) and v not in defined and v not in reads:
-                    reads.append(v)
+        reads = read_vars(eqns)
         gathered = [v for v in reads if v in self.lazy]
         ins = [v for v in reads if v not in self.lazy]
         outs = [v for v in dict.fromkeys(v for e in eqns for v in e.outvars) if self._live(v, hi)]
