@@ -494,33 +494,68 @@ def test_gpu_units_on_hugging_face_flax_gpt2():
     assert units["ag_rs_hidden"] >= max(peer["ag_rs_hidden"], 0.2), units["ag_rs_hidden"]
 
 
-def test_gpu_plan_runs_an_unscanned_model_unit_by_unit(capsys):
+def test_gpu_plan_runs_an_unscanned_model_unit_by_unit_and_says_which_prefetch(capsys, monkeypatch):
     """`jaxzero plan --loop python`: the decoder as a Python loop of blocks; its stage 3 per
     layer is ZeRO(units=r"block_\\d+") ("3 per unit"), holding less than the whole-model stage
     3 and no more than ``unit_bound``'s formula, and gathering every block twice (forward and
     backward) but the last, whose forward gather is kept for its backward, and the leaves
-    outside the blocks once: 2 bytes x ((2 L - 1) unit + outside). A
-    per-layer stage 1 or 2 has no stack to reduce layer by layer there: refused."""
+    outside the blocks once: 2 bytes x ((2 L - 1) unit + outside). A per-layer stage 1 or 2
+    has no stack to reduce layer by layer there: refused.
+
+    The per-unit row is compiled with prefetch on and off (the CLI's default, --prefetch
+    both), and the plan says which to pick: prefetch, which hides more of the all-gather +
+    reduce-scatter bytes (>= 50% against < 50%, as the peer test pins), where it fits;
+    prefetch=False where only it fits (the GPU's memory set between the two peaks); neither
+    where neither fits. --prefetch off without a per-unit row changes nothing: refused, as is
+    an unknown choice."""
+    import dataclasses
+
     from jaxzero import cli
+    from jaxzero.gpu.plan import plan, prefetch_advice
 
     shape = model_shape(layers=4, hidden=64, heads=2, vocab=128, seq=16, arch="gpt", loop="python")
-    whole, per_unit = gpu.plan(shape, devices=8, stages=[3], stage3="both", compute_copy=False)
-    assert (whole.label, per_unit.label) == ("3", "3 per unit")
-    assert per_unit.gpu_bytes < whole.gpu_bytes
-    assert per_unit.report.argument_bytes + per_unit.report.temp_bytes <= unit_bound(
-        shape, 8, compute_copy=False
-    )
-    assert per_unit.estimate.total == unit_bound(shape, 8, compute_copy=False)
-    unit = shape.layer_params
-    outside = shape.num_params - shape.layers * unit
-    gathered = per_unit.report.payload("all-gather")
-    assert gathered == pytest.approx(2 * ((2 * shape.layers - 1) * unit + outside), rel=0.01)
     argv = ["plan", "--devices", "8", "--layers", "4", "--hidden", "64", "--heads", "2"]
-    argv += ["--vocab", "128", "--seq", "16", "--model", "gpt", "--loop", "python"]
-    assert cli.main([*argv, "--stage", "3", "--stage3", "per-layer"]) == 0
+    argv += ["--vocab", "128", "--seq", "16", "--model", "gpt", "--stage", "3"]
+    planned = []
+    monkeypatch.setattr(gpu, "plan", lambda *a, **k: planned.extend(plan(*a, **k)) or planned)
+    assert cli.main([*argv, "--loop", "python", "--no-compute-copy"]) == 0
     out = capsys.readouterr().out
     assert "a Python loop of blocks" in out
-    assert [line.split("  ")[0] for line in out.splitlines() if line[:1] == "3"] == ["3 per unit"]
-    with pytest.raises(SystemExit):
-        cli.main([*argv, "--stage", "2", "--stage2", "both"])
-    assert "stage2='both' needs a scanned layer stack" in capsys.readouterr().err
+    rows = [line for line in out.splitlines() if line[:1] == "3"]
+    labels = [line.split("  ")[0] for line in rows]
+    assert labels == ["3", "3 per unit", "3 per unit, prefetch=False"], labels
+    hidden = [float(line.split("% of max")[0].split()[-1]) for line in rows[1:]]
+    assert hidden[0] >= 50 > hidden[1], hidden
+    assert "pick prefetch=True (the default)" in out
+    whole, on, off = planned
+    assert (whole.label, on.label, off.label) == ("3", "3 per unit", "3 per unit, prefetch=False")
+    assert on.gpu_bytes < whole.gpu_bytes
+    bound = unit_bound(shape, 8, compute_copy=False)
+    assert on.report.argument_bytes + on.report.temp_bytes <= bound
+    assert on.estimate.total == bound
+    assert off.estimate.total == unit_bound(shape, 8, compute_copy=False, prefetch=False)
+    unit = shape.layer_params
+    outside = shape.num_params - shape.layers * unit
+    gathered = on.report.payload("all-gather")
+    assert gathered == pytest.approx(2 * ((2 * shape.layers - 1) * unit + outside), rel=0.01)
+    hbm = lambda r, b: dataclasses.replace(r, report=dataclasses.replace(r.report, hbm_bytes=b))
+    assert on.report.peak_bytes > off.report.peak_bytes
+    between = (on.report.peak_bytes + off.report.peak_bytes) // 2
+    advice = prefetch_advice([hbm(on, between), hbm(off, between)])
+    assert advice.startswith("pick prefetch=False: only prefetch=False fits"), advice
+    small = off.report.peak_bytes - 1
+    assert prefetch_advice([hbm(on, small), hbm(off, small)]).startswith("neither fits")
+    assert prefetch_advice([whole, on]) is None  # one per-unit row: nothing to choose
+
+    for bad, message in (
+        (["--stage2", "both", "--loop", "python", "--stage", "2"], "stage2='both' needs a scanned"),
+        (["--prefetch", "off"], "--prefetch off needs a per-unit stage 3 row"),
+    ):
+        with pytest.raises(SystemExit):
+            cli.main([*argv, *bad])
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="prefetch='maybe' must be one of on, off, both"):
+        gpu.plan(shape, devices=8, stages=[3], stage3="per-layer", prefetch="maybe")
+    scanned = dataclasses.replace(shape, loop="prefetch")
+    with pytest.raises(ValueError, match="needs a Python loop of blocks"):
+        gpu.plan(scanned, devices=8, stages=[3], prefetch="both")

@@ -69,6 +69,12 @@ def _add_loop(group) -> None:
         "ZeRO(layers=...)); python: a Python loop of nn.remat blocks, stage 3 per layer is "
         "ZeRO(units=...), stages 1-2 whole only (default: %(default)s)",
     )
+    group.add_argument(
+        "--prefetch",
+        choices=["on", "off", "both"],
+        help="with --loop python, stage 3 per unit with ZeRO(prefetch=True), prefetch=False, "
+        "or both rows and which to pick (default: both where a per-unit row is compiled)",
+    )
 
 
 def _add_state_layout(group) -> None:
@@ -184,6 +190,13 @@ def _shape(args, parser):
         check_loop(shape, args.stage2, args.stage1)
     except ValueError as e:
         parser.error(str(e))
+    per_unit = args.loop == "python" and args.stage3 != "whole" and 3 in (args.stage or [3])
+    if args.prefetch not in (None, "on") and not per_unit:
+        parser.error(
+            f"--prefetch {args.prefetch} needs a per-unit stage 3 row: --loop python with "
+            "--stage3 per-layer or both (a scanned stack always prefetches the next layer)"
+        )
+    args.prefetch = args.prefetch or ("both" if per_unit else "on")
     if args.devices % args.replicas:
         parser.error(f"--replicas {args.replicas} must divide --devices {args.devices}")
     return shape
@@ -272,6 +285,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     """Compile every requested stage and print the table; returns the exit code."""
     shape = _shape(args, parser)
     from jaxzero.gpu import PluginMissingError, plan, plan_cases, recommended_xla_flags, xla_options
+    from jaxzero.gpu.plan import prefetch_advice
 
     if args.params is not None and abs(shape.num_params - args.params) > 0.1 * args.params:
         print(
@@ -300,7 +314,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     except ValueError as e:
         parser.error(f"--offload: {e}")
     cases = plan_cases(stages, args.stage3, args.stage2, args.stage1)
-    on_case, close = _progress(len(cases))
+    both = args.prefetch == "both" and (3, True) in cases  # the per-unit row twice
+    on_case, close = _progress(len(cases) + both)
     try:
         options = pick(
             args,
@@ -315,6 +330,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             "ema",
             "compute_copy",
             "offload",
+            "prefetch",
         )
         flags = xla_options() if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
@@ -324,15 +340,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         return 1
     close()
     print(_table(rows))
-    note = _fallback_note(rows)
-    if note:
-        print(note)
+    for note in (_fallback_note(rows), prefetch_advice(rows)):
+        if note:
+            print(note)
     print(
         "GPU-compiled: arguments + outputs - donated aliases + temporaries per device "
         "(XLA:GPU memory_analysis); estimate: jaxzero.estimate_memory with activations "
         "(ckpt_every=1) and f32 logits (stage 3: the whole model gathered; per layer: one "
-        "layer with its gradient; per unit: that and the next unit's weights, "
-        "jaxzero.gpu.plan.unit_bound); state: persistent arguments less the batch; host "
+        "layer with its gradient; per unit: that, the next unit's weights and, "
+        "with prefetch, the last unit's, jaxzero.gpu.plan.unit_bound); state: persistent arguments less the batch; host "
         "(with --offload): the same sum in pinned host memory, next to the estimate's; hidden: "
         "the share of collective bytes per step whose start and done the GPU schedule "
         "separates by a gemm/conv/attention kernel (jaxzero.gpu.overlap), of max the share "

@@ -19,17 +19,18 @@ from jaxzero.gpu.models import (
 )
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.topology import compile_only_mesh
-from jaxzero.memory import MemoryEstimate, estimate_memory
+from jaxzero.memory import MemoryEstimate, estimate_memory, format_bytes
 from jaxzero.memory.estimate import param_bytes
 from jaxzero.precision import Precision
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.offload import check_offload
 
-__all__ = ["PlanRow", "plan", "plan_cases", "row_estimate", "unit_bound"]
+__all__ = ["PlanRow", "plan", "plan_cases", "prefetch_advice", "row_estimate", "unit_bound"]
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 UNITS = r"block_\d+"  # the unscanned decoder's blocks (jaxzero.gpu.models, loop="python")
+PREFETCH = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,8 @@ class PlanRow:
     ``ckpt_every=1`` and the f32 logits; the per-layer working set for stage 3 per layer).
     With offload, ``report.host_bytes`` and ``estimate.host`` are the host memory's share.
     ``per``: what ``per_layer`` goes by, ``"layer"`` (a scanned stack, ``ZeRO(layers=)``) or
-    ``"unit"`` (a Python loop of blocks, ``ZeRO(units=)``).
+    ``"unit"`` (a Python loop of blocks, ``ZeRO(units=)``); ``prefetch``: a per-unit row's
+    ``ZeRO(prefetch=...)`` (None on the other rows).
     """
 
     stage: int
@@ -52,10 +54,12 @@ class PlanRow:
     estimate: MemoryEstimate
     state_bytes: int
     per: str = "layer"
+    prefetch: bool | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.stage} per {self.per}" if self.per_layer else str(self.stage)
+        label = f"{self.stage} per {self.per}" if self.per_layer else str(self.stage)
+        return label + (", prefetch=False" if self.prefetch is False else "")
 
     @property
     def gpu_bytes(self) -> int:
@@ -153,9 +157,10 @@ def unit_bound(
     return row_estimate(*args, per="unit", prefetch=prefetch).total
 
 
-def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy: bool, offload):
+def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy, offload, prefetch):
     """The plan's ``ZeRO`` for one case; ``per``: False (whole), ``"layer"`` (the scanned
-    stack, ``layers=``) or ``"unit"`` (the Python loop's blocks, ``units=``)."""
+    stack, ``layers=``) or ``"unit"`` (the Python loop's blocks, ``units=``, with
+    ``prefetch``)."""
     return ZeRO(
         optax.adam(1e-4),
         mesh,
@@ -165,6 +170,7 @@ def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy: bool, 
         units=UNITS if per == "unit" else None,
         vocab_parallel="embed" if shape.vocab_parallel and stage == 3 else None,
         offload=offload,
+        prefetch=prefetch if per == "unit" else None,
     )
 
 
@@ -200,6 +206,49 @@ def _check_plan_args(precision, accum, devices, replicas):
         raise ValueError(f"replicas={replicas} must divide devices={devices}.")
 
 
+def _unit_cases(cases, per: str, prefetch: str) -> list[tuple[int, bool, bool | None]]:
+    """``cases`` with each per-unit stage-3 case once per ``prefetch`` choice (``"on"``,
+    ``"off"`` or ``"both"``); refused where no per-unit case exists, as it would change
+    nothing."""
+    if prefetch not in PREFETCH:
+        raise ValueError(f"prefetch={prefetch!r} must be one of {', '.join(PREFETCH)}.")
+    units = [(s, pl) for s, pl in cases if s == 3 and pl and per == "unit"]
+    if prefetch != "on" and not units:
+        raise ValueError(
+            f"prefetch={prefetch!r} chooses ZeRO(prefetch=...) for stage 3 per unit, which "
+            "this plan does not compile: it needs a Python loop of blocks (loop='python') and "
+            "stage3='per-layer' or 'both'. A scanned stack always prefetches the next layer. "
+            "Leave prefetch='on'."
+        )
+    return [
+        (s, pl, pf)
+        for s, pl in cases
+        for pf in (PREFETCH[prefetch] if (s, pl) in units else (None,))
+    ]
+
+
+def prefetch_advice(rows: Sequence[PlanRow]) -> str | None:
+    """Which ``ZeRO(prefetch=...)`` to pick, from a plan's per-unit rows compiled both ways
+    (None unless both are there): prefetch where it fits the GPU and hides at least as much
+    (it holds up to one more unit and one unit's gradient in flight, and recomputes each
+    block, which a decoder that remats every block does anyway); ``prefetch=False`` where
+    only it fits."""
+    by = {r.prefetch: r for r in rows if r.per == "unit" and r.prefetch is not None}
+    if len(by) < 2:
+        return None
+    on, off = by[True].report, by[False].report
+    kinds = ("all-gather", "reduce-scatter")
+    hidden = f"hides {on.hidden_share(*kinds):.0%} of AG+RS against {off.hidden_share(*kinds):.0%}"
+    peaks = f"peak {format_bytes(on.peak_bytes)} against {format_bytes(off.peak_bytes)}"
+    fits = lambda r: r.fits is not False
+    if fits(on) and on.hidden_share(*kinds) >= off.hidden_share(*kinds):
+        return f"pick prefetch=True (the default): it {hidden}, {peaks}."
+    if fits(off):
+        why = "only prefetch=False fits" if not fits(on) else "it hides more"
+        return f"pick prefetch=False: {why} ({peaks}; prefetch {hidden})."
+    return f"neither fits the GPU ({peaks}): shard over more devices or offload."
+
+
 def plan(
     shape: ModelShape,
     *,
@@ -217,6 +266,7 @@ def plan(
     compiler_options: dict | None = None,
     compute_copy: bool = True,
     offload: str | None = None,
+    prefetch: str = "on",
 ) -> list[PlanRow]:
     """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
 
@@ -233,7 +283,9 @@ def plan(
     memory (stages 1-3; the default stages are then 1, 2 and 3). A ``shape`` with a Python
     loop (``loop="python"``: blocks ``block_0`` ... unscanned, as most Flax code is written)
     runs stage 3 "per layer" one block at a time, ``ZeRO(units=r"block_\\d+")``, and its rows
-    read "3 per unit"; stages 1-2 then reduce the whole gradient.
+    read "3 per unit"; stages 1-2 then reduce the whole gradient. ``prefetch``: that row with
+    ``ZeRO(prefetch=True)`` (``"on"``), ``prefetch=False`` (``"off"``) or both rows
+    (``"both"``; :func:`prefetch_advice` then says which to pick).
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -245,6 +297,7 @@ def plan(
     check_loop(shape, stage2, stage1)
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
     cases = plan_cases(_plan_stages(stages, offload), stage3, stage2, stage1)
+    cases = _unit_cases(cases, per, prefetch)
     mesh = compile_only_mesh(gpu, devices, replicas=replicas)
     params = abstract_params(shape)
     loss_fn = make_loss(shape)
@@ -253,11 +306,12 @@ def plan(
     n = devices // replicas
     sema = ShardedEMA(0.999) if ema else None
     rows = []
-    for i, (stage, per_layer) in enumerate(cases):
+    for i, (stage, per_layer, pf) in enumerate(cases):
         if on_case is not None:
-            on_case(f"{stage} per {per}" if per_layer else str(stage), i, len(cases))
+            label = f"{stage} per {per}" if per_layer else str(stage)
+            on_case(label + (", prefetch=False" if pf is False else ""), i, len(cases))
         copy = compute_copy or stage != 3  # the layout exists at stage 3 only
-        zero = _zero(shape, mesh, stage, per_layer and per, precision, copy, offload)
+        zero = _zero(shape, mesh, stage, per_layer and per, precision, copy, offload, pf)
         step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
         report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
         rows.append(
@@ -267,10 +321,11 @@ def plan(
                 num_params=shape.num_params,
                 report=report,
                 estimate=row_estimate(
-                    shape, n, stage, per_layer, precision, ema, copy, offload, per
+                    shape, n, stage, per_layer, precision, ema, copy, offload, per, pf is not False
                 ),
                 state_bytes=report.argument_bytes - batch_bytes,
                 per=per,
+                prefetch=pf,
             )
         )
     return rows
