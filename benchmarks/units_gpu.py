@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -28,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from common import emit  # noqa: E402
+from common import emit, time_train_step  # noqa: E402
 
 import jaxzero as jz  # noqa: E402
 from jaxzero.gpu.models import abstract_params, make_loss, model_shape  # noqa: E402
@@ -44,23 +42,7 @@ def time_variant(shape, zero_kw, batch, rounds=5, steps=10) -> float:
     """Median milliseconds per step."""
     n = jax.device_count()
     zero = jz.ZeRO(optax.adam(1e-4), jz.data_parallel_mesh(n), stage=3, precision="bf16", **zero_kw)
-    key = jax.random.key(0)
-    params = jax.tree.map(
-        lambda s: 0.02 * jax.random.normal(key, s.shape, s.dtype), abstract_params(shape)
-    )
-    step = jz.make_train_step(make_loss(shape), zero)
-    state = step.init(params)
-    for _ in range(3):
-        state, _ = step(state, batch)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(steps):
-            state, _ = step(state, batch)
-        jax.block_until_ready(state)
-        times.append((time.perf_counter() - t) / steps * 1e3)
-    return statistics.median(times)
+    return time_train_step(make_loss(shape), zero, abstract_params(shape), batch, rounds, steps)
 
 
 def main(argv=None) -> None:

@@ -191,6 +191,12 @@ def chains():
     }
 
 
+def stack_problem(**kw):
+    """``make_problem("stack", ...)`` with jaxzero's ``scan_layers`` and ``stacked_params``
+    (``kw``: layers, steps, xs, ys)."""
+    return make_problem("stack", scan_layers=jz.scan_layers, stacked_params=jz.stacked_params, **kw)
+
+
 def reference_run(tx, params, loss_fn, batches):
     """Plain single-device optax on the full global batch."""
 

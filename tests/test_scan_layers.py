@@ -18,21 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import make_problem, reference_run, stage3_per_layer_and_whole_bf16, train
+from models import reference_run, stack_problem, stage3_per_layer_and_whole_bf16, train
 
 import jaxzero as jz
 
 
 def _problem(layers=3, steps=4, xs=None, ys=False):
-    return make_problem(
-        "stack",
-        scan_layers=jz.scan_layers,
-        stacked_params=jz.stacked_params,
-        layers=layers,
-        steps=steps,
-        xs=xs,
-        ys=ys,
-    )
+    return stack_problem(layers=layers, steps=steps, xs=xs, ys=ys)
 
 
 TX = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6))

@@ -65,7 +65,10 @@ class ZeRO(ZeROConfig):
         model's own remat policy, with the backward's collectives exposed (decision 33).
       offload: None, or ``"optimizer"`` (stages 1-3, DeepSpeed's ``offload_optimizer``): the
         master, optimizer state, EMA in host memory, updated there (the config's
-        ``placement``, :class:`~jaxzero.zero.config.ZeROConfig`).
+        ``placement``, :class:`~jaxzero.zero.config.ZeROConfig`); ``"activations"``, alone or
+        as ``("optimizer", "activations")``: stage 3 with ``layers=`` keeps the layer inputs
+        :func:`jaxzero.scan_layers` saves for the backward in host memory, fetched back one
+        layer ahead (:mod:`jaxzero.zero.activations`).
 
     Example:
       >>> zero = ZeRO(optax.adamw(3e-4), data_parallel_mesh(), stage=2)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxzero._tree import subtree_names
 from jaxzero.mesh import check_mesh, warn_unnamed_replica_axes
 from jaxzero.precision import DynamicLossScale, Precision, StaticLossScale, check_loss_scale
-from jaxzero.zero import collectives, layers, offload, units, vocab
+from jaxzero.zero import activations, collectives, layers, offload, units, vocab
 from jaxzero.zero import specs as sh
 from jaxzero.zero.hooks import LossHook
 
@@ -68,9 +68,10 @@ class ZeROConfig:
     skip_nonfinite: bool = True
     layers: tuple[str, ...] | str | None = None
     vocab_parallel: tuple[str, ...] | str | None = None
-    offload: str | None = None
+    offload: str | tuple[str, ...] | None = None
     units: tuple[str, ...] | str | None = None
     prefetch: bool | None = None
+    offload_activations: bool = False  # set from offload=("activations", ...)
 
     def __post_init__(self):
         if self.stage not in STAGES or isinstance(self.stage, bool):
@@ -90,7 +91,20 @@ class ZeROConfig:
         object.__setattr__(self, "units", units.patterns(self.units, self.stage, self.layers))
         object.__setattr__(self, "prefetch", units.prefetch_option(self.prefetch, self.units))
         check_loss_scale(self.loss_scale, self.precision)
+        state, acts = activations.split(self.offload)
+        object.__setattr__(self, "offload", state)
+        object.__setattr__(self, "offload_activations", acts or self.offload_activations)
         offload.placement(self.offload, self.stage, self.mesh)
+        self.activations  # noqa: B018 (checked here, before any state exists)
+        if self.offload_activations:
+            offload.check_platform(self.mesh)
+
+    @property
+    def activations(self) -> activations.DeviceActivations:
+        """Where per-layer stage 3 keeps the layer inputs saved for the backward: device
+        memory, or pinned host memory with ``offload=("activations", ...)``
+        (:mod:`jaxzero.zero.activations`)."""
+        return activations.check(self.offload_activations, self.stage, self.layers, self.units)
 
     @property
     def placement(self) -> offload.DeviceMemory:
@@ -196,7 +210,13 @@ class ZeROConfig:
             return None
         specs = specs if gather else self.grad_specs(local_params)
         return layers.build_plan(
-            self.comm, self.layers, local_params, specs, gather=gather, invariant=self.stage == 0
+            self.comm,
+            self.layers,
+            local_params,
+            specs,
+            gather=gather,
+            invariant=self.stage == 0,
+            activations=self.activations,
         )
 
     def loss_hooks(self, local_params, specs) -> list[LossHook]:

@@ -53,6 +53,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxzero._tree import path_keys, path_strs
+from jaxzero.zero.activations import DeviceActivations
 from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying, varying_axes
 from jaxzero.zero.hooks import LossHook, scoped
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_end, subtree_paths
@@ -77,6 +78,13 @@ _NO_LAYER_REDUCE = (
     "layers=. Wrap the scanned block, e.g. nn.remat(nn.map_variables(Block, 'params', "
     "trans_in_fn=jaxzero.gather_layer)), or drop layers=."
 )
+_NO_SCAN_TO_OFFLOAD = (
+    "ZeRO(offload=('activations', ...), layers={}) moves the layer inputs that "
+    "jaxzero.scan_layers saves for the backward to the host, and this model never ran its "
+    "stack with jaxzero.scan_layers (an nn.scan of gather_layer saves what its remat policy "
+    "says, which jaxzero does not place). Run the stack with jaxzero.scan_layers, or drop "
+    "'activations' from offload=."
+)
 
 
 @dataclasses.dataclass
@@ -95,6 +103,8 @@ class LayerPlan(LossHook):
     gather: bool = True
     invariant: bool = False
     seen: set = dataclasses.field(default_factory=set)
+    activations: DeviceActivations = dataclasses.field(default_factory=DeviceActivations)
+    scans: int = 0  # jaxzero.scan_layers calls that ran the prefetching loop
 
     def lookup(self, path, x):
         keys = path_keys(path)
@@ -123,6 +133,8 @@ class LayerPlan(LossHook):
     def finish(self):
         if self.gather and not self.calls:
             raise ValueError(_NO_LAYER_GATHER.format(self.layers))
+        if self.activations.on_host and not self.scans:
+            raise ValueError(_NO_SCAN_TO_OFFLOAD.format(self.layers))
         if not (self.gather or self.invariant or self.calls):
             warnings.warn(_NO_LAYER_REDUCE.format(self.layers), UserWarning, stacklevel=4)
 
@@ -132,7 +144,14 @@ def _layer_key(path, shape, layers):
 
 
 def build_plan(
-    comm: Comm, layers: tuple[str, ...], local_params, specs, *, gather=True, invariant=False
+    comm: Comm,
+    layers: tuple[str, ...],
+    local_params,
+    specs,
+    *,
+    gather=True,
+    invariant=False,
+    activations: DeviceActivations | None = None,
 ) -> LayerPlan:
     """The :class:`LayerPlan` of a per-layer step: for each leaf of one layer (a leaf of a
     ``layers`` stack without its layer axis), the dimension it is (stage 3: ``specs`` of the
@@ -147,7 +166,10 @@ def build_plan(
             continue
         d = spec_dim(flat_specs[path])
         dims[_layer_key(path, x.shape, layers)] = None if d is None else d - 1
-    return LayerPlan(comm, layers, dims, gather=gather, invariant=invariant)
+    activations = activations or DeviceActivations()
+    return LayerPlan(
+        comm, layers, dims, gather=gather, invariant=invariant, activations=activations
+    )
 
 
 def reduces_exactly(precision) -> bool:

@@ -142,6 +142,7 @@ def scan_layers(fn: Callable, stack, carry, xs=None, *, with_ys: bool = False):
         out, ys = jax.lax.scan(jax.checkpoint(body, prevent_cse=False), carry, (stack, xs))
         return (out, ys) if with_ys else out
     plan.calls += 1
+    plan.scans += 1
     leaves, treedef = jax.tree.flatten(stack)
     dims = [plan.lookup(p, x[0]) for p, x in jax.tree_util.tree_flatten_with_path(stack)[0]]
 
@@ -180,14 +181,14 @@ def _at(xs, i):
 def _prefetching(plan: LayerPlan, fn, gather, dims, length):
     """The custom-vjp double-buffered loop over ``length`` layers of
     ``fn(w, carry, x, *consts)``."""
-    comm = plan.comm
+    comm, saved = plan.comm, plan.activations
 
     def forward(leaves, carry, xs, consts):
         def body(state, i):
             c, w = state
             nxt = gather(leaves, i + 1, c)  # in flight while layer i computes
             out, y = fn(w, c, _at(xs, i), *consts)
-            return (out, nxt), (c, y)
+            return (out, nxt), (saved.store(c), y)
 
         first = (carry, gather(leaves, 0))
         (c, w), (inputs, ys) = jax.lax.scan(body, first, jnp.arange(length - 1))
@@ -200,17 +201,20 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
         ct, ct_ys = cts
 
         def body(state, i):
-            ct, w, dconsts = state
-            nxt = gather(leaves, jnp.maximum(i - 1, 0), (ct, w))  # in flight under layer i
-            c, x = _layer_input(inputs, c_last, i, length), _at(xs, i)
+            ct, w, c, dconsts = state
+            prev = jnp.maximum(i - 1, 0)
+            nxt = gather(leaves, prev, (ct, w))  # in flight under layer i
+            c_prev = _layer_input(saved, inputs, c_last, prev, length)  # fetched under layer i
+            x = _at(xs, i)
             _, pull = jax.vjp(lambda w, c, *k: fn(w, c, x, *k), w, c, *consts)
             dw, dc, *dk = pull((ct, _at(ct_ys, i)))
             g = _reduce_tree(comm, dw, dims, leaves)
-            return (dc, nxt, [a + b for a, b in zip(dconsts, dk, strict=True)]), g
+            return (dc, nxt, c_prev, [a + b for a, b in zip(dconsts, dk, strict=True)]), g
 
         dk = [_zeros(k) for k in consts]
-        state = (ct, gather(leaves, length - 1, ct), dk)
-        (ct, _, dk), grads = jax.lax.scan(body, state, jnp.arange(length), reverse=True)
+        c = _layer_input(saved, inputs, c_last, length - 1, length)
+        state = (ct, gather(leaves, length - 1, ct), c, dk)
+        (ct, _, _, dk), grads = jax.lax.scan(body, state, jnp.arange(length), reverse=True)
         no_grad = jax.tree.map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), xs)
         return grads, ct, no_grad, dk
 
@@ -219,13 +223,17 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
     return run
 
 
-def _layer_input(inputs, last, i, length):
-    """Layer ``i``'s saved input: ``inputs[i]`` (the forward loop's, layers 0 .. L-2) or
-    ``last`` (the last layer's, saved apart: no copy of the stack of inputs)."""
-    pick = lambda xs, x: jnp.where(
-        i == length - 1, x, jax.lax.dynamic_index_in_dim(xs, jnp.minimum(i, length - 2), 0, False)
+def _layer_input(saved, inputs, last, i, length):
+    """Layer ``i``'s saved input on the device: ``inputs[i]`` (the forward loop's, layers
+    0 .. L-2, fetched from where ``saved`` stored them; inside the backward loop the fetch
+    depends on the layer index, so it cannot be hoisted to the backward's start) or ``last``
+    (the last layer's, saved apart on the device: no copy of the stack of inputs)."""
+    if length == 1:
+        return last
+    pick = lambda xs: jax.lax.dynamic_index_in_dim(xs, jnp.minimum(i, length - 2), 0, False)
+    return jax.tree.map(
+        lambda xs, x: jnp.where(i == length - 1, x, saved.fetch(pick(xs))), inputs, last
     )
-    return jax.tree.map(pick, inputs, last) if length > 1 else last
 
 
 def _reduce_tree(comm: Comm, dw, dims, leaves):
