@@ -66,6 +66,13 @@ class ZeRO(ZeROConfig):
       offload: None, or ``"optimizer"`` (stages 1-3, DeepSpeed's ``offload_optimizer``): the
         master, optimizer state, EMA in host memory, updated there (the config's
         ``placement``, :class:`~jaxzero.zero.config.ZeROConfig`).
+      quantize: None (exact collectives), or ZeRO++'s quantized collectives
+        (:mod:`jaxzero.zero.wire`): ``"weights"`` (qwZ, stage 3: each shard all-gathered as
+        int8 blocks of <= 4096 values with a float32 scale each, dequantized to the compute
+        dtype; the master stays exact), ``"grads"`` (qgZ, stages 2-3: each gradient
+        reduce-scatter an ``all_to_all`` of int8 tiles summed in float32), ``"both"``, or a
+        :class:`jaxzero.Wire` (``Wire.create(weights=8, grads=4)``: int4 gradients).
+        :meth:`quantized_leaves` lists the leaves that stay exact.
 
     Example:
       >>> zero = ZeRO(optax.adamw(3e-4), data_parallel_mesh(), stage=2)

@@ -1,0 +1,122 @@
+"""Blockwise int8/int4 quantization (jaxzero.zero.quantize) and the quantized collectives
+(jaxzero.zero.wire) on 8 simulated devices.
+
+Every bound is the documented formula ``|x - deq(q(x))| <= max|x_b| / (2 qmax)`` per block
+``b``, with the blocks stated here independently (``_blocks``), never read from the code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxzero as jz
+from jaxzero.zero.quantize import dequantize, quantize
+from jaxzero.zero.wire import Blockwise, Exact
+
+QMAX = {8: 127, 4: 7}
+
+
+def _blocks(size, bits, max_block):
+    """The documented cut: ceil(size / max_block) groups of ceil(size / groups) values
+    (even for int4)."""
+    groups = max(1, math.ceil(size / max_block))
+    block = math.ceil(size / groups)
+    return groups, block + (block % 2 if bits == 4 else 0)
+
+
+def _bound(x, bits, max_block):
+    """max|x_b| / (2 qmax) for every value of flat ``x`` (that of its block)."""
+    groups, block = _blocks(x.size, bits, max_block)
+    padded = np.zeros(groups * block, np.float64)
+    padded[: x.size] = np.abs(x.astype(np.float64))
+    per_block = padded.reshape(groups, block).max(axis=1) / (2 * QMAX[bits])
+    return np.repeat(per_block, block)[: x.size]
+
+
+def _roundtrip(x, bits, max_block):
+    q, s = jax.jit(quantize, static_argnums=(1, 2))(jnp.asarray(x), bits, max_block)
+    return q, s, np.asarray(dequantize(q, s, x.shape[-1], bits))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("size,max_block", [(1, 64), (63, 64), (64, 64), (1000, 64), (4097, 4096)])
+def test_error_per_block_is_at_most_half_a_step(bits, size, max_block):
+    rng = np.random.default_rng(size)
+    x = (rng.standard_t(3, size=size) * 10.0 ** rng.integers(-3, 3, size)).astype(np.float32)
+    q, s, y = _roundtrip(x, bits, max_block)
+    groups, block = _blocks(size, bits, max_block)
+    assert q.dtype == jnp.int8 and q.shape == (groups * block * bits // 8,)
+    assert s.dtype == jnp.float32 and s.shape == (groups,)
+    assert max(block, 1) <= max_block + (bits == 4)
+    err = np.abs(y.astype(np.float64) - x)
+    # float32 rounding of the scale and of q * scale: a few ulps of the block maximum
+    slack = 4 * np.finfo(np.float32).eps * _bound(x, bits, max_block) * 2 * QMAX[bits]
+    assert np.all(err <= _bound(x, bits, max_block) + slack)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_zeros_integers_and_extremes(bits):
+    m = QMAX[bits]
+    zeros = np.zeros(100, np.float32)
+    assert np.array_equal(_roundtrip(zeros, bits, 32)[2], zeros)
+    # every code from -qmax to qmax times a power-of-two scale comes back exactly
+    codes = np.arange(-m, m + 1, dtype=np.float32) * 0.25
+    assert np.array_equal(_roundtrip(codes, bits, 256)[2], codes)  # one block
+    # float32's largest values next to small ones: no overflow, the bound still holds
+    big = np.array([3.0e38, -3.0e38, 1.0, -1e-3, 0.0, 2.5e38], np.float32)
+    y = _roundtrip(big, bits, 64)[2]
+    assert np.all(np.isfinite(y))
+    assert np.all(np.abs(y.astype(np.float64) - big) <= 3.0e38 / (2 * m) * (1 + 1e-6))
+    # a non-finite value makes its block non-finite (the step's finite check sees it)
+    for bad in (np.inf, np.nan):
+        x = np.array([1.0, bad, 2.0, 3.0, 4.0, 5.0], np.float32)
+        y = _roundtrip(x, bits, 4)[2]
+        assert not np.all(np.isfinite(y[:4])) and np.all(np.isfinite(y[4:]))
+
+
+def test_a_batch_of_rows_is_quantized_row_by_row():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3, 130)).astype(np.float32) * np.array([[1.0], [100.0], [1e-4]])
+    q, s, y = _roundtrip(x, 8, 64)
+    assert q.shape == (3, 3 * 44) and s.shape == (3, 3)
+    for row in range(3):
+        assert np.all(np.abs(y[row] - x[row]) <= _bound(x[row], 8, 64) * (1 + 1e-5))
+
+
+def _on_devices(fn, x, out_spec):
+    mesh = jz.data_parallel_mesh(8)
+    f = jax.shard_map(fn, mesh=mesh, in_specs=P("data"), out_specs=out_spec, check_vma=False)
+    return np.asarray(jax.jit(f)(x))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("d", [0, 1])
+def test_gather_and_reduce_scatter_within_the_bound_of_the_exact_collectives(bits, d):
+    rng = np.random.default_rng(d)
+    codec, n = Blockwise(bits, 64), 8
+    # gather: device i's shard is rows (or columns) i of a [24, 40] / [3, 320] array
+    full = rng.normal(size=(24, 40) if d == 0 else (3, 320)).astype(np.float32)
+    stacked = np.stack(np.split(full, n, axis=d))  # [N, *shard]
+    got = _on_devices(lambda s: codec.gather(s[0], "data", d)[None], stacked, P("data"))
+    assert np.array_equal(
+        _on_devices(lambda s: Exact().gather(s[0], "data", d)[None], stacked, P("data"))[3], full
+    )
+    for i in range(n):
+        shard, back = stacked[i], np.split(got[0], n, axis=d)[i]
+        assert np.all(np.abs(back - shard).ravel() <= _bound(shard.ravel(), bits, 64) * (1 + 1e-5))
+    assert np.array_equal(got[0], got[5])  # every device holds the same gathered array
+    # reduce-scatter: device j gets tile j of the sum, off by at most the sum of the N
+    # senders' per-block bounds
+    g = rng.normal(size=(n, 16, 40) if d == 0 else (n, 5, 64)).astype(np.float32)
+    got = _on_devices(lambda x: codec.reduce_scatter(x[0], "data", d)[None], g, P("data"))
+    exact = _on_devices(lambda x: Exact().reduce_scatter(x[0], "data", d)[None], g, P("data"))
+    for j in range(n):
+        bound = sum(_bound(np.split(g[i], n, axis=d)[j].ravel(), bits, 64) for i in range(n))
+        assert np.all(np.abs(got[j] - exact[j]).ravel() <= bound * (1 + 1e-5) + 1e-6)
+    assert np.allclose(exact.sum(0).sum(), g.sum(), rtol=1e-4)
