@@ -173,3 +173,51 @@ def test_gpu_compiled_step_moves_the_formulas_int8_bytes(grads):
         rep.payload("all-gather"),
         rep.payload("all-to-all"),
     )
+
+
+class _Payloads:
+    """A compile report's ``payload(kind)`` (all that wire_time reads)."""
+
+    def __init__(self, **by_kind):
+        self.by_kind = {k.replace("_", "-"): v for k, v in by_kind.items()}
+
+    def payload(self, kind):
+        return self.by_kind.get(kind, 0)
+
+
+def test_plan_cost_model_and_where_each_quantization_acts():
+    from jaxzero.gpu.plan import stage_quantize, wire_time
+
+    report = _Payloads(all_gather=6e9, reduce_scatter=3e9, all_to_all=1e9, all_reduce=0)
+    # 64 GPUs span 8 nodes: 10 GB x 63/64 through a 400 Gbit/s (50 GB/s) link
+    t = wire_time(report, 64, 900, 400)
+    assert (t.bytes, t.link) == (10e9, "inter-node") and t.seconds == pytest.approx(
+        10 * 63 / 64 / 50
+    )
+    t = wire_time(report, 8, 900, 400)  # one node: 10 GB x 7/8 at 112.5 GB/s
+    assert t.link == "intra-node" and t.seconds == pytest.approx(10 * 7 / 8 / 112.5)
+    with pytest.raises(ValueError, match="inter_gbps=0"):
+        wire_time(report, 8, 900, 0)
+    assert [stage_quantize("both", s) for s in range(4)] == [None, None, "grads", "both"]
+    assert [stage_quantize("weights", s) for s in (2, 3)] == [None, "weights"]
+    assert stage_quantize(None, 3) is None
+
+
+def test_plan_cli_refuses_a_bad_bandwidth_before_compiling(capsys):
+    from jaxzero import cli
+
+    argv = [
+        "plan",
+        "--devices",
+        "8",
+        "--layers",
+        "2",
+        "--hidden",
+        "128",
+        "--network-gbps",
+        "0",
+        "400",
+    ]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and "two positive Gbit/s" in capsys.readouterr().err

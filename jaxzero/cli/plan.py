@@ -88,6 +88,30 @@ def _add_state_layout(group) -> None:
     )
 
 
+def _add_wire(group) -> None:
+    """``--quantize``, ``--network-gbps`` and ``--gpus-per-node``: the wire and its cost."""
+    group.add_argument(
+        "--quantize",
+        choices=["weights", "grads", "both"],
+        help="ZeRO++'s int8 collectives (jaxzero.ZeRO(quantize=...)): weights: stage 3's "
+        "all-gathers; grads: the reduce-scatters of stages 2-3; both",
+    )
+    group.add_argument(
+        "--network-gbps",
+        type=float,
+        nargs=2,
+        metavar=("INTRA", "INTER"),
+        help="intra-node and inter-node bandwidth per GPU in Gbit/s: print each row's "
+        "collective bytes per step and the time they take (jaxzero.gpu.plan.wire_time)",
+    )
+    group.add_argument(
+        "--gpus-per-node",
+        type=positive_int,
+        default=8,
+        help="GPUs per node, for --network-gbps (default: %(default)s)",
+    )
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     """Add ``jaxzero plan``'s arguments to ``p``."""
     size = p.add_argument_group("model shape (give --params, or --layers and --hidden)")
@@ -157,6 +181,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--replicas", type=positive_int, default=1, help="HSDP replica groups (default: 1)"
     )
+    _add_wire(train)
     train.add_argument(
         "--xla-flags",
         action="store_true",
@@ -220,7 +245,7 @@ def _hidden(report) -> str:
     all-reduces)."""
     if not report.payload("all-gather") + report.payload("reduce-scatter"):
         return "-"
-    kinds = ("all-gather", "reduce-scatter")
+    kinds = ("all-gather", "reduce-scatter", "all-to-all")  # all-to-all: quantized gradients
     return f"{report.hidden_share(*kinds):.0%} of max {report.hideable_share(*kinds):.0%}"
 
 
@@ -252,6 +277,24 @@ def _table(rows) -> str:
     return "\n".join(
         [fmt(header), fmt(["-" * w for w in widths] + ["-" * 20])] + [fmt(b) for b in body]
     )
+
+
+def _network(rows, args) -> str:
+    """Each row's collective bytes per device per step and their time (``wire_time``)."""
+    from jaxzero.gpu.plan import wire_time
+    from jaxzero.memory import format_bytes
+
+    intra, inter = args.network_gbps
+    lines = [
+        f"network ({args.gpus_per_node} GPUs per node, {intra:g} Gbit/s intra-node, "
+        f"{inter:g} Gbit/s inter-node): collective bytes per device per step, and the time "
+        "they take on the ring's slowest link, overlap not counted"
+    ]
+    for r in rows:
+        t = wire_time(r.report, args.devices, intra, inter, args.gpus_per_node)
+        row = f"{format_bytes(t.bytes):>10}  {t.seconds * 1e3:9.1f} ms ({t.link})"
+        lines.append(f"  {r.label:<12} {row}")
+    return "\n".join(lines)
 
 
 def _fallback_note(rows) -> str | None:
@@ -291,9 +334,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         + ("" if args.compute_copy else ", stage 3 without a compute copy")
         + (", stage 3 vocabulary-parallel embedding" if args.vocab_parallel else "")
         + (f", offload {args.offload} to pinned host memory" if args.offload else "")
+        + (f", int8 {args.quantize} on the wire" if args.quantize else "")
         + (f"; XLA flags {' '.join(recommended_xla_flags())}" if args.xla_flags else ""),
         flush=True,
     )
+    if args.network_gbps and min(args.network_gbps) <= 0:
+        parser.error(f"--network-gbps: {args.network_gbps} must be two positive Gbit/s figures")
     stages = args.stage or ((1, 2, 3) if args.offload else None)
     try:
         check_offload(args.offload, tuple(stages or ()))
@@ -315,6 +361,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             "ema",
             "compute_copy",
             "offload",
+            "quantize",
         )
         flags = xla_options() if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
@@ -324,6 +371,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         return 1
     close()
     print(_table(rows))
+    if args.network_gbps:
+        print(_network(rows, args))
     note = _fallback_note(rows)
     if note:
         print(note)

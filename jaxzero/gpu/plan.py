@@ -26,7 +26,7 @@ from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.offload import check_offload
 
-__all__ = ["PlanRow", "plan", "plan_cases", "row_estimate", "unit_bound"]
+__all__ = ["PlanRow", "WireTime", "plan", "plan_cases", "row_estimate", "unit_bound", "wire_time"]
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 UNITS = r"block_\d+"  # the unscanned decoder's blocks (jaxzero.gpu.models, loop="python")
@@ -153,7 +153,48 @@ def unit_bound(
     return row_estimate(*args, per="unit", prefetch=prefetch).total
 
 
-def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy: bool, offload):
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class WireTime:
+    """What a step's collectives cost on the network: ``bytes`` (payload per device per step,
+    every collective kind, loop trip counts applied), ``seconds`` those bytes take on
+    ``link`` (``"intra-node"`` or ``"inter-node"``) at ``gbps``."""
+
+    bytes: int
+    seconds: float
+    link: str
+    gbps: float
+
+
+def wire_time(
+    report: CompileReport, devices: int, intra_gbps: float, inter_gbps: float, per_node: int = 8
+) -> WireTime:
+    """The cost model of :class:`WireTime`: a ring collective over ``devices`` sends
+    ``(devices - 1) / devices`` of its payload through each device's link, and a ring that
+    spans nodes (``devices > per_node``) runs at the inter-node bandwidth. Compute overlap is
+    not counted: it is the time the bytes take, hidden or not."""
+    for name, v in (("intra_gbps", intra_gbps), ("inter_gbps", inter_gbps)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+            raise ValueError(f"{name}={v!r} must be a positive number of Gbit/s.")
+    nbytes = sum(report.payload(kind) for kind in COLLECTIVES)
+    link, gbps = ("inter-node", inter_gbps) if devices > per_node else ("intra-node", intra_gbps)
+    seconds = nbytes * (devices - 1) / devices / (gbps * 1e9 / 8)
+    return WireTime(nbytes, seconds, link, float(gbps))
+
+
+def stage_quantize(quantize: str | None, stage: int) -> str | None:
+    """The part of ``quantize`` (``"weights"``, ``"grads"``, ``"both"``) that acts at
+    ``stage``: weights at stage 3, gradients at stages 2-3 (``ZeRO`` refuses the rest)."""
+    weights = quantize in ("weights", "both") and stage == 3
+    grads = quantize in ("grads", "both") and stage >= 2
+    return {(True, True): "both", (True, False): "weights", (False, True): "grads"}.get(
+        (weights, grads)
+    )
+
+
+def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy: bool, offload, quantize):
     """The plan's ``ZeRO`` for one case; ``per``: False (whole), ``"layer"`` (the scanned
     stack, ``layers=``) or ``"unit"`` (the Python loop's blocks, ``units=``)."""
     return ZeRO(
@@ -165,6 +206,7 @@ def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy: bool, 
         units=UNITS if per == "unit" else None,
         vocab_parallel="embed" if shape.vocab_parallel and stage == 3 else None,
         offload=offload,
+        quantize=stage_quantize(quantize, stage),
     )
 
 
@@ -217,6 +259,7 @@ def plan(
     compiler_options: dict | None = None,
     compute_copy: bool = True,
     offload: str | None = None,
+    quantize: str | None = None,
 ) -> list[PlanRow]:
     """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
 
@@ -233,7 +276,9 @@ def plan(
     memory (stages 1-3; the default stages are then 1, 2 and 3). A ``shape`` with a Python
     loop (``loop="python"``: blocks ``block_0`` ... unscanned, as most Flax code is written)
     runs stage 3 "per layer" one block at a time, ``ZeRO(units=r"block_\\d+")``, and its rows
-    read "3 per unit"; stages 1-2 then reduce the whole gradient.
+    read "3 per unit"; stages 1-2 then reduce the whole gradient. ``quantize``
+    (``"weights"``, ``"grads"``, ``"both"``): ZeRO++'s int8 collectives,
+    ``ZeRO(quantize=...)``, where each acts (:func:`stage_quantize`).
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -242,6 +287,8 @@ def plan(
       ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
     """
     _check_plan_args(precision, accum, devices, replicas)
+    if quantize not in (None, "weights", "grads", "both"):
+        raise ValueError(f"quantize={quantize!r} must be None, 'weights', 'grads' or 'both'.")
     check_loop(shape, stage2, stage1)
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
     cases = plan_cases(_plan_stages(stages, offload), stage3, stage2, stage1)
@@ -257,7 +304,7 @@ def plan(
         if on_case is not None:
             on_case(f"{stage} per {per}" if per_layer else str(stage), i, len(cases))
         copy = compute_copy or stage != 3  # the layout exists at stage 3 only
-        zero = _zero(shape, mesh, stage, per_layer and per, precision, copy, offload)
+        zero = _zero(shape, mesh, stage, per_layer and per, precision, copy, offload, quantize)
         step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
         report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
         rows.append(
