@@ -65,14 +65,15 @@ def to_varying(x, axes):
 
 def scatter_leaf(comm: Comm, g, d: int | None):
     """The communicating half of :func:`reduce_leaf`: ``g`` in ``reduce_dtype``,
-    reduce-scattered along ``d`` over the data axis (then summed over replica axes), or
-    all-reduced over every batch axis when ``d`` is None. Returns the sum, in ``reduce_dtype``."""
+    reduce-scattered along ``d`` over the data axis (then summed over replica axes), both on
+    ``comm.wire`` (exact, or quantized: :mod:`jaxzero.zero.wire`), or all-reduced exactly over
+    every batch axis when ``d`` is None. Returns the sum, in ``reduce_dtype``."""
     g = g.astype(comm.reduce_dtype)
     if d is None:
         return jax.lax.psum(g, comm.batch_axes)
     g = comm.wire.reduce_scatter(g, comm.axis, d)
     if comm.replica_axes:
-        g = jax.lax.psum(g, comm.replica_axes)
+        g = comm.wire.all_reduce(g, comm.replica_axes)
     return g
 
 

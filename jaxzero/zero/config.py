@@ -92,7 +92,7 @@ class ZeROConfig:
         object.__setattr__(self, "units", units.patterns(self.units, self.stage, self.layers))
         object.__setattr__(self, "prefetch", units.prefetch_option(self.prefetch, self.units))
         object.__setattr__(self, "quantize", wire.wire(self.quantize))
-        wire.check(self.quantize, self.stage, self.replica_axes)
+        wire.check(self.quantize, self.stage)
         check_loss_scale(self.loss_scale, self.precision)
         offload.placement(self.offload, self.stage, self.mesh)
 

@@ -15,6 +15,9 @@ gradients' reduce-scatters. :class:`Exact` is the plain collective in the array'
   device's tile of the sum is off by at most ``sum_i max|g_i| / (2 qmax)`` per block (device
   ``i``'s block maximum), against a single rounding of the exact reduce-scatter.
 
+* **all-reduce** over a hybrid mesh's replica axes (qgZ's second hop): each device's summed
+  shard requantized, all-gathered over those axes, dequantized and summed in float32.
+
 Both move ``blocks(...).bytes`` per tile (:func:`tile_bytes`) where the exact collective moves
 ``size * itemsize``.
 """
@@ -47,6 +50,10 @@ class Exact:
         """``g`` summed over ``axis``, this device's tile along ``d`` kept."""
         return jax.lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True)
 
+    def all_reduce(self, g, axes: tuple[str, ...]):
+        """``g`` summed over ``axes`` (a hybrid mesh's replica axes)."""
+        return jax.lax.psum(g, axes)
+
 
 @dataclasses.dataclass(frozen=True)
 class Blockwise:
@@ -78,6 +85,17 @@ class Blockwise:
         s = jax.lax.all_to_all(s, axis, 0, 0, tiled=True)
         parts = dequantize(q, s, size, self.bits, jnp.float32)
         return jnp.sum(parts, axis=0).reshape(tile).astype(g.dtype)
+
+    def all_reduce(self, g, axes: tuple[str, ...]):
+        """``g`` summed over ``axes``, the second hop on a hybrid mesh: each device's ``g``
+        quantized and all-gathered over ``axes``, then dequantized and summed in float32 in
+        the axes' device order, so every device holds the same sum (replica-invariant)."""
+        flat = g.reshape(-1)
+        q, s = quantize(flat, self.bits, self.max_block)
+        q = jax.lax.all_gather(q, axes, to="invarying")  # [R, payload]
+        s = jax.lax.all_gather(s, axes, to="invarying")
+        parts = dequantize(q, s, flat.size, self.bits, jnp.float32)
+        return jnp.sum(parts, axis=0).reshape(g.shape).astype(g.dtype)
 
 
 QUANTIZE = ("weights", "grads", "both")
@@ -118,6 +136,9 @@ class Wire:
     def reduce_scatter(self, g, axis: str, d: int):
         return self.grads.reduce_scatter(g, axis, d)
 
+    def all_reduce(self, g, axes: tuple[str, ...]):
+        return self.grads.all_reduce(g, axes)
+
 
 def wire(quantize) -> Wire:
     """The :class:`Wire` of ``ZeRO(quantize=...)``: None (exact), ``"weights"`` (int8
@@ -146,7 +167,7 @@ def tile_bytes(codec: Exact | Blockwise, size: int, itemsize: int) -> int:
     return blocks(size, codec.bits, codec.max_block).bytes
 
 
-def check(wire: Wire, stage: int, replica_axes: tuple[str, ...]) -> Wire:
+def check(wire: Wire, stage: int) -> Wire:
     """``wire`` where each of its quantized codecs acts at ``stage`` on that mesh; a
     ValueError naming the fix otherwise (an option that would change nothing is refused)."""
     if wire.weights.bits is not None and stage != 3:
@@ -159,12 +180,6 @@ def check(wire: Wire, stage: int, replica_axes: tuple[str, ...]) -> Wire:
         raise ValueError(
             f"ZeRO(quantize=...) quantizes the gradient reduce-scatters, but stage {stage} "
             f"all-reduces whole gradients; use stage=2 or 3, or quantize='weights' at stage 3."
-        )
-    if wire.grads.bits is not None and replica_axes:
-        raise ValueError(
-            f"ZeRO(quantize=...) on a mesh with replica axes {replica_axes}: the quantized "
-            f"gradient reduction over two hops (within the data axis, then across replicas) is "
-            f"not built; use a mesh with the data axis only, or quantize='weights'."
         )
     return wire
 
