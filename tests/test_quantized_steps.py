@@ -92,7 +92,13 @@ def check_close(got, ref, atol):
     chex.assert_trees_all_close(got, ref, atol=atol, rtol=0)
 
 
-WIRES = {"weights": (8, None), "grads": (None, 8), "both": (8, 8), "int4": (8, 4)}
+WIRES = {
+    "weights": (8, None),
+    "grads": (None, 8),
+    "both": (8, 8),
+    "int4": (8, 4),
+    "grads4": (None, 4),
+}
 
 
 def _wire(name):
@@ -109,7 +115,7 @@ def _wire(name):
         # slow: weights alone and int8 grads alone at stage 3 (both stays, and grads at stage 2)
         pytest.param("weights", 3, marks=pytest.mark.slow),
         pytest.param("grads", 3, marks=pytest.mark.slow),
-        pytest.param("int4", 2, marks=pytest.mark.slow),
+        pytest.param("grads4", 2, marks=pytest.mark.slow),
     ],
 )
 def test_whole_model_within_the_bound_of_single_device_optax(wire, stage):
