@@ -195,6 +195,14 @@ def test_exact_wire_is_the_plain_step_and_the_quantized_one_moves_int8():
     both = jz.ZeRO(optax.sgd(LR), mesh, stage=3, quantize="both")
     quantized = _primitives(both, params, loss_fn, batches[0])
     assert quantized["all_to_all"] > 0 and quantized["i8["] > 0 and quantized["reduce_scatter"] == 0
+    # the state (master, optimizer state, EMA) is laid out as without quantization: the same
+    # checkpoints restore into either
+    ema = jz.ShardedEMA(0.9)
+    states = [
+        z.abstract_state(params, ema=ema) for z in (jz.ZeRO(optax.sgd(LR), mesh, stage=3), both)
+    ]
+    layout = lambda st: jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding.spec), st)
+    chex.assert_trees_all_equal(layout(states[0]), layout(states[1]))
     # quantize=None: plain single-device optax, as every exact test checks
     got, _ = run(loss_fn, params, batches[0], stage=3)
     check_close(got, sgd_step(loss_fn, params, batches[0]), 1e-6)
