@@ -194,12 +194,13 @@ class WireReport:
       reduced: the leaves whose reduce-scatter is quantized.
       fell_back: the leaves whose gradient reduction stays exact under a quantized ``grads``
         codec: no dimension splits N ways, so they are all-reduced, as without it.
-      gather_bytes, exact_gather_bytes: each device's all-gather results (N encoded shards of
-        every sharded leaf), on this wire and in ``param_dtype``.
-      reduce_bytes, exact_reduce_bytes: each device's reduce-scatter inputs (the whole local
-        gradient of every sharded leaf; quantized: the ``all_to_all``'s N encoded tiles), on
-        this wire and in ``reduce_dtype``. Both are what :mod:`jaxzero.gpu`'s HLO reader
-        counts as a collective's payload.
+      gather_bytes: each device's all-gather results (N encoded shards of every sharded
+        leaf) on this wire: what :mod:`jaxzero.gpu`'s HLO reader counts as the payload.
+      exact_gather_bytes: the same in ``param_dtype``.
+      reduce_bytes: each device's gradient reduction inputs on this wire (quantized: the
+        ``all_to_all``'s N encoded tiles of every sharded leaf), as the HLO reader counts them.
+      exact_reduce_bytes: the reduce-scatter's inputs in ``reduce_dtype`` (the whole local
+        gradient of every sharded leaf).
     """
 
     gathered: tuple[str, ...]
