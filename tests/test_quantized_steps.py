@@ -236,6 +236,8 @@ def test_bad_quantize_options_are_refused_with_the_fix(kw, message):
         jz.ZeRO(optax.sgd(LR), jz.data_parallel_mesh(N), **kw)
     with pytest.raises(ValueError, match="grads=8 or 4"):
         jz.Wire.create(grads=2)
+    with pytest.raises(ValueError, match="max_block=1 must be an int >= 2"):
+        jz.Wire.create(grads=8, max_block=1)
 
 
 def test_digits_converge_with_int8_weights_and_gradients():

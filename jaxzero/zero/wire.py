@@ -14,12 +14,11 @@ gradients' reduce-scatters. :class:`Exact` is the plain collective in the array'
   ``all_to_all``, then dequantizes the N tiles it received and sums them in float32. Each
   device's tile of the sum is off by at most ``sum_i max|g_i| / (2 qmax)`` per block (device
   ``i``'s block maximum), against a single rounding of the exact reduce-scatter.
-
 * **all-reduce** over a hybrid mesh's replica axes (qgZ's second hop): each device's summed
   shard requantized, all-gathered over those axes, dequantized and summed in float32.
 
-Both move ``blocks(...).bytes`` per tile (:func:`tile_bytes`) where the exact collective moves
-``size * itemsize``.
+Each moves ``blocks(...).bytes`` per shard or tile (:func:`tile_bytes`) where the exact
+collective moves ``size * itemsize``.
 """
 
 from __future__ import annotations
@@ -62,6 +61,13 @@ class Blockwise:
 
     bits: int = 8
     max_block: int = MAX_BLOCK
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise ValueError(f"Blockwise(bits={self.bits!r}): use one of {BITS}.")
+        m = self.max_block
+        if isinstance(m, bool) or not isinstance(m, int) or m < 2:
+            raise ValueError(f"max_block={m!r} must be an int >= 2 (values per block).")
 
     def gather(self, x, axis: str, d: int):
         """``x`` all-gathered along ``d`` as int payload + scales, dequantized to ``x.dtype``."""
@@ -121,14 +127,8 @@ class Wire:
                     f"{' or int'.join(map(str, allowed))} blocks; use {name}="
                     f"{' or '.join(map(str, allowed))}, or None for the exact collective."
                 )
-        if not (isinstance(max_block, int) and max_block >= 2):
-            raise ValueError(f"max_block={max_block!r} must be an int >= 2 (values per block).")
         codec = lambda bits: Exact() if bits is None else Blockwise(bits, max_block)
         return cls(codec(weights), codec(grads))
-
-    @property
-    def exact(self) -> bool:
-        return self.weights.bits is None and self.grads.bits is None
 
     def gather(self, x, axis: str, d: int):
         return self.weights.gather(x, axis, d)
