@@ -24,7 +24,10 @@ last row is the exact wire on another data order: the gap two exact runs show.
 Bytes: the stage-3 bf16 step of a LLaMA-shaped decoder compiled for 8 H100s without a GPU,
 read from the scheduled HLO per collective kind and dtype (int8 all-gathers and all-to-alls
 against the bf16 all-gathers and reduce-scatters), and LLaMA-7B at N = 64 from the formula
-(the per-layer step gathers every layer twice and reduces once: 3 passes).
+(the per-layer step gathers every layer twice and reduces once: 3 passes). Last, stage 3 per
+layer on each wire beside benchmarks/overlap.py's GSPMD-annotation FSDP peer (its ``--quick``
+GPT, both flag sets): bytes, the hidden share (all-to-alls included), arguments + temporaries,
+kernels.
 """
 
 from __future__ import annotations
@@ -233,6 +236,69 @@ def gpu_bytes_table() -> str:
     return title + "\n\n" + md_table(head, rows)
 
 
+def _jaxzero_row(shape, mesh, wire, options) -> dict:
+    """Stage 3 per layer on ``wire``: bytes, the hidden share of the all-gather,
+    reduce-scatter and all-to-all bytes, arguments + temporaries, kernels."""
+    from jaxzero import gpu
+    from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss
+
+    zero = jz.ZeRO(
+        optax.adam(1e-4), mesh, stage=3, precision="bf16", layers="layers", quantize=wire
+    )
+    step = jz.make_train_step(make_loss(shape), zero)
+    rep = gpu.compile_report(
+        step, abstract_params(shape), batch_shapes(shape, N), compiler_options=options
+    )
+    kinds = ("all-gather", "reduce-scatter", "all-to-all")
+    return {
+        "bytes": sum(c.bytes for c in rep.collectives),
+        "hidden": rep.hidden_share(*kinds),
+        "args_temp": rep.argument_bytes + rep.temp_bytes,
+        "kernels": rep.kernels_per_step,
+    }
+
+
+def peer_table() -> str:
+    """Stage 3 per layer on each wire beside the GSPMD-annotation FSDP peer of
+    benchmarks/overlap.py (its ``--quick`` GPT, 4 layers x 256, N = 8, both flag sets)."""
+    from overlap import peer_row
+
+    from jaxzero import gpu
+    from jaxzero.gpu.models import model_shape
+
+    shape = model_shape(layers=4, hidden=256, heads=2, vocab=1024, seq=256, arch="gpt")
+    mesh = gpu.compile_only_mesh("h100", N)
+    rows = []
+    for label, wire in [*WIRES.items(), ("GSPMD-annotation FSDP (peer)", "peer")]:
+        for flags in ("default", "recommended"):
+            options = gpu.xla_options() if flags == "recommended" else None
+            if wire == "peer":
+                f = peer_row(shape, mesh, True, options)
+                f = {**f, "hidden": f["ag_rs_hidden"]}
+            else:
+                f = _jaxzero_row(shape, mesh, wire, options)
+            rows.append(
+                [
+                    label,
+                    flags,
+                    f"{f['bytes'] / 1e6:.1f} MB",
+                    f"{f['hidden']:.2f}",
+                    f"{f['args_temp'] / 1e6:.1f} MB",
+                    str(f["kernels"]),
+                ]
+            )
+            print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    head = ["stage 3 per layer", "XLA flags", "collective bytes", "hidden"]
+    head += ["args+temp", "kernels"]
+    title = (
+        f"### Beside the peer: GPT {shape.layers} x {shape.hidden} "
+        f"({shape.num_params / 1e6:.1f}M params), bf16, 8 H100s (deviceless)\n\n"
+        "Hidden: the share of all-gather, reduce-scatter and all-to-all bytes with a gemm "
+        "scheduled between the collective's start and done (:mod:`jaxzero.gpu.overlap`)."
+    )
+    return title + "\n\n" + md_table(head, rows)
+
+
 def llama7b_table() -> str:
     """LLaMA-7B at N = 64 from the formula: per-layer stage 3 gathers twice, reduces once."""
     from jaxzero import gpu
@@ -282,7 +348,7 @@ def main(argv=None) -> int:
         llama7b_table(),
     ]
     if not args.quick:
-        parts.append(gpu_bytes_table())
+        parts += [gpu_bytes_table(), peer_table()]
     emit("\n\n".join(parts), args.out)
     return 0
 
