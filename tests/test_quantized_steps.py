@@ -252,3 +252,19 @@ def test_digits_converge_with_int8_weights_and_gradients():
     assert abs(quantized.loss / exact.loss - 1) < 0.03, (quantized, exact)
     assert abs(quantized.accuracy - exact.accuracy) <= 0.02
     assert quantized.bytes <= 0.26 * exact.bytes  # fp32 -> int8 + scales, both collectives
+
+
+# slow: offload composes with the wire (the wire's own cases stay in make test)
+@pytest.mark.slow
+def test_offload_runs_the_same_quantized_step():
+    """The wire acts inside the gradient step; where the update runs (host memory) does not
+    change it: the same params as the quantized step on the device, bitwise."""
+    params, loss_fn, batches = make_problem("wide_mlp", steps=2)
+    mesh = jz.data_parallel_mesh(N)
+    runs = [
+        jz.gather(
+            train(jz.ZeRO(optax.adam(1e-2), mesh, stage=3, **kw), loss_fn, params, batches).params
+        )
+        for kw in ({"quantize": "both"}, {"quantize": "both", "offload": "optimizer"})
+    ]
+    chex.assert_trees_all_equal(*runs)
