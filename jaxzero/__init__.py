@@ -43,6 +43,7 @@ from jaxzero.zero.vocab import VocabParallelEmbed as VocabParallelEmbed
 from jaxzero.zero.vocab import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from jaxzero.zero.vocab import vocab_parallel_embed as vocab_parallel_embed
 from jaxzero.zero.vocab import vocab_table as vocab_table
+from jaxzero.zero.wire import Wire as Wire
 
 __all__ = [
     "BucketedTree",
@@ -54,6 +55,7 @@ __all__ = [
     "StaticLossScale",
     "TrainState",
     "TrainStep",
+    "Wire",
     "ZeRO",
     "checkpoint",
     "data_parallel_mesh",

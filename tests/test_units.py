@@ -269,21 +269,31 @@ def test_prefetch_gathers_each_unit_but_the_last_again_for_its_backward():
     assert gathers == len(sharded) + again, (gathers, len(sharded), again)
 
 
-# slow: the prefetch=False listing (the default, prefetch=True, stays)
-@pytest.mark.parametrize("prefetch", [pytest.param(False, marks=pytest.mark.slow), True])
-def test_no_gathered_weight_is_saved_for_the_backward(prefetch):
+# slow: the prefetch=False listing and the int8 weight gathers (the default, prefetch=True with
+# exact gathers, stays)
+@pytest.mark.parametrize(
+    "prefetch,quantize",
+    [
+        pytest.param(False, None, marks=pytest.mark.slow),
+        (True, None),
+        pytest.param(False, "weights", marks=pytest.mark.slow),
+        pytest.param(True, "weights", marks=pytest.mark.slow),
+    ],
+)
+def test_no_gathered_weight_is_saved_for_the_backward(prefetch, quantize):
     """What the backward keeps (jax's own residual listing): the unit shards and activations,
     never a gathered (full-size) unit weight nor a transposed copy of one, with or without
     nn.remat, also in Hugging Face's FlaxGPT2, whose blocks compute ``kernel.T``. With
     ``prefetch`` the last unit's gathered weights are kept for its backward, which comes
-    next (FSDP2 does not reshard the last unit after its forward): at most one unit's."""
+    next (FSDP2 does not reshard the last unit after its forward): at most one unit's. The
+    same with ``quantize="weights"``: a dequantized gathered weight is not kept either."""
     for kind in ("linen_loop", "linen_remat_loop", "hf_gpt2"):
         params, loss_fn, batches, pattern = _problem(kind)
         names = units_mod.unit_names(params, (pattern,))
         leaves, treedef = jax.tree.flatten(params)
         mesh = jz.data_parallel_mesh(8)
         specs = jz.ZeRO(optax.sgd(0.1), mesh, stage=3).param_specs(params)
-        comm = jz.ZeRO(optax.sgd(0.1), mesh, stage=3).comm
+        comm = jz.ZeRO(optax.sgd(0.1), mesh, stage=3, quantize=quantize).comm
         plan = units_mod.build_plan(comm, (pattern,), params, specs, prefetch)
         unit_leaves = [x.shape for x, u in zip(leaves, names, strict=True) if u is not None]
         last = max((u for u in names if u), key=lambda u: int(re.findall(r"\d+", u)[-1]))

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from jaxzero.cli.command import Command, param_count, pick, positive_int
+from jaxzero.cli.plan_output import fallback_note, network, progress, table
 from jaxzero.zero.offload import check_offload
 
 DESCRIPTION = """\
@@ -94,6 +95,30 @@ def _add_state_layout(group) -> None:
     )
 
 
+def _add_wire(group) -> None:
+    """``--quantize``, ``--network-gbps`` and ``--gpus-per-node``: the wire and its cost."""
+    group.add_argument(
+        "--quantize",
+        choices=["weights", "grads", "both"],
+        help="ZeRO++'s int8 collectives (jaxzero.ZeRO(quantize=...)): weights: stage 3's "
+        "all-gathers; grads: the reduce-scatters of stages 2-3; both",
+    )
+    group.add_argument(
+        "--network-gbps",
+        type=float,
+        nargs=2,
+        metavar=("INTRA", "INTER"),
+        help="intra-node and inter-node bandwidth per GPU in Gbit/s: print each row's "
+        "collective bytes per step and the time they take (jaxzero.gpu.plan.wire_time)",
+    )
+    group.add_argument(
+        "--gpus-per-node",
+        type=positive_int,
+        default=8,
+        help="GPUs per node, for --network-gbps (default: %(default)s)",
+    )
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     """Add ``jaxzero plan``'s arguments to ``p``."""
     size = p.add_argument_group("model shape (give --params, or --layers and --hidden)")
@@ -163,6 +188,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--replicas", type=positive_int, default=1, help="HSDP replica groups (default: 1)"
     )
+    _add_wire(train)
     train.add_argument(
         "--xla-flags",
         action="store_true",
@@ -202,85 +228,6 @@ def _shape(args, parser):
     return shape
 
 
-def _progress(total_hint: int):
-    """``(on_case, close)``: a tqdm bar on stderr, or plain lines where tqdm is absent."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is None:
-
-        def on_case(label, i, total):
-            print(f"[{i + 1}/{total}] compiling stage {label} ...", file=sys.stderr, flush=True)
-
-        return on_case, lambda: None
-    bar = tqdm(total=total_hint, desc="compiling", unit="stage", file=sys.stderr, leave=False)
-
-    def on_case(label, i, total):
-        bar.n = i
-        bar.set_postfix_str(f"stage {label}")  # refreshes the bar
-
-    def close():
-        bar.n = bar.total
-        bar.close()
-
-    return on_case, close
-
-
-def _hidden(report) -> str:
-    """The hidden share of all-gather + reduce-scatter bytes and its ceiling (what any schedule
-    of the step's data flow could hide), or "-" when neither moves any (stage 0 only
-    all-reduces)."""
-    if not report.payload("all-gather") + report.payload("reduce-scatter"):
-        return "-"
-    kinds = ("all-gather", "reduce-scatter")
-    return f"{report.hidden_share(*kinds):.0%} of max {report.hideable_share(*kinds):.0%}"
-
-
-def _table(rows) -> str:
-    from jaxzero.memory import format_bytes
-
-    header = ["stage", "GPU-compiled", "estimate", "state", "verdict", "hidden AG+RS", "kernels"]
-    host = any(r.report.host_bytes or r.estimate.host for r in rows)
-    header[4:4] = ["host", "host est."] if host else []
-    header.append("collectives per step (hidden share)")
-    body = [
-        [
-            r.label,
-            format_bytes(r.gpu_bytes),
-            format_bytes(r.estimate.total),
-            format_bytes(r.state_bytes),
-            *([format_bytes(r.report.host_bytes), format_bytes(r.estimate.host)] if host else []),
-            r.verdict,
-            _hidden(r.report),
-            str(r.report.kernels_per_step),
-            f"{r.report.collective_summary()} ({r.report.overlap_summary()})",
-        ]
-        for r in rows
-    ]
-    widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header) - 1)]
-    fmt = lambda cells: "  ".join(
-        [c.ljust(w) for c, w in zip(cells[:-1], widths, strict=True)] + [cells[-1]]
-    )
-    return "\n".join(
-        [fmt(header), fmt(["-" * w for w in widths] + ["-" * 20])] + [fmt(b) for b in body]
-    )
-
-
-def _fallback_note(rows) -> str | None:
-    """A line naming the stages compiled without Triton gemms (``CompileReport
-    .triton_gemm_fallback``) and why, or None when every stage compiled as asked."""
-    hit = [r for r in rows if r.report.triton_gemm_fallback]
-    if not hit:
-        return None
-    return (
-        f"without Triton gemms (stage {', '.join(r.label for r in hit)}): XLA:GPU's Triton gemm "
-        f"emitter failed ({hit[0].report.triton_gemm_fallback}), so the step was compiled "
-        "again with xla_gpu_enable_triton_gemm=False (gemms by cuBLAS); the figures are that "
-        "compile's."
-    )
-
-
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     """Compile every requested stage and print the table; returns the exit code."""
     shape = _shape(args, parser)
@@ -305,9 +252,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         + ("" if args.compute_copy else ", stage 3 without a compute copy")
         + (", stage 3 vocabulary-parallel embedding" if args.vocab_parallel else "")
         + (f", offload {args.offload} to pinned host memory" if args.offload else "")
+        + (f", int8 {args.quantize} on the wire" if args.quantize else "")
         + (f"; XLA flags {' '.join(recommended_xla_flags())}" if args.xla_flags else ""),
         flush=True,
     )
+    if args.network_gbps and min(args.network_gbps) <= 0:
+        parser.error(f"--network-gbps: {args.network_gbps} must be two positive Gbit/s figures")
     stages = args.stage or ((1, 2, 3) if args.offload else None)
     try:
         check_offload(args.offload, tuple(stages or ()))
@@ -315,7 +265,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         parser.error(f"--offload: {e}")
     cases = plan_cases(stages, args.stage3, args.stage2, args.stage1)
     both = args.prefetch == "both" and (3, True) in cases  # the per-unit row twice
-    on_case, close = _progress(len(cases) + both)
+    on_case, close = progress(len(cases) + both)
     try:
         options = pick(
             args,
@@ -331,6 +281,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             "compute_copy",
             "offload",
             "prefetch",
+            "quantize",
         )
         flags = xla_options() if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
@@ -339,8 +290,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         print(f"jaxzero plan: error: {e}", file=sys.stderr)
         return 1
     close()
-    print(_table(rows))
-    for note in (_fallback_note(rows), prefetch_advice(rows)):
+    print(table(rows))
+    if args.network_gbps:
+        print(network(rows, args))
+    for note in (fallback_note(rows), prefetch_advice(rows)):
         if note:
             print(note)
     print(

@@ -18,7 +18,7 @@ from jaxzero.gpu.hlo import (
 )
 from jaxzero.gpu.models import ModelShape, model_shape
 from jaxzero.gpu.overlap import OverlapTotal, overlap_per_step
-from jaxzero.gpu.plan import PlanRow, plan, plan_cases
+from jaxzero.gpu.plan import PlanRow, WireTime, plan, plan_cases, wire_time
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.targets import GPU_KINDS, GpuSpec, gpu_spec, target_config
 from jaxzero.gpu.topology import (
@@ -40,6 +40,7 @@ __all__ = [
     "OverlapTotal",
     "PlanRow",
     "PluginMissingError",
+    "WireTime",
     "collectives_per_step",
     "compile_only_mesh",
     "compile_report",
@@ -54,5 +55,6 @@ __all__ = [
     "recommended_xla_flags",
     "target_config",
     "topology_string",
+    "wire_time",
     "xla_options",
 ]

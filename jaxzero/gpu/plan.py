@@ -26,7 +26,16 @@ from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.offload import check_offload
 
-__all__ = ["PlanRow", "plan", "plan_cases", "prefetch_advice", "row_estimate", "unit_bound"]
+__all__ = [
+    "PlanRow",
+    "WireTime",
+    "plan",
+    "plan_cases",
+    "prefetch_advice",
+    "row_estimate",
+    "unit_bound",
+    "wire_time",
+]
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 UNITS = r"block_\d+"  # the unscanned decoder's blocks (jaxzero.gpu.models, loop="python")
@@ -157,7 +166,50 @@ def unit_bound(
     return row_estimate(*args, per="unit", prefetch=prefetch).total
 
 
-def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy, offload, prefetch):
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class WireTime:
+    """What a step's collectives cost on the network: ``bytes`` (payload per device per step,
+    every collective kind, loop trip counts applied), ``seconds`` those bytes take on
+    ``link`` (``"intra-node"`` or ``"inter-node"``) at ``gbps``."""
+
+    bytes: int
+    seconds: float
+    link: str
+    gbps: float
+
+
+def wire_time(
+    report: CompileReport, devices: int, intra_gbps: float, inter_gbps: float, per_node: int = 8
+) -> WireTime:
+    """The cost model of :class:`WireTime`: a ring collective over ``devices`` sends
+    ``(devices - 1) / devices`` of its payload through each device's link, and a ring that
+    spans nodes (``devices > per_node``) runs at the inter-node bandwidth. Compute overlap is
+    not counted: it is the time the bytes take, hidden or not."""
+    for name, v in (("intra_gbps", intra_gbps), ("inter_gbps", inter_gbps)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+            raise ValueError(f"{name}={v!r} must be a positive number of Gbit/s.")
+    nbytes = sum(report.payload(kind) for kind in COLLECTIVES)
+    link, gbps = ("inter-node", inter_gbps) if devices > per_node else ("intra-node", intra_gbps)
+    seconds = nbytes * (devices - 1) / devices / (gbps * 1e9 / 8)
+    return WireTime(nbytes, seconds, link, float(gbps))
+
+
+def stage_quantize(quantize: str | None, stage: int) -> str | None:
+    """The part of ``quantize`` (``"weights"``, ``"grads"``, ``"both"``) that acts at
+    ``stage``: weights at stage 3, gradients at stages 2-3 (``ZeRO`` refuses the rest)."""
+    weights = quantize in ("weights", "both") and stage == 3
+    grads = quantize in ("grads", "both") and stage >= 2
+    return {(True, True): "both", (True, False): "weights", (False, True): "grads"}.get(
+        (weights, grads)
+    )
+
+
+def _zero(
+    shape: ModelShape, mesh, stage: int, per, precision: str, copy, offload, quantize, prefetch
+):
     """The plan's ``ZeRO`` for one case; ``per``: False (whole), ``"layer"`` (the scanned
     stack, ``layers=``) or ``"unit"`` (the Python loop's blocks, ``units=``, with
     ``prefetch``)."""
@@ -171,6 +223,7 @@ def _zero(shape: ModelShape, mesh, stage: int, per, precision: str, copy, offloa
         vocab_parallel="embed" if shape.vocab_parallel and stage == 3 else None,
         offload=offload,
         prefetch=prefetch if per == "unit" else None,
+        quantize=stage_quantize(quantize, stage),
     )
 
 
@@ -196,7 +249,7 @@ def check_loop(shape: ModelShape, stage2: str, stage1: str) -> None:
             )
 
 
-def _check_plan_args(precision, accum, devices, replicas):
+def _check_plan_args(precision, accum, devices, replicas, quantize=None):
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}.")
     for name, v in (("accum", accum), ("devices", devices), ("replicas", replicas)):
@@ -204,6 +257,8 @@ def _check_plan_args(precision, accum, devices, replicas):
             raise ValueError(f"{name}={v!r} must be a positive int.")
     if devices % replicas:
         raise ValueError(f"replicas={replicas} must divide devices={devices}.")
+    if quantize not in (None, "weights", "grads", "both"):
+        raise ValueError(f"quantize={quantize!r} must be None, 'weights', 'grads' or 'both'.")
 
 
 def _unit_cases(cases, per: str, prefetch: str) -> list[tuple[int, bool, bool | None]]:
@@ -267,6 +322,7 @@ def plan(
     compute_copy: bool = True,
     offload: str | None = None,
     prefetch: str = "on",
+    quantize: str | None = None,
 ) -> list[PlanRow]:
     """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
 
@@ -285,7 +341,9 @@ def plan(
     runs stage 3 "per layer" one block at a time, ``ZeRO(units=r"block_\\d+")``, and its rows
     read "3 per unit"; stages 1-2 then reduce the whole gradient. ``prefetch``: that row with
     ``ZeRO(prefetch=True)`` (``"on"``), ``prefetch=False`` (``"off"``) or both rows
-    (``"both"``; :func:`prefetch_advice` then says which to pick).
+    (``"both"``; :func:`prefetch_advice` then says which to pick). ``quantize``
+    (``"weights"``, ``"grads"``, ``"both"``): ZeRO++'s int8 collectives,
+    ``ZeRO(quantize=...)``, where each acts (:func:`stage_quantize`).
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -293,7 +351,7 @@ def plan(
     Raises:
       ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
     """
-    _check_plan_args(precision, accum, devices, replicas)
+    _check_plan_args(precision, accum, devices, replicas, quantize)
     check_loop(shape, stage2, stage1)
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
     cases = plan_cases(_plan_stages(stages, offload), stage3, stage2, stage1)
@@ -309,23 +367,16 @@ def plan(
     for i, (stage, per_layer, pf) in enumerate(cases):
         if on_case is not None:
             label = f"{stage} per {per}" if per_layer else str(stage)
-            on_case(label + (", prefetch=False" if pf is False else ""), i, len(cases))
+            on_case(label + ("" if pf is not False else ", prefetch=False"), i, len(cases))
         copy = compute_copy or stage != 3  # the layout exists at stage 3 only
-        zero = _zero(shape, mesh, stage, per_layer and per, precision, copy, offload, pf)
+        zero = _zero(shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf)
         step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
         report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
+        est = row_estimate(
+            shape, n, stage, per_layer, precision, ema, copy, offload, per, pf is not False
+        )
+        state = report.argument_bytes - batch_bytes
         rows.append(
-            PlanRow(
-                stage=stage,
-                per_layer=per_layer,
-                num_params=shape.num_params,
-                report=report,
-                estimate=row_estimate(
-                    shape, n, stage, per_layer, precision, ema, copy, offload, per, pf is not False
-                ),
-                state_bytes=report.argument_bytes - batch_bytes,
-                per=per,
-                prefetch=pf,
-            )
+            PlanRow(stage, per_layer, shape.num_params, report, est, state, per=per, prefetch=pf)
         )
     return rows

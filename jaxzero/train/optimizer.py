@@ -69,6 +69,13 @@ class ZeRO(ZeROConfig):
         as ``("optimizer", "activations")``: stage 3 with ``layers=`` keeps the layer inputs
         :func:`jaxzero.scan_layers` saves for the backward in host memory, fetched back one
         layer ahead (:mod:`jaxzero.zero.activations`).
+      quantize: None (exact collectives), or ZeRO++'s quantized collectives
+        (:mod:`jaxzero.zero.wire`): ``"weights"`` (qwZ, stage 3: each shard all-gathered as
+        int8 blocks of <= 4096 values with a float32 scale each, dequantized to the compute
+        dtype; the master stays exact), ``"grads"`` (qgZ, stages 2-3: each gradient
+        reduce-scatter an ``all_to_all`` of int8 tiles summed in float32), ``"both"``, or a
+        :class:`jaxzero.Wire` (``Wire.create(weights=8, grads=4)``: int4 gradients).
+        :meth:`quantized_leaves` lists the leaves that stay exact.
 
     Example:
       >>> zero = ZeRO(optax.adamw(3e-4), data_parallel_mesh(), stage=2)

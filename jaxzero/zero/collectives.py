@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.zero.specs import spec_dim
+from jaxzero.zero.wire import Wire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,8 @@ class Comm:
       replica_axes: the batch axes other than ``axis`` (state replicated over them).
       num_batch_shards: the number of batch shards the gradient is averaged over.
       param_dtype, reduce_dtype, output_dtype: the precision policy's dtypes.
+      wire: how the weight gathers and gradient reduce-scatters encode what they move
+        (:class:`~jaxzero.zero.wire.Wire`: exact, or ZeRO++'s blockwise int8/int4).
     """
 
     axis: str
@@ -36,12 +39,15 @@ class Comm:
     param_dtype: Any
     reduce_dtype: Any
     output_dtype: Any
+    wire: Wire = Wire()
 
     @classmethod
-    def create(cls, axis, batch_axes, replica_axes, num_batch_shards, precision) -> Comm:
-        """The Comm of those axes and a :class:`~jaxzero.Precision` policy's dtypes."""
+    def create(cls, axis, batch_axes, replica_axes, num_batch_shards, precision, wire=None) -> Comm:
+        """The Comm of those axes, a :class:`~jaxzero.Precision` policy's dtypes and a
+        :class:`~jaxzero.zero.wire.Wire`."""
         dtypes = (precision.param_dtype, precision.reduce_dtype, precision.output_dtype)
-        return cls(axis, tuple(batch_axes), tuple(replica_axes), num_batch_shards, *dtypes)
+        axes = (axis, tuple(batch_axes), tuple(replica_axes), num_batch_shards)
+        return cls(*axes, *dtypes, Wire() if wire is None else wire)
 
 
 def varying_axes(x) -> tuple[str, ...]:
@@ -59,14 +65,15 @@ def to_varying(x, axes):
 
 def scatter_leaf(comm: Comm, g, d: int | None):
     """The communicating half of :func:`reduce_leaf`: ``g`` in ``reduce_dtype``,
-    reduce-scattered along ``d`` over the data axis (then summed over replica axes), or
-    all-reduced over every batch axis when ``d`` is None. Returns the sum, in ``reduce_dtype``."""
+    reduce-scattered along ``d`` over the data axis (then summed over replica axes), both on
+    ``comm.wire`` (exact, or quantized: :mod:`jaxzero.zero.wire`), or all-reduced exactly over
+    every batch axis when ``d`` is None. Returns the sum, in ``reduce_dtype``."""
     g = g.astype(comm.reduce_dtype)
     if d is None:
         return jax.lax.psum(g, comm.batch_axes)
-    g = jax.lax.psum_scatter(g, comm.axis, scatter_dimension=d, tiled=True)
+    g = comm.wire.reduce_scatter(g, comm.axis, d)
     if comm.replica_axes:
-        g = jax.lax.psum(g, comm.replica_axes)
+        g = comm.wire.all_reduce(g, comm.replica_axes)
     return g
 
 
@@ -112,7 +119,7 @@ def gather_params(comm: Comm, local_params, specs, stacked_mask=None):
         d = spec_dim(spec)
         if d is None:
             return p_local
-        return jax.lax.all_gather(p_local, comm.axis, axis=d, tiled=True)
+        return comm.wire.gather(p_local, comm.axis, d)
 
     return jax.tree.map(gather, _keep(stacked_mask, local_params), local_params, specs)
 

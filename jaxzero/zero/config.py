@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -22,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxzero._tree import subtree_names
 from jaxzero.mesh import check_mesh, warn_unnamed_replica_axes
 from jaxzero.precision import DynamicLossScale, Precision, StaticLossScale, check_loss_scale
-from jaxzero.zero import activations, collectives, layers, offload, units, vocab
+from jaxzero.zero import activations, collectives, layers, offload, units, vocab, wire
 from jaxzero.zero import specs as sh
 from jaxzero.zero.hooks import LossHook
 
@@ -71,6 +72,7 @@ class ZeROConfig:
     offload: str | tuple[str, ...] | None = None
     units: tuple[str, ...] | str | None = None
     prefetch: bool | None = None
+    quantize: Any = None
     offload_activations: bool = False  # set from offload=("activations", ...)
 
     def __post_init__(self):
@@ -90,6 +92,8 @@ class ZeROConfig:
         object.__setattr__(self, "precision", _precision(self.precision, self.stage))
         object.__setattr__(self, "units", units.patterns(self.units, self.stage, self.layers))
         object.__setattr__(self, "prefetch", units.prefetch_option(self.prefetch, self.units))
+        object.__setattr__(self, "quantize", wire.wire(self.quantize))
+        wire.check(self.quantize, self.stage)
         check_loss_scale(self.loss_scale, self.precision)
         state, acts = activations.split(self.offload)
         object.__setattr__(self, "offload", state)
@@ -146,7 +150,12 @@ class ZeROConfig:
     def comm(self) -> collectives.Comm:
         """What the collectives inside ``shard_map`` need to know (axes, sizes, dtypes)."""
         return collectives.Comm.create(
-            self.axis, self.batch_axes, self.replica_axes, self.num_batch_shards, self.precision
+            self.axis,
+            self.batch_axes,
+            self.replica_axes,
+            self.num_batch_shards,
+            self.precision,
+            self.quantize,
         )
 
     # -- the sharding rule (jaxzero.zero.specs) ----------------------------------------------
@@ -185,6 +194,14 @@ class ZeROConfig:
         """``layers`` name params subtrees of arrays with a layer axis; ``units`` match paths."""
         layers.check_layers(params, self.layers, self.stage)
         units.check(params, self.units)
+
+    def quantized_leaves(self, params) -> wire.WireReport:
+        """Which leaves the ``quantize=`` wire encodes, which stay exact (``fell_back``),
+        and the bytes of one gather and one reduction of every leaf, quantized and exact."""
+        item = lambda dtype: np.dtype(dtype).itemsize
+        p = self.precision
+        sizes = (self.num_shards, item(p.param_dtype), item(p.reduce_dtype))
+        return wire.report(self.quantize, params, self.grad_specs(params), *sizes)
 
     # -- inside shard_map (jaxzero.zero.collectives, jaxzero.zero.layers) ---------------------
     def gather_params(self, local_params, specs):

@@ -324,7 +324,7 @@ def gather_shard(comm: Comm, x, d):
     dtype, device-varying over the batch axes."""
     y = x.astype(comm.param_dtype)
     if d is not None:
-        y = jax.lax.all_gather(y, comm.axis, axis=d, tiled=True)
+        y = comm.wire.gather(y, comm.axis, d)
     return to_varying(y, comm.batch_axes)
 
 
