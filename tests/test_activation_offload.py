@@ -26,7 +26,14 @@ def _problem(layers=3, steps=3):
     return stack_problem(layers=layers, steps=steps)
 
 
-@pytest.mark.parametrize("offload,accum", [("activations", 2), (("optimizer", "activations"), 1)])
+@pytest.mark.parametrize(
+    "offload,accum",
+    [
+        ("activations", 2),
+        # slow: with optimizer offload too (activations alone, with micro-batches, stays)
+        pytest.param(("optimizer", "activations"), 1, marks=pytest.mark.slow),
+    ],
+)
 def test_activation_offload_matches_single_device_optax(offload, accum):
     params, loss_fn, batches = _problem()
     ref_params, ref_opt = reference_run(TX(), params, loss_fn, batches)
