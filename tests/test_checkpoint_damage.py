@@ -199,9 +199,14 @@ def test_verify_reads_a_checkpoint_saved_without_checksums(tmp_path):
 
 
 # --------------------------------------------------------------------------------- failed saves
-# slow: the async failure raised by checkpoint.wait (the save's own and the next save's stay)
+# slow: the async failures raised by checkpoint.wait and by the next save (the sync save's stays)
 @pytest.mark.parametrize(
-    "mode", ["sync", pytest.param("async_wait", marks=pytest.mark.slow), "async_next"]
+    "mode",
+    [
+        "sync",
+        pytest.param("async_wait", marks=pytest.mark.slow),
+        pytest.param("async_next", marks=pytest.mark.slow),
+    ],
 )
 def test_failed_save_reaches_the_caller_and_the_previous_step_restores(run, tmp_path, mode):
     directory = tmp_path / "ckpt"

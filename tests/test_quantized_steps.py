@@ -136,8 +136,8 @@ def test_whole_model_within_the_bound_of_single_device_optax(wire, stage):
 @pytest.mark.parametrize(
     "stage,wire",
     [
-        (3, "both"),
-        # slow: stage 2's gradients (stage 3 with both stays)
+        # slow: the hybrid mesh's two hops (the one-hop whole-model and stage-2 bounds stay)
+        pytest.param(3, "both", marks=pytest.mark.slow),
         pytest.param(2, "grads", marks=pytest.mark.slow),
     ],
 )

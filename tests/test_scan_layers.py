@@ -142,6 +142,8 @@ def test_scan_layers_ys_outside_a_step_equal_lax_scan():
         jz.scan_layers(fn, stack, h, with_ys=1)
 
 
+# slow: bf16 with the EMA against the whole-model stage 3 (fp32 against optax stays, above)
+@pytest.mark.slow
 def test_scan_layers_per_layer_equals_whole_model_stage3_bf16_with_ema():
     params, loss_fn, batches = _problem(4)
     ema = jz.ShardedEMA(0.9)

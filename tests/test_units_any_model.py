@@ -85,6 +85,8 @@ def _names(params, patterns) -> dict:
     return dict(zip(paths, units_mod.unit_names(params, patterns), strict=True))
 
 
+# slow: nested units on FlaxT5 (FlaxLlama's units and the nested-unit names stay)
+@pytest.mark.slow
 def test_nested_units_on_hf_t5_match_single_device_optax():
     """Tiny FlaxT5 (encoder-decoder, 2 + 2 blocks) with FSDP2's fully_shard on a sub-module and
     then on its parent: each block's self-attention sub-layer (``layer/0``) is a unit, and the

@@ -55,9 +55,9 @@ def test_python_loop_params_are_one_subtree_per_block(shape):
 @pytest.mark.parametrize(
     "shape,loop",
     [
-        # slow: the GPT's remat loop against the scan (its no-remat loop and the LLaMA stay)
+        # slow: the GPT's remat and no-remat loops against the scan (the LLaMA's stays)
         pytest.param(GPT, "python", id="gpt-python", marks=pytest.mark.slow),
-        pytest.param(GPT, "python_noremat", id="gpt-python_noremat"),
+        pytest.param(GPT, "python_noremat", id="gpt-python_noremat", marks=pytest.mark.slow),
         pytest.param(LLAMA, "python", id="llama-python"),
     ],
 )
