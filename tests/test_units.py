@@ -506,7 +506,8 @@ def test_gpu_plan_runs_an_unscanned_model_unit_by_unit_and_says_which_prefetch(c
     The per-unit row is compiled with prefetch on and off (the CLI's default, --prefetch
     both), and the plan says which to pick: prefetch, which hides more of the all-gather +
     reduce-scatter bytes (>= 50% against < 50%, as the peer test pins), where it fits;
-    prefetch=False where only it fits (the GPU's memory set between the two peaks); neither
+    prefetch=False where only it fits (each report's GPU memory set just under or over its
+    peak); neither
     where neither fits. --prefetch off without a per-unit row changes nothing: refused, as is
     an unknown choice."""
     import dataclasses
@@ -545,12 +546,10 @@ def test_gpu_plan_runs_an_unscanned_model_unit_by_unit_and_says_which_prefetch(c
     peak = lambda r: r.report.argument_bytes + r.report.temp_bytes
     assert peak(on) <= peak(off) + 2 * (2 * unit), (peak(on), peak(off), 2 * unit)
     hbm = lambda r, b: dataclasses.replace(r, report=dataclasses.replace(r.report, hbm_bytes=b))
-    assert on.report.peak_bytes > off.report.peak_bytes
-    between = (on.report.peak_bytes + off.report.peak_bytes) // 2
-    advice = prefetch_advice([hbm(on, between), hbm(off, between)])
+    short, room = lambda r: r.report.peak_bytes - 1, lambda r: r.report.peak_bytes + 1
+    advice = prefetch_advice([hbm(on, short(on)), hbm(off, room(off))])
     assert advice.startswith("pick prefetch=False: only prefetch=False fits"), advice
-    small = off.report.peak_bytes - 1
-    assert prefetch_advice([hbm(on, small), hbm(off, small)]).startswith("neither fits")
+    assert prefetch_advice([hbm(on, short(on)), hbm(off, short(off))]).startswith("neither fits")
     assert prefetch_advice([on]) is None  # one per-unit row: nothing to choose
 
     for bad, message in (
