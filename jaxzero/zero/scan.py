@@ -227,8 +227,9 @@ def _layer_input(saved, inputs, last, i, length):
     """Layer ``i``'s saved input on the device: ``inputs[i]`` (the forward loop's, layers
     0 .. L-2, fetched from where ``saved`` stored them; inside the backward loop the fetch
     depends on the layer index, so it cannot be hoisted to the backward's start) or ``last``
-    (the last layer's, saved apart on the device: no copy of the stack of inputs)."""
-    if length == 1:
+    (the last layer's, saved apart on the device: no copy of the stack of inputs; nothing
+    is fetched for it when ``i`` is known at trace time)."""
+    if length == 1 or (isinstance(i, int) and i == length - 1):
         return last
     pick = lambda xs: jax.lax.dynamic_index_in_dim(xs, jnp.minimum(i, length - 2), 0, False)
     return jax.tree.map(
