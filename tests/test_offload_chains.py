@@ -2,11 +2,9 @@
 ``clip_by_global_norm``, a schedule, Adafactor, LAMB, ``MultiSteps``) at stages 1-3 and at
 stage 3 with ``units=``, against plain single-device optax on the full batch.
 
-Inside ``compute_on("device_host")`` the arrays that a chain creates (zeros, broadcasts) are
-typed device memory while its inputs are host memory; jax refused the mix, so every chain
-that is not elementwise failed with offload ("memory_space of all inputs passed to `add`
-must be the same", "cond branches must have equal output types").
-:mod:`jaxzero.zero.host_types` moves them beside their inputs.
+The streamed update (:mod:`jaxzero.zero.stream`) cuts each chain into a prologue (a global
+norm, a step count, ``MultiSteps``' counters) and parts: elementwise ones stream a chunk at a
+time, the others (Adafactor's factored moments, LAMB's per-leaf norms) are fetched whole.
 """
 
 from __future__ import annotations

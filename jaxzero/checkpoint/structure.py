@@ -268,6 +268,8 @@ def _target(zero: ZeRO, params_or_abstract_state, ema, model_state, rng) -> tupl
     shapes = jax.tree.map(_shape_dtype, params_or_abstract_state)
     target = zero.abstract_state(shapes, ema=ema, model_state=model_state, rng=rng)
     threshold = (
-        0 if ema is None else storage.resolve(ema.bucket_leaves_up_to, zero.mesh, zero.stage)
+        0
+        if ema is None
+        else storage.resolve(ema.bucket_leaves_up_to, zero.mesh, zero.stage, zero.offload)
     )
     return storage.to_per_leaf(target), threshold

@@ -22,7 +22,15 @@ def specs(zero: ZeROConfig, ema_tree):
 def bucket(zero: ZeROConfig, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
     """``ema_state`` in ``ema``'s storage for ``zero``'s mesh and stage (local, no
     communication); the inverse is :func:`jaxzero.unbucket_ema`."""
-    where = (zero.mesh, zero.axis, ema.bucket_leaves_up_to, zero.stage, zero.ema_leaf_specs)
+    if zero.offload and ema.bucket_leaves_up_to not in (None, 0):
+        raise ValueError(
+            f"ShardedEMA(bucket_leaves_up_to={ema.bucket_leaves_up_to!r}) with "
+            f"ZeRO(offload={zero.offload!r}): the offloaded update streams each leaf's EMA "
+            f"beside its master a chunk at a time, and rows would join every leaf they hold "
+            f"into one fetch. Leave bucket_leaves_up_to=None (per leaf with offload)."
+        )
+    limit = storage.resolve(ema.bucket_leaves_up_to, zero.mesh, zero.stage, zero.offload)
+    where = (zero.mesh, zero.axis, limit, zero.stage, zero.ema_leaf_specs)
     return storage.store(ema_state, *where)
 
 

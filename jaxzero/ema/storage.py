@@ -49,16 +49,18 @@ LEAVES_PER_ROW = 88
 ALL = 2**62
 
 
-def resolve(max_elements: int | None, mesh: Mesh, stage: int | None = None) -> int:
+def resolve(max_elements: int | None, mesh: Mesh, stage: int | None = None, offload=None) -> int:
     """The threshold ``ShardedEMA(bucket_leaves_up_to=...)`` means on ``mesh`` at ZeRO
     ``stage``: None (the default) is per-leaf (0) on CPUs, where benchmarks/ema.py measured
     per-leaf big leaves as fast and every storage is tested; on GPUs every float leaf in rows
     (:data:`ALL`: 4 kernels for 350 leaves instead of one per leaf), except at stage 3, where
     XLA fuses each per-leaf EMA update into the optimizer's kernel for that leaf (the compiled
-    step gains no kernel per leaf, and reads each master piece once: tests/test_gpu.py)."""
+    step gains no kernel per leaf, and reads each master piece once: tests/test_gpu.py), and
+    with ``offload``, whose streamed update reads each leaf's EMA beside its master, a chunk
+    at a time (decision 32)."""
     if max_elements is not None:
         return int(max_elements)
-    if mesh_platform(mesh) != "gpu" or stage == 3:
+    if mesh_platform(mesh) != "gpu" or stage == 3 or offload:
         return 0
     return ALL
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from jaxzero._tree import check_same_structure
 from jaxzero.ema import placement as ema_placement
 from jaxzero.ema.ema import ShardedEMA
-from jaxzero.train.state import TrainState, cast, constrain, ema_target
+from jaxzero.train.state import TrainState, cast, constrain, ema_target, state_specs
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig
 
@@ -48,7 +49,7 @@ def _optax_update(zero: ZeROConfig, state: TrainState, master, grads):
         updates, opt_state = zero.tx.update(grads, opt_state, master)
         return optax.apply_updates(master, updates), opt_state
 
-    new_master, opt_state = zero.placement.transform(optax_step)(grads, state.opt_state, master)
+    new_master, opt_state = optax_step(grads, state.opt_state, master)
     pin = lambda t: zero.placement.pin(t, sh.named(zero.mesh, zero.shard_specs(t)))
     return pin(new_master), pin(opt_state)
 
@@ -79,7 +80,12 @@ def _new_ema(zero: ZeROConfig, state: TrainState, ema, new_master, model_state, 
     target = new_master
     if state.model_state is not None:
         target = ema_target(new_master, keep(model_state, state.model_state))
-    new = ema_placement.update_on_shards(zero, ema, state.ema, target, step=step, apply=apply)
+    if zero.offload:
+        # per leaf (decision 32): the streamed update reads each EMA leaf beside its master,
+        # in the same shards, so the plain update under jit is local and needs no shard_map
+        new = ema.update(state.ema, target, step=step, apply=apply)
+    else:
+        new = ema_placement.update_on_shards(zero, ema, state.ema, target, step=step, apply=apply)
     if ema.every == 1 and ema.start_step == 0:
         # The EMA then counts exactly the applied steps: deriving its counter from the step's
         # lets XLA compute both in one scalar kernel (on a GPU the EMA's own select was a
@@ -118,8 +124,14 @@ def apply_gradients(
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
     update = lambda *a: _shard_update(zero, ema, *a)  # unscales where the state lives
+    specs = (
+        state_specs(zero, state).replace(params=None, master=None),
+        zero.shard_specs(master),
+        zero.shard_specs(pinned),
+        jax.tree.map(lambda _: P(), (model_state, apply)),
+    )
     new_master, opt_state, new_ema, compute = zero.placement.run_update(
-        zero, update, state, master, pinned, model_state, apply
+        zero, update, state, master, pinned, model_state, apply, specs=specs
     )
     step = jnp.where(apply, state.step + 1, state.step)
     if zero.stage in (1, 2):

@@ -25,9 +25,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._compat import compute_on_host
 from jaxzero.zero import specs as sh
-from jaxzero.zero.host_types import host_typed
+from jaxzero.zero import stream
 
 OFFLOADS = ("optimizer",)
 HOST = "pinned_host"
@@ -92,14 +91,11 @@ class DeviceMemory:
     # EMA's (sharded) layout backward into a stage-0 update and all-gather it.
     pin = constrain
 
-    def run_update(self, zero, update, state, master, grads, *rest):
+    def run_update(self, zero, update, state, master, grads, *rest, specs):
         """``update(state, master, grads, *rest)`` where the state lives: here (``zero``: the
-        step's ZeRO config, whose ``shard_specs`` place the state)."""
+        step's ZeRO config; ``specs``: the arguments' PartitionSpecs, which only the host
+        placement reads)."""
         return update(state, master, grads, *rest)
-
-    def transform(self, fn):
-        """``fn`` (the optax update) as it runs where the state lives: unchanged here."""
-        return fn
 
     def new_params(self, compute, params, keep):
         """The new compute params: ``compute`` where the step applied, ``params`` where not."""
@@ -121,28 +117,53 @@ class HostMemory(DeviceMemory):
         return jax.device_put(tree, shardings)
 
     def pin(self, tree, shardings):
-        return tree  # computed on the host: the outputs stay in their input shardings
+        return tree  # the streamed update placed each output where it belongs
 
-    def run_update(self, zero, update, state, master, grads, *rest):
-        """``update`` on the devices' hosts: the gradient shards (and the master, when it is
-        the device's params) go to host memory as they are (a per-layer stack's in
-        ``param_dtype``: no ``output_dtype`` copy of them is made on the device), and the new
-        compute shards (``update``'s last output) come back. The compute params stay out:
-        nothing on the device is copied to the host but the gradients."""
-        to_host = lambda t: jax.device_put(t, host_shardings(zero.mesh, zero.shard_specs(t)))
-        grads = to_host(grads)
-        if state.master is None:
-            master = to_host(master)
-        *out, compute = on_host(update)(state.replace(params=None), master, grads, *rest)
-        return (*out, to_device(compute))
+    def run_update(self, zero, update, state, master, grads, *rest, specs):
+        """``update`` streamed through the device (:mod:`jaxzero.zero.stream`): the state is
+        fetched from host memory a chunk at a time and each chunk's result written back into
+        the state's own buffers; the new compute shards (``update``'s last output) stay on
+        the device. ``specs``: the PartitionSpecs of ``(state, master, grads, *rest)``, the
+        state without its params and master (the update reads ``master``)."""
+        args = (state.replace(params=None, master=None), master, grads, *rest)
+        mark = lambda t, on: jax.tree.map(lambda _: on, t)
+        in_host = mark(args[0], False).replace(
+            opt_state=mark(state.opt_state, True),
+            ema=mark(state.ema, True),
+        )
+        flags = (in_host, mark(master, state.master is not None), mark((grads, *rest), False))
+        # each new state leaf replaces its own (donated) input leaf
+        index = jax.tree.unflatten(jax.tree.structure(args), range(len(jax.tree.leaves(args))))
+        olds = jax.tree.leaves((index[0].opt_state, index[0].ema))
+        m = len(jax.tree.leaves(master))
+        if state.master is not None:  # the update reads the master as its own argument
+            olds = jax.tree.leaves(index[1]) + olds
+        first = 0 if state.master is not None else m  # the new master replaces the old one
+        alias = {first + o: i for o, i in enumerate(olds)}
+        if zero.stage == 3 and state.master is not None:
+            # the new bf16 shards are written into the old ones (no longer read: the loss
+            # has run), so the device never holds two copies of the params
+            args = (*args, state.params)
+            start = len(jax.tree.leaves(args)) - m
+            tail = len(olds) + first  # the compute outputs follow the state's
+            alias.update({tail + o: start + o for o in range(m)})
+            fn = lambda *a: update(*a[:-1])
+            specs = (specs, zero.param_specs(state.params))
+            flags = (*flags, mark(state.params, False))
+        else:
+            fn = update
+        return stream.run(
+            fn,
+            args,
+            mesh=zero.mesh,
+            specs=jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
+            host=jax.tree.leaves(flags),
+            alias=alias,
+            device_outputs=m,
+        )
 
     def new_params(self, compute, params, keep):
         return compute  # already the kept master's cast: the device params are not read
-
-    def transform(self, fn):
-        """``fn`` with the arrays it creates in host memory beside its inputs, so that any
-        optax chain runs on the host (:mod:`jaxzero.zero.host_types`)."""
-        return host_typed(fn)
 
 
 def memory_kinds(mesh: Mesh) -> tuple[str, ...]:
@@ -191,11 +212,6 @@ def host_shardings(mesh: Mesh, specs):
 def to_device(tree):
     """``tree`` moved (inside jit) to device memory, in the same shardings."""
     return jax.device_put(tree, jax.memory.Space.Device)
-
-
-def on_host(fn):
-    """``fn`` jitted to run on the devices' hosts (``compute_on("device_host")``)."""
-    return compute_on_host(jax.jit(fn))
 
 
 def offloaded_bytes(state) -> int:

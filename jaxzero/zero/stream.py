@@ -1,0 +1,211 @@
+"""Optimizer offload's update, streamed through the device (decision 32): the state stays in
+pinned host memory, and the update fetches it a chunk at a time, computes on the device and
+writes each chunk back into the state's own (donated) buffers.
+
+The update is traced once and cut into parts (:mod:`jaxzero.zero.stream_parts`). The
+prologue (small values several parts read: a global norm, a step count) and the parts that
+are not elementwise (Adafactor's factored moments, LAMB's per-leaf norms) run whole, on the
+device, under jit's sharding. An elementwise part (Adam's, the EMA's, the casts) runs in a
+``shard_map`` on each device's shards: a ``fori_loop`` over chunks of the shards' first
+dimension, each chunk fetched to the device and written back in place with
+``dynamic_update_slice``. An ``optimization_barrier`` chain runs the parts one after another,
+so the device never holds more than one part's chunk (or one whole non-elementwise part).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal, Var
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxzero._compat import bind_params
+from jaxzero.zero import stream_parts
+
+DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
+
+#: elements of a device's shards that one iteration of an elementwise part fetches (per leaf)
+CHUNK = 1 << 22
+
+
+def rows_per_chunk(rows: int, row_elements: int, chunk: int) -> int:
+    """The most rows, dividing ``rows``, whose elements fit ``chunk`` (at least one row)."""
+    fit = max(1, chunk // max(1, row_elements))
+    return max(d for d in range(1, min(rows, fit) + 1) if rows % d == 0)
+
+
+def _bind(eqn, invals, shape=None):
+    params = bind_params(eqn)
+    if shape is not None and eqn.primitive.name == "broadcast_in_dim":
+        params = {**params, "shape": shape}
+        params.pop("sharding", None)
+    out = eqn.primitive.bind(*invals, **params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _run_eqns(jaxpr, eqns, env, shape=None):
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    for i in eqns:
+        eqn = jaxpr.eqns[i]
+        big = shape is not None and any(stream_parts.big(v) for v in eqn.outvars)
+        outs = _bind(eqn, [read(v) for v in eqn.invars], shape if big else None)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return env
+
+
+class _Run:
+    """One streamed evaluation: the values known so far and where each lives."""
+
+    def __init__(self, plan, mesh, specs, host, to_device, alias):
+        self.plan, self.mesh = plan, mesh
+        jaxpr = plan.jaxpr.jaxpr
+        self.spec = dict(zip(jaxpr.invars, specs, strict=True))
+        self.host = {v for v, h in zip(jaxpr.invars, host, strict=True) if h}
+        self.to_device = to_device  # jaxpr outvars that end on the device
+        self.alias = alias  # output -> the host input whose buffer it replaces
+        self.protected = {v for v in jaxpr.outvars if v in set(jaxpr.invars)}
+        self.chain = None
+        self.written = set()  # outputs already written to host memory
+
+    def chained(self, vals):
+        if self.chain is not None:
+            vals, _ = jax.lax.optimization_barrier((vals, self.chain))
+        return vals
+
+    def fetched(self, v, x):
+        """``x``, the value of ``v``, in device memory."""
+        return jax.device_put(x, DEVICE) if v in self.host else x
+
+    def whole(self, env, part):
+        """``part`` under jit's sharding, its host inputs fetched whole."""
+        vals = self.chained([env[v] for v in part.inputs])
+        vals = [self.fetched(v, x) for v, x in zip(part.inputs, vals, strict=True)]
+        local = dict(zip(part.inputs, vals, strict=True))
+        local.update(zip(self.plan.jaxpr.jaxpr.constvars, self.plan.jaxpr.consts, strict=True))
+        local = _run_eqns(self.plan.jaxpr.jaxpr, part.eqns, local)
+        outs = [local[v] for v in part.outputs]
+        self.chain = outs
+        return dict(zip(part.outputs, outs, strict=True))
+
+    def streamable(self, part) -> P | None:
+        """The one spec of ``part``'s large inputs when it can run in chunks, else None."""
+        if not part.elementwise or not all(stream_parts.big(v) for v in part.outputs):
+            return None
+        specs = {self.spec.get(v) for v in part.inputs if stream_parts.big(v)}
+        if len(specs) != 1 or None in specs:
+            return None
+        spec = next(iter(specs))
+        return spec if chunk_dim(spec, part.outputs[0].aval.shape) is not None else None
+
+    def chunked(self, env, part, spec, chunk):
+        """``part`` in a loop over chunks of an unsplit dimension, under jit's sharding: each
+        chunk of its host inputs fetched, computed, and its host outputs written back in
+        place (into the input of the same dtype that nothing reads afterwards)."""
+        jaxpr = self.plan.jaxpr.jaxpr
+        big = [v for v in part.inputs if stream_parts.big(v)]
+        small = [v for v in part.inputs if not stream_parts.big(v)]
+        shape = part.outputs[0].aval.shape
+        local = NamedSharding(self.mesh, spec).shard_shape(shape)
+        k = chunk_dim(spec, shape)
+        c = rows_per_chunk(shape[k], math.prod(local) // shape[k], chunk)
+        chunk_shape = shape[:k] + (c,) + shape[k + 1 :]
+        into = []
+        for v in part.outputs:
+            u = self.alias.get(v)
+            if v in self.to_device:  # an input the update does not read, as v is typed
+                ok = u is not None and u not in big and u not in self.host
+                ok = ok and (u.aval.shape, u.aval.dtype) == (v.aval.shape, v.aval.dtype)
+            else:
+                ok = u in big and u in self.host and u not in self.protected
+            into.append(u if ok and u not in into else None)
+        big_vals, small_vals = self.chained(([env[v] for v in big], [env[v] for v in small]))
+        small_vals = [self.fetched(v, x) for v, x in zip(small, small_vals, strict=True)]
+
+        def body(j, carry):
+            start = j * c
+            envl = dict(zip(small, small_vals, strict=True))
+            for v, x in zip(big, big_vals, strict=True):
+                src = carry[into.index(v)] if v in into else x
+                s = jax.lax.dynamic_slice_in_dim(src, start, c, k, allow_negative_indices=False)
+                envl[v] = jax.device_put(s, DEVICE) if v in self.host else s
+            _run_eqns(jaxpr, part.eqns, envl, chunk_shape)
+            new = []
+            for acc, v in zip(carry, part.outputs, strict=True):
+                y = envl[v] if v in self.to_device else jax.device_put(envl[v], HOST)
+                new.append(
+                    jax.lax.dynamic_update_slice_in_dim(
+                        acc, y, start, k, allow_negative_indices=False
+                    )
+                )
+            return tuple(new)
+
+        init = []
+        for u, v in zip(into, part.outputs, strict=True):
+            if u is not None:
+                init.append(big_vals[big.index(u)] if u in big else env[u])
+                continue
+            z = jnp.zeros(shape, v.aval.dtype)
+            init.append(z if v in self.to_device else jax.device_put(z, HOST))
+        outs = list(jax.lax.fori_loop(0, shape[k] // c, body, tuple(init)))
+        self.written.update(v for v in part.outputs if v not in self.to_device)
+        self.chain = outs
+        return dict(zip(part.outputs, outs, strict=True))
+
+
+def chunk_dim(spec: P, shape) -> int | None:
+    """The first dimension of ``shape`` that ``spec`` leaves unsplit and that has more than
+    one row (None when there is none)."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return next((d for d, e in enumerate(entries) if e is None and shape[d] > 1), None)
+
+
+def run(fn, args, *, mesh, specs, host, device_outputs: int, alias, chunk: int | None = None):
+    """``fn(*args)`` computed on the device, streamed from and into host memory.
+
+    Args:
+      fn: a function of pytrees of arrays (traced once, as on the device).
+      args: its arguments; ``specs`` and ``host`` give, per flat leaf, its PartitionSpec and
+        whether it lives in host memory (the state, which ``fn``'s outputs replace).
+      device_outputs: how many of the last flat outputs stay on the device; the others are
+        written to host memory.
+      alias: ``{flat output index: flat input index}``, the state leaf each host output
+        replaces; it is written chunk by chunk into that leaf's (donated) buffer.
+      chunk: elements per device that one loop iteration fetches of each leaf (default
+        :data:`CHUNK`).
+
+    Returns:
+      ``fn(*args)``'s outputs, each where ``device_outputs`` puts it.
+    """
+    chunk = CHUNK if chunk is None else chunk
+    flat = jax.tree.leaves(args)
+    avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat)
+    closed, out_tree = stream_parts.flat_jaxpr(
+        lambda *xs: fn(*jax.tree.unflatten(jax.tree.structure(args), xs)), avals
+    )
+    plan = stream_parts.plan(closed)
+    jaxpr = closed.jaxpr
+    n_out = len(jaxpr.outvars)
+    dev = {v for v in jaxpr.outvars[n_out - device_outputs :] if isinstance(v, Var)}
+    pairs = {}
+    for o, i in sorted(alias.items()):
+        v = jaxpr.outvars[o]
+        if isinstance(v, Var) and v not in pairs:
+            pairs[v] = jaxpr.invars[i]
+    r = _Run(plan, mesh, specs, host, dev, pairs)
+    env = dict(zip(jaxpr.invars, flat, strict=True))
+    env.update(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(r.whole(env, plan.prologue))
+    for part in plan.parts:
+        spec = r.streamable(part)
+        env.update(r.whole(env, part) if spec is None else r.chunked(env, part, spec, chunk))
+    outs = []
+    for i, v in enumerate(jaxpr.outvars):
+        x = jnp.asarray(v.val) if isinstance(v, Literal) else env[v]
+        on_host = isinstance(v, Var) and (v in r.host or v in r.written)
+        if (i >= n_out - device_outputs) == on_host:
+            x = jax.device_put(x, DEVICE if on_host else HOST)
+        outs.append(x)
+    return jax.tree.unflatten(out_tree, outs)
