@@ -13,7 +13,7 @@ import dataclasses
 import re
 
 from jaxzero.memory import collective_ops
-from jaxzero.memory.hlo import INSTR_RE, OPCODE_RE, replica_group_size
+from jaxzero.memory.hlo import INSTR_RE, OPCODE_RE, replica_group_size, replica_groups
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -254,3 +254,17 @@ def collectives_per_step(hlo: str, group_size: int) -> tuple[CollectiveTotal, ..
             entry[1] += mult.get(op.computation, 1)
             entry[2] += nbytes
     return tuple(CollectiveTotal(kd, dt, *v) for (kd, dt), v in sorted(acc.items()))
+
+
+def cross_node_bytes(hlo: str, node: int, group_size: int) -> int:
+    """Payload bytes per device per step (as :func:`collectives_per_step` counts them) of the
+    collectives whose replica groups span more than one node, a node being ``node``
+    consecutive device ids (DeepSpeed's count: a collective over devices of several nodes
+    moves its bytes across them; one within each node moves none). A collective whose
+    groups the text does not list (all devices, or an unreadable form) counts as spanning."""
+    total = 0
+    for op, payload in collective_payloads(hlo, group_size):
+        groups = replica_groups(op.replica_groups)
+        within = bool(groups) and all(len({i // node for i in g}) == 1 for g in groups)
+        total += 0 if within else sum(payload.values())
+    return total

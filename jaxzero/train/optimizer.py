@@ -76,6 +76,11 @@ class ZeRO(ZeROConfig):
         reduce-scatter an ``all_to_all`` of int8 tiles summed in float32), ``"both"``, or a
         :class:`jaxzero.Wire` (``Wire.create(weights=8, grads=4)``: int4 gradients).
         :meth:`quantized_leaves` lists the leaves that stay exact.
+      hpz_partition_size: None or 1 (off), or G, the devices per node (DeepSpeed ZeRO++'s
+        hpZ, ``zero_hpz_partition_size``): stage 3 with ``layers=`` and
+        :func:`jaxzero.scan_layers` only. Each layer's forward keeps its 1/G slice of the
+        gathered compute weights and the backward gathers the layer within the node of G
+        consecutive data-axis devices (``Wire(hpz=G)``, :mod:`jaxzero.zero.wire`).
 
     Example:
       >>> zero = ZeRO(optax.adamw(3e-4), data_parallel_mesh(), stage=2)

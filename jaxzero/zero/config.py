@@ -73,6 +73,7 @@ class ZeROConfig:
     units: tuple[str, ...] | str | None = None
     prefetch: bool | None = None
     quantize: Any = None
+    hpz_partition_size: int | None = None
     offload_activations: bool = False  # set from offload=("activations", ...)
 
     def __post_init__(self):
@@ -92,8 +93,10 @@ class ZeROConfig:
         object.__setattr__(self, "precision", _precision(self.precision, self.stage))
         object.__setattr__(self, "units", units.patterns(self.units, self.stage, self.layers))
         object.__setattr__(self, "prefetch", units.prefetch_option(self.prefetch, self.units))
-        object.__setattr__(self, "quantize", wire.wire(self.quantize))
+        object.__setattr__(self, "quantize", wire.wire(self.quantize, self.hpz_partition_size))
+        object.__setattr__(self, "hpz_partition_size", self.quantize.hpz)
         wire.check(self.quantize, self.stage)
+        wire.check_hpz(self.quantize, self.stage, self.num_shards, self.layers, self.units)
         check_loss_scale(self.loss_scale, self.precision)
         state, acts = activations.split(self.offload)
         object.__setattr__(self, "offload", state)

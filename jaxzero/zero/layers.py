@@ -86,6 +86,13 @@ _NO_SCAN_TO_OFFLOAD = (
     "'activations' from offload=."
 )
 
+_NO_SCAN_FOR_HPZ = (
+    "ZeRO(hpz_partition_size={}, layers={}) keeps each layer's gathered weights within the "
+    "node for the backward's gather in jaxzero.scan_layers' loop, and this model never ran "
+    "its stack with jaxzero.scan_layers (an nn.remat of gather_layer gathers again from the "
+    "shards). Run the stack with jaxzero.scan_layers, or drop hpz_partition_size."
+)
+
 
 @dataclasses.dataclass
 class LayerPlan(LossHook):
@@ -133,6 +140,8 @@ class LayerPlan(LossHook):
     def finish(self):
         if self.gather and not self.calls:
             raise ValueError(_NO_LAYER_GATHER.format(self.layers))
+        if self.gather and self.comm.wire.hpz and not self.scans:
+            raise ValueError(_NO_SCAN_FOR_HPZ.format(self.comm.wire.hpz, self.layers))
         if self.activations.on_host and not self.scans:
             raise ValueError(_NO_SCAN_TO_OFFLOAD.format(self.layers))
         if not (self.gather or self.invariant or self.calls):
@@ -319,12 +328,14 @@ def _with_backward(forward, backward, x):
     return fn(x)
 
 
-def gather_shard(comm: Comm, x, d):
+def gather_shard(comm: Comm, x, d, kept: bool = False):
     """One layer leaf's shard ``x`` all-gathered along ``d`` (unless None) in the compute
-    dtype, device-varying over the batch axes."""
+    dtype, device-varying over the batch axes; with ``kept``, ``x`` is the slice a forward
+    kept for the backward (hpZ), gathered within the node
+    (:meth:`~jaxzero.zero.wire.Wire.regather`)."""
     y = x.astype(comm.param_dtype)
     if d is not None:
-        y = comm.wire.gather(y, comm.axis, d)
+        y = comm.wire.regather(y, comm.axis, d, kept)
     return to_varying(y, comm.batch_axes)
 
 

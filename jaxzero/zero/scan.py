@@ -146,16 +146,22 @@ def scan_layers(fn: Callable, stack, carry, xs=None, *, with_ys: bool = False):
     leaves, treedef = jax.tree.flatten(stack)
     dims = [plan.lookup(p, x[0]) for p, x in jax.tree_util.tree_flatten_with_path(stack)[0]]
 
-    def gather(ls, i, after=None):
-        """Layer ``i`` whole; not before ``after`` exists (an optimization barrier: else XLA
-        hoists the backward's gathers to the start of the step, where they are exposed and
-        held through the forward)."""
+    def gather(ls, i, after=None, kept=None):
+        """Layer ``i`` whole, from its shards ``ls`` or (the backward, hpZ) from the slices
+        the forward ``kept`` (:meth:`~jaxzero.zero.wire.Wire.keep`); not before ``after``
+        exists (an optimization barrier: else XLA hoists the backward's gathers to the start
+        of the step, where they are exposed and held through the forward)."""
         # Cast before the barrier: the slice and the cast are then one kernel.
         shards = [x.astype(plan.comm.param_dtype) for x in _at(ls, i)]
+        parts = [None] * len(shards) if kept is None else kept(i)
+        src = [x if p is None else p for x, p in zip(shards, parts, strict=True)]
         if after is not None:
-            shards, _ = jax.lax.optimization_barrier((shards, after))
+            src, _ = jax.lax.optimization_barrier((src, after))
         return treedef.unflatten(
-            [gather_shard(plan.comm, x, d) for x, d in zip(shards, dims, strict=True)]
+            [
+                gather_shard(plan.comm, x, d, kept=p is not None)
+                for x, p, d in zip(src, parts, dims, strict=True)
+            ]
         )
 
     closed, consts = jax.closure_convert(layer_fn, gather(leaves, 0), carry, _at(xs, 0))
@@ -183,27 +189,36 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
     ``fn(w, carry, x, *consts)``."""
     comm, saved = plan.comm, plan.activations
 
+    def keep(w):  # hpZ: each leaf's within-node slice, for the backward's gather (or None)
+        flat = jax.tree.leaves(w)
+        return [comm.wire.keep(x, comm.axis, d) for x, d in zip(flat, dims, strict=True)]
+
     def forward(leaves, carry, xs, consts):
         def body(state, i):
-            c, w = state
+            c, w, kept = state
             nxt = gather(leaves, i + 1, c)  # in flight while layer i computes
             out, y = fn(w, c, _at(xs, i), *consts)
-            return (out, nxt), (saved.store(c), y)
+            return (out, nxt, _put(kept, keep(w), i)), (saved.store(c), y)
 
-        first = (carry, gather(leaves, 0))
-        (c, w), (inputs, ys) = jax.lax.scan(body, first, jnp.arange(length - 1))
+        w = gather(leaves, 0)
+        first = (carry, w, _buffer(keep(w), length))
+        (c, w, kept), (inputs, ys) = jax.lax.scan(body, first, jnp.arange(length - 1))
         out, y = fn(w, c, _at(xs, length - 1), *consts)
         ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y)
-        return (out, ys), (leaves, inputs, c, xs, consts)
+        kept = _put(kept, keep(w), length - 1)
+        return (out, ys), (leaves, kept, inputs, c, xs, consts)
 
     def backward(res, cts):
-        leaves, inputs, c_last, xs, consts = res
+        leaves, kept, inputs, c_last, xs, consts = res
+        stack, kept = kept, None  # hpZ: the gathers below read the slices the forward kept
+        if any(k is not None for k in stack):
+            kept = lambda i: _at(stack, i)
         ct, ct_ys = cts
 
         def body(state, i):
             ct, w, c, dconsts = state
             prev = jnp.maximum(i - 1, 0)
-            nxt = gather(leaves, prev, (ct, w))  # in flight under layer i
+            nxt = gather(leaves, prev, (ct, w), kept)  # in flight under layer i
             c_prev = _layer_input(saved, inputs, c_last, prev, length)  # fetched under layer i
             x = _at(xs, i)
             _, pull = jax.vjp(lambda w, c, *k: fn(w, c, x, *k), w, c, *consts)
@@ -213,7 +228,7 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
 
         dk = [_zeros(k) for k in consts]
         c = _layer_input(saved, inputs, c_last, length - 1, length)
-        state = (ct, gather(leaves, length - 1, ct), c, dk)
+        state = (ct, gather(leaves, length - 1, ct, kept), c, dk)
         (ct, _, _, dk), grads = jax.lax.scan(body, state, jnp.arange(length), reverse=True)
         no_grad = jax.tree.map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), xs)
         return grads, ct, no_grad, dk
@@ -234,6 +249,21 @@ def _layer_input(saved, inputs, last, i, length):
     pick = lambda xs: jax.lax.dynamic_index_in_dim(xs, jnp.minimum(i, length - 2), 0, False)
     return jax.tree.map(
         lambda xs, x: jnp.where(i == length - 1, x, saved.fetch(pick(xs))), inputs, last
+    )
+
+
+def _buffer(slices, length):
+    """Zeros for ``length`` layers of each of ``slices`` (None stays None), written in place
+    layer by layer (:func:`_put`): no concatenation, no second copy at the forward's end."""
+    return jax.tree.map(
+        lambda x: to_varying(jnp.zeros((length,) + x.shape, x.dtype), varying_axes(x)), slices
+    )
+
+
+def _put(buffer, slices, i):
+    """``buffer`` with layer ``i``'s ``slices`` written in."""
+    return jax.tree.map(
+        lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x, i, 0), buffer, slices
     )
 
 

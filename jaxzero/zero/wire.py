@@ -117,9 +117,25 @@ class Wire:
 
     weights: Exact | Blockwise = Exact()
     grads: Exact | Blockwise = Exact()
+    hpz: int | None = None
+
+    def __post_init__(self):
+        g = self.hpz
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 2):
+            raise ValueError(
+                f"Wire(hpz={g!r}): hpz is the number of devices per node that hold the "
+                f"secondary bf16 copy (DeepSpeed's zero_hpz_partition_size); use an int >= 2, "
+                f"or None (1) for no secondary copy."
+            )
 
     @classmethod
-    def create(cls, weights: int | None = None, grads: int | None = None, max_block=MAX_BLOCK):
+    def create(
+        cls,
+        weights: int | None = None,
+        grads: int | None = None,
+        max_block=MAX_BLOCK,
+        hpz: int | None = None,
+    ):
         for name, bits, allowed in (("weights", weights, (8,)), ("grads", grads, BITS)):
             if bits is not None and bits not in allowed:
                 raise ValueError(
@@ -128,10 +144,31 @@ class Wire:
                     f"{' or '.join(map(str, allowed))}, or None for the exact collective."
                 )
         codec = lambda bits: Exact() if bits is None else Blockwise(bits, max_block)
-        return cls(codec(weights), codec(grads))
+        return cls(codec(weights), codec(grads), None if hpz == 1 else hpz)
 
     def gather(self, x, axis: str, d: int):
         return self.weights.gather(x, axis, d)
+
+    def keep(self, full, axis: str, d: int | None):
+        """What a layer's forward keeps of its gathered leaf ``full`` for the backward's
+        gather (hpZ): this device's 1/G slice along ``d`` of its node's G slices (device
+        ``j`` keeps slice ``j mod G``); None without ``hpz`` or for a replicated leaf (the
+        backward re-gathers the primary shard)."""
+        if self.hpz is None or d is None:
+            return None
+        size = full.shape[d] // self.hpz
+        start = jax.lax.axis_index(axis) % self.hpz * size
+        return jax.lax.dynamic_slice_in_dim(full, start, size, axis=d)
+
+    def regather(self, x, axis: str, d: int, kept: bool = False):
+        """A layer leaf gathered along ``d``: ``x`` the primary shard, on the weights codec
+        over all N; or, ``kept``, :meth:`keep`'s slice all-gathered within each node
+        (replica groups of G consecutive devices along ``axis``), exact in its dtype."""
+        if not kept:
+            return self.gather(x, axis, d)
+        n = jax.lax.axis_size(axis)
+        nodes = [list(range(k, k + self.hpz)) for k in range(0, n, self.hpz)]
+        return jax.lax.all_gather(x, axis, axis=d, tiled=True, axis_index_groups=nodes)
 
     def reduce_scatter(self, g, axis: str, d: int):
         return self.grads.reduce_scatter(g, axis, d)
@@ -140,13 +177,24 @@ class Wire:
         return self.grads.all_reduce(g, axes)
 
 
-def wire(quantize) -> Wire:
-    """The :class:`Wire` of ``ZeRO(quantize=...)``: None (exact), ``"weights"`` (int8
-    gathers), ``"grads"`` (int8 reduce-scatters), ``"both"``, or a :class:`Wire`."""
+def wire(quantize, hpz: int | None = None) -> Wire:
+    """The :class:`Wire` of ``ZeRO(quantize=..., hpz_partition_size=...)``: ``quantize`` None
+    (exact), ``"weights"`` (int8 gathers), ``"grads"`` (int8 reduce-scatters), ``"both"``,
+    or a :class:`Wire`; ``hpz`` (None or 1: off) sets its :attr:`Wire.hpz`."""
+    hpz = None if hpz == 1 else hpz
+    if isinstance(quantize, Wire):
+        if hpz is not None and quantize.hpz not in (None, hpz):
+            raise ValueError(
+                f"ZeRO(hpz_partition_size={hpz}) and quantize=Wire(hpz={quantize.hpz}) "
+                f"disagree; set the node size in one place."
+            )
+        return quantize if hpz is None else dataclasses.replace(quantize, hpz=hpz)
+    return dataclasses.replace(_codecs(quantize), hpz=hpz)
+
+
+def _codecs(quantize) -> Wire:
     if quantize is None:
         return Wire()
-    if isinstance(quantize, Wire):
-        return quantize
     if quantize not in QUANTIZE:
         raise ValueError(
             f"quantize={quantize!r} is not a quantized-collective option; use None (exact), "
@@ -182,6 +230,29 @@ def check(wire: Wire, stage: int) -> Wire:
             f"all-reduces whole gradients; use stage=2 or 3, or quantize='weights' at stage 3."
         )
     return wire
+
+
+def check_hpz(wire: Wire, stage: int, n: int, layers, units) -> None:
+    """A ValueError naming the fix where ``wire.hpz`` (G devices per node) would not act:
+    only per-layer stage 3 (``layers=`` with :func:`jaxzero.scan_layers`) gathers a layer
+    again in the backward; G must divide the data axis size N and be smaller than it."""
+    g = wire.hpz
+    if g is None:
+        return
+    if stage != 3 or not layers or units:
+        where = f"stage {stage}" if stage != 3 else "units=" if units else "without layers="
+        raise ValueError(
+            f"ZeRO(hpz_partition_size={g}) keeps a secondary copy of each layer's gathered "
+            f"weights for the backward's gather within a node, but at {where} nothing is "
+            f"gathered again in the backward from jaxzero.scan_layers' loop; use stage=3 "
+            f"with layers= and jaxzero.scan_layers, or drop hpz_partition_size."
+        )
+    if n % g or g >= n:
+        raise ValueError(
+            f"ZeRO(hpz_partition_size={g}): the data axis has N={n} devices, which G={g} "
+            f"{'does not divide' if n % g else 'does not split into nodes'}; use a G < N "
+            f"that divides N (the devices per node, e.g. 8 on 8-GPU nodes)."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
