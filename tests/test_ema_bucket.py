@@ -534,7 +534,11 @@ def _stack_problem():
     return params, loss_fn, batches
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# slow: stages 1 and 2 (stage 3 stays: per-layer stage 3 splits the stacks on their first
+# divisible non-layer dimension, the cut that scrambled the rows)
+@pytest.mark.parametrize(
+    "stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
+)
 def test_bucketed_ema_of_layer_stacks_matches_numpy_on_the_single_device_trajectory(stage):
     """The rows hold the master's own local pieces, cut by the ZeRO's sharding rule (layer
     stacks kept whole along the layer axis; split on their first divisible dimension at
