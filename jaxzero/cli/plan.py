@@ -33,6 +33,8 @@ examples:
       --stage 3 --loop python --no-compute-copy
   jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
       --batch 1 --gpu h100 --devices 8 --stage 3 --stage3 per-layer --offload optimizer
+  jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
+      --devices 64 --stage 3 --stage3 per-layer --quantize both --hpz 8 --network-gbps 900 400
 """
 
 
