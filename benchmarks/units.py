@@ -8,6 +8,7 @@ Adam, 1 x 512 tokens per device.
     python benchmarks/units.py --quick            # 4 blocks x 256, 128 tokens, N = 8
     python benchmarks/units.py --devices 8        # one cluster size
     python benchmarks/units.py --out benchmarks/results/units.md
+    python benchmarks/units.py --quantize --out benchmarks/results/units-quantized.md
 
 The models are :mod:`jaxzero.gpu.models`' GPT decoder with ``loop="python"`` (``nn.remat`` per
 block, params ``block_0`` ... ``block_{L-1}``) and its NNX twin :func:`nnx_model` (params
@@ -27,6 +28,12 @@ benchmarks/overlap.py's :func:`peer_row`: fp32 params and Adam state sharded by
 ``NamedSharding`` on the same dimension rule as jaxzero, bf16 compute, plain ``optax`` under
 ``jax.jit``. The units column needs ``jz.ZeRO(units=)``; without it the column reads
 "n/a (units= not available)".
+
+``--quantize`` writes only the per-unit stage 3 row with ZeRO++'s int8 collectives
+(``quantize="weights"``: qwZ, ``quantize="both"``: qwZ + qgZ) next to the exact per-unit row
+and the peer, for the first model (GPT 12 x 1024; N = 8 by default): their bytes count the
+all-to-alls that replace the reduce-scatters, and the hidden share and its ceiling are over
+all-gather, reduce-scatter and all-to-all bytes.
 """
 
 from __future__ import annotations
@@ -53,7 +60,13 @@ from overlap import jaxzero_row, peer_row  # noqa: E402
 
 import jaxzero as jz  # noqa: E402
 from jaxzero import gpu  # noqa: E402
-from jaxzero.gpu.models import abstract_params, make_loss, model_shape, nnx_model  # noqa: E402
+from jaxzero.gpu.models import (  # noqa: E402
+    abstract_params,
+    batch_shapes,
+    make_loss,
+    model_shape,
+    nnx_model,
+)
 from jaxzero.gpu.plan import unit_bound  # noqa: E402
 
 DEVICES = (8, 64)
@@ -159,6 +172,8 @@ VARIANTS = (
         lambda m, mesh, o: _units_row(m, mesh, o, _no_copy(), prefetch=False),
     ),
 )
+WIRES = (None, "weights", "both")  # --quantize: the per-unit row exact, qwZ, qwZ + qgZ
+WIRE_KINDS = ("all-gather", "reduce-scatter", "all-to-all")
 PEER = "GSPMD-FSDP peer"
 UNITS = "jaxzero stage 3 units"
 NO_COPY = "compute_copy=False"
@@ -250,6 +265,58 @@ def header(argv: list[str], flags: str, devices) -> list[str]:
     ]
 
 
+def wire_row(m: Model, mesh, options, quantize) -> dict:
+    """The per-unit stage 3 row (bf16, prefetch) with ``ZeRO(quantize=quantize)``: peak,
+    all-gather + reduce-scatter + all-to-all bytes, their hidden share and ceiling, kernels."""
+    params, loss_fn = m.build()
+    zero = jz.ZeRO(
+        optax.adam(1e-4), mesh, stage=3, precision="bf16", units=m.units, quantize=quantize
+    )
+    step = jz.make_train_step(loss_fn, zero)
+    n = mesh.shape["data"]
+    rep = gpu.compile_report(step, params, batch_shapes(m.shape, n), compiler_options=options)
+    return {
+        "args_temp": rep.argument_bytes + rep.temp_bytes,
+        "bytes": sum(rep.payload(k) for k in WIRE_KINDS),
+        "hidden": rep.hidden_share(*WIRE_KINDS),
+        "max": rep.hideable_share(*WIRE_KINDS),
+        "kernels": rep.kernels_per_step,
+    }
+
+
+def quantized_table(model: Model, n: int, mesh, options) -> list[str]:
+    """``--quantize``: the peer, then the per-unit row exact, with qwZ and with qwZ + qgZ."""
+    peer = peer_row(model.shape, mesh, True, options, model=model.build())
+    rows = {
+        PEER: {
+            "args_temp": peer["args_temp"],
+            "bytes": peer["ag_rs_bytes"],
+            "hidden": peer["ag_rs_hidden"],
+            "max": peer["ag_rs_max"],
+            "kernels": peer["kernels"],
+        }
+    }
+    for q in WIRES:
+        label = UNITS + ("" if q is None else f', quantize="{q}"')
+        rows[label] = f = wire_row(model, mesh, options, q)
+        print(f"  {model.label} | {label}: {_mb(f['args_temp'])}", file=sys.stderr, flush=True)
+    exact = rows[UNITS]["bytes"]
+    lines = [
+        f"## {model.label}, N = {n}: {model.num_params:,} params, units=`{model.units}`",
+        "",
+        "| variant | peak (args + temp) | / peer | AG+RS+A2A bytes | / exact units | hidden "
+        "| ceiling | kernels |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, f in rows.items():
+        lines.append(
+            f"| {label} | {_mb(f['args_temp'])} | {f['args_temp'] / peer['args_temp']:.2f} | "
+            f"{_mb(f['bytes'])} | {f['bytes'] / exact:.2f} | {f['hidden']:.2f} | "
+            f"{f['max']:.2f} | {f['kernels']} |"
+        )
+    return lines
+
+
 def _distributions():
     from importlib import metadata
 
@@ -272,14 +339,21 @@ def main(argv=None) -> None:
         nargs="+",
         help=f"cluster sizes (default: {' and '.join(map(str, DEVICES))}; 8 with --quick)",
     )
+    ap.add_argument(
+        "--quantize",
+        action="store_true",
+        help='only the per-unit row exact, quantize="weights" and "both", first model, N = 8',
+    )
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args(argv)
-    devices = args.devices or ((8,) if args.quick else DEVICES)
+    devices = args.devices or ((8,) if args.quick or args.quantize else DEVICES)
     # the compile-only meshes first: the flags' check compiles on the CPU, which initializes
     # jax's backends without the CUDA plugin's compile-only topology
     meshes = {n: gpu.compile_only_mesh(KIND, n) for n in devices}
     options = gpu.xla_options() if args.flags == "recommended" else None
     flags = "`" + " ".join(gpu.recommended_xla_flags()) + "`" if options else "XLA's defaults"
+    if args.quantize:
+        return _write(args, quantized_main(argv, flags, devices, meshes, options, args.quick))
     results = []
     for n in devices:
         mesh = meshes[n]
@@ -292,6 +366,21 @@ def main(argv=None) -> None:
     out = header(argv, flags, devices) + summary_table(results) + [""]
     for model, n, rows in results:
         out += model_table(model, n, rows) + [""]
+    _write(args, out)
+
+
+def quantized_main(argv, flags, devices, meshes, options, quick) -> list[str]:
+    out = header(argv, flags, devices)
+    out[0] += ": ZeRO++ quantized collectives on the per-unit row"
+    out[-2] = out[-2].replace("ratios in parentheses are", "/ peer is")
+    for n in devices:
+        model = models(quick)[0]
+        print(f"{model.label}, N = {n}, quantized rows", file=sys.stderr, flush=True)
+        out += quantized_table(model, n, meshes[n], options) + [""]
+    return out
+
+
+def _write(args, out: list[str]) -> None:
     text = "\n".join(out)
     print(text)
     if args.out:

@@ -10,6 +10,7 @@ groups of G, the cross-node bytes to the formula's, and the extra memory to the 
 from __future__ import annotations
 
 import math
+import re
 
 import chex
 import jax
@@ -148,3 +149,77 @@ def test_gpu_compile_8x8_with_int8_weights_and_int4_grads_under_0_3x():
     _, zpp = _gpu_step(64, 8, 2, 128, quantize=jz.Wire.create(weights=8, grads=4, hpz=8))
     ratio = cross_node_bytes(zpp.hlo_text, 8, 64) / cross_node_bytes(plain.hlo_text, 8, 64)
     assert ratio <= 0.3
+
+
+BASE = ["plan", "--devices", "16", "--layers", "2", "--hidden", "128", "--heads", "1"]
+BASE += ["--vocab", "128", "--seq", "16"]
+PLAN = [*BASE, "--stage", "3", "--stage3", "per-layer"]
+
+
+def _network_line(out):
+    """(label, bytes, cross-node bytes, cross-node ms) of the one row in the network lines."""
+    pattern = r"^  (3 per layer\S*(?: hpZ \d+)?)\s+(\S+ \S+)\s+\S+ ms \(\S+\)\s+cross-node\s+"
+    (m,) = [
+        m for line in out.splitlines() if (m := re.match(pattern + r"(\S+ \S+)\s+(\S+) ms", line))
+    ]
+    return m.groups()
+
+
+def test_plan_cli_hpz_prints_the_cross_node_bytes_less_the_backwards_gathers(capsys, monkeypatch):
+    """`jaxzero plan --hpz 8` on 16 deviceless H100s as 2 nodes of 8 (a LLaMA of 2 x 128,
+    stage 3 per layer): plain, every collective spans both nodes, so the cross-node bytes are
+    all the bytes; with hpZ the backward's gathers ((L + 1) x a layer's bf16 bytes, restated
+    from the shapes) stay within a node, so the cross-node bytes drop by exactly them, and
+    their time at 0.8 Gbit/s inter-node is 15/16 of them at 0.1 GB/s."""
+    from jaxzero import cli, gpu
+    from jaxzero.gpu.models import abstract_params, model_shape
+    from jaxzero.memory import format_bytes
+
+    reports = []
+    real = gpu.plan
+
+    def spy(*a, **kw):
+        rows = real(*a, **kw)
+        reports.extend(r.report for r in rows)
+        return rows
+
+    monkeypatch.setattr(gpu, "plan", spy)
+    printed = {}
+    for hpz in ([], ["--hpz", "8"]):
+        assert cli.main([*PLAN, *hpz, "--network-gbps", "8", "0.8"]) == 0
+        printed[bool(hpz)] = _network_line(capsys.readouterr().out)
+    plain = sum(reports[0].payload(k) for k in ("all-gather", "reduce-scatter", "all-reduce"))
+    assert reports[0].payload("all-to-all") == 0
+    layers = 2
+    shape = model_shape(layers=layers, hidden=128, heads=1, vocab=128, seq=16, batch=1)
+    stack = jax.tree.leaves(abstract_params(shape)["layers"])
+    backward = (layers + 1) * 2 * sum(math.prod(x.shape) for x in stack) // layers
+    assert printed[False] == (
+        "3 per layer",
+        format_bytes(plain),
+        format_bytes(plain),
+        printed[False][3],
+    )
+    cross = plain - backward
+    ms = f"{cross * 15 / 16 / 0.1e9 * 1e3:.1f}"
+    assert printed[True] == ("3 per layer, hpZ 8", format_bytes(plain), format_bytes(cross), ms)
+    assert float(printed[True][3]) < float(printed[False][3])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--stage", "2", "--hpz", "8"], "include stage 3"),
+        (["--stage3", "whole", "--hpz", "8"], "pass stage3='per-layer' or 'both'"),
+        (["--loop", "python", "--hpz", "8"], "needs a scanned stack"),
+        (["--hpz", "6"], "divide the data axis of 16 devices"),
+        (["--hpz", "8", "--replicas", "2"], "divide the data axis of 8 devices and be smaller"),
+    ],
+)
+def test_plan_cli_refuses_hpz_where_it_cannot_act(argv, message, capsys):
+    from jaxzero import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main([*BASE, *argv])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and message in err and "--hpz" in err, err

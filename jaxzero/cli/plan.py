@@ -33,6 +33,8 @@ examples:
       --stage 3 --loop python --no-compute-copy
   jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
       --batch 1 --gpu h100 --devices 8 --stage 3 --stage3 per-layer --offload optimizer
+  jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
+      --devices 64 --stage 3 --stage3 per-layer --quantize both --hpz 8 --network-gbps 900 400
 """
 
 
@@ -115,7 +117,16 @@ def _add_wire(group) -> None:
         "--gpus-per-node",
         type=positive_int,
         default=8,
-        help="GPUs per node, for --network-gbps (default: %(default)s)",
+        help="GPUs per node, consecutive device ids: where --network-gbps's rings and the "
+        "cross-node bytes cross nodes (default: %(default)s)",
+    )
+    group.add_argument(
+        "--hpz",
+        type=positive_int,
+        metavar="G",
+        help="ZeRO++'s hpZ, DeepSpeed's zero_hpz_partition_size (usually --gpus-per-node): "
+        "stage 3 per layer with jaxzero.ZeRO(hpz_partition_size=G), the backward gathering "
+        "each layer within groups of G; prints each row's cross-node bytes per step",
     )
 
 
@@ -199,7 +210,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _shape(args, parser):
     from jaxzero.gpu.models import model_shape
-    from jaxzero.gpu.plan import check_loop
+    from jaxzero.gpu.plan import check_hpz, check_loop
 
     if args.params is None and (args.layers is None or args.hidden is None):
         parser.error("give --params, or --layers and --hidden (and optionally --heads)")
@@ -216,6 +227,10 @@ def _shape(args, parser):
         check_loop(shape, args.stage2, args.stage1)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        check_hpz(args.hpz, shape, args.stage, args.stage3, args.devices, args.replicas)
+    except ValueError as e:
+        parser.error(f"--{e}")
     per_unit = args.loop == "python" and args.stage3 != "whole" and 3 in (args.stage or [3])
     if args.prefetch not in (None, "on") and not per_unit:
         parser.error(
@@ -226,6 +241,26 @@ def _shape(args, parser):
     if args.devices % args.replicas:
         parser.error(f"--replicas {args.replicas} must divide --devices {args.devices}")
     return shape
+
+
+def _describe(args, shape, recommended_xla_flags) -> str:
+    """The plan's first line: the model, the cluster and the options."""
+    return (
+        f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, ffn "
+        f"{shape.ffn}, vocab {shape.vocab}, {shape.batch} x {shape.seq} tokens per device -> "
+        f"{shape.num_params:,} params"
+        + (", a Python loop of blocks" if args.loop == "python" else "")
+        + f"; {args.devices} x {args.gpu.upper()}"
+        + (f" ({args.replicas} replicas)" if args.replicas > 1 else "")
+        + f", {args.precision}, Adam, accum {args.accum}"
+        + (", EMA" if args.ema else "")
+        + ("" if args.compute_copy else ", stage 3 without a compute copy")
+        + (", stage 3 vocabulary-parallel embedding" if args.vocab_parallel else "")
+        + (f", offload {args.offload} to pinned host memory" if args.offload else "")
+        + (f", int8 {args.quantize} on the wire" if args.quantize else "")
+        + (f", hpZ in groups of {args.hpz}" if args.hpz else "")
+        + (f"; XLA flags {' '.join(recommended_xla_flags())}" if args.xla_flags else "")
+    )
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
@@ -240,22 +275,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             f"{args.params:,}; planning the shape",
             file=sys.stderr,
         )
-    print(
-        f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, ffn "
-        f"{shape.ffn}, vocab {shape.vocab}, {shape.batch} x {shape.seq} tokens per device -> "
-        f"{shape.num_params:,} params"
-        + (", a Python loop of blocks" if args.loop == "python" else "")
-        + f"; {args.devices} x {args.gpu.upper()}"
-        + (f" ({args.replicas} replicas)" if args.replicas > 1 else "")
-        + f", {args.precision}, Adam, accum {args.accum}"
-        + (", EMA" if args.ema else "")
-        + ("" if args.compute_copy else ", stage 3 without a compute copy")
-        + (", stage 3 vocabulary-parallel embedding" if args.vocab_parallel else "")
-        + (f", offload {args.offload} to pinned host memory" if args.offload else "")
-        + (f", int8 {args.quantize} on the wire" if args.quantize else "")
-        + (f"; XLA flags {' '.join(recommended_xla_flags())}" if args.xla_flags else ""),
-        flush=True,
-    )
+    print(_describe(args, shape, recommended_xla_flags), flush=True)
     if args.network_gbps and min(args.network_gbps) <= 0:
         parser.error(f"--network-gbps: {args.network_gbps} must be two positive Gbit/s figures")
     stages = args.stage or ((1, 2, 3) if args.offload else None)
@@ -282,6 +302,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             "offload",
             "prefetch",
             "quantize",
+            "hpz",
         )
         flags = xla_options() if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
@@ -291,7 +312,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         return 1
     close()
     print(table(rows))
-    if args.network_gbps:
+    if args.network_gbps or args.hpz:
         print(network(rows, args))
     for note in (fallback_note(rows), prefetch_advice(rows)):
         if note:

@@ -72,20 +72,36 @@ def table(rows) -> str:
 
 
 def network(rows, args) -> str:
-    """Each row's collective bytes per device per step and their time (``wire_time``)."""
-    from jaxzero.gpu.plan import wire_time
+    """Each row's collective bytes per device per step and the share of them that crosses
+    nodes (:func:`jaxzero.gpu.hlo.cross_node_bytes`), with ``--network-gbps`` the time each
+    takes (``wire_time``, ``cross_node_time``)."""
+    from jaxzero.gpu.hlo import cross_node_bytes
+    from jaxzero.gpu.network import COLLECTIVES, cross_node_time, wire_time
     from jaxzero.memory import format_bytes
 
-    intra, inter = args.network_gbps
+    node, n, gbps = args.gpus_per_node, args.devices // args.replicas, args.network_gbps
+    speeds = f", {gbps[0]:g} Gbit/s intra-node, {gbps[1]:g} Gbit/s inter-node" if gbps else ""
     lines = [
-        f"network ({args.gpus_per_node} GPUs per node, {intra:g} Gbit/s intra-node, "
-        f"{inter:g} Gbit/s inter-node): collective bytes per device per step, and the time "
-        "they take on the ring's slowest link, overlap not counted"
+        f"network ({node} GPUs per node{speeds}): collective bytes per device per step, and "
+        "the bytes of the collectives whose groups span nodes (cross-node)"
+        + (
+            ", each with the time it takes on the ring's slowest link, overlap not counted"
+            if gbps
+            else ""
+        )
     ]
+    width = max(len(r.label) for r in rows)
     for r in rows:
-        t = wire_time(r.report, args.devices, intra, inter, args.gpus_per_node)
-        row = f"{format_bytes(t.bytes):>10}  {t.seconds * 1e3:9.1f} ms ({t.link})"
-        lines.append(f"  {r.label:<12} {row}")
+        if gbps:
+            t = wire_time(r.report, args.devices, *gbps, node)
+            c = cross_node_time(r.report, n, gbps[1], node)
+            row = f"{format_bytes(t.bytes):>10}  {t.seconds * 1e3:9.1f} ms ({t.link})"
+            row += f"  cross-node {format_bytes(c.bytes):>10}  {c.seconds * 1e3:9.1f} ms"
+        else:
+            total = sum(r.report.payload(kind) for kind in COLLECTIVES)
+            cross = cross_node_bytes(r.report.hlo_text, node, n)
+            row = f"{format_bytes(total):>10}  cross-node {format_bytes(cross):>10}"
+        lines.append(f"  {r.label:<{width}} {row}")
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ from jaxzero.gpu.models import (
     batch_shapes,
     make_loss,
 )
+from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_time
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.topology import compile_only_mesh
 from jaxzero.memory import MemoryEstimate, estimate_memory, format_bytes
@@ -29,10 +30,12 @@ from jaxzero.zero.offload import check_offload
 __all__ = [
     "PlanRow",
     "WireTime",
+    "cross_node_time",
     "plan",
     "plan_cases",
     "prefetch_advice",
     "row_estimate",
+    "stage_quantize",
     "unit_bound",
     "wire_time",
 ]
@@ -53,7 +56,8 @@ class PlanRow:
     With offload, ``report.host_bytes`` and ``estimate.host`` are the host memory's share.
     ``per``: what ``per_layer`` goes by, ``"layer"`` (a scanned stack, ``ZeRO(layers=)``) or
     ``"unit"`` (a Python loop of blocks, ``ZeRO(units=)``); ``prefetch``: a per-unit row's
-    ``ZeRO(prefetch=...)`` (None on the other rows).
+    ``ZeRO(prefetch=...)`` (None on the other rows); ``hpz``: the per-layer stage-3 row's
+    ``ZeRO(hpz_partition_size=...)`` (None on the other rows).
     """
 
     stage: int
@@ -64,10 +68,12 @@ class PlanRow:
     state_bytes: int
     per: str = "layer"
     prefetch: bool | None = None
+    hpz: int | None = None
 
     @property
     def label(self) -> str:
         label = f"{self.stage} per {self.per}" if self.per_layer else str(self.stage)
+        label += f", hpZ {self.hpz}" if self.hpz else ""
         return label + (", prefetch=False" if self.prefetch is False else "")
 
     @property
@@ -166,53 +172,12 @@ def unit_bound(
     return row_estimate(*args, per="unit", prefetch=prefetch).total
 
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce")
-
-
-@dataclasses.dataclass(frozen=True)
-class WireTime:
-    """What a step's collectives cost on the network: ``bytes`` (payload per device per step,
-    every collective kind, loop trip counts applied), ``seconds`` those bytes take on
-    ``link`` (``"intra-node"`` or ``"inter-node"``) at ``gbps``."""
-
-    bytes: int
-    seconds: float
-    link: str
-    gbps: float
-
-
-def wire_time(
-    report: CompileReport, devices: int, intra_gbps: float, inter_gbps: float, per_node: int = 8
-) -> WireTime:
-    """The cost model of :class:`WireTime`: a ring collective over ``devices`` sends
-    ``(devices - 1) / devices`` of its payload through each device's link, and a ring that
-    spans nodes (``devices > per_node``) runs at the inter-node bandwidth. Compute overlap is
-    not counted: it is the time the bytes take, hidden or not."""
-    for name, v in (("intra_gbps", intra_gbps), ("inter_gbps", inter_gbps)):
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-            raise ValueError(f"{name}={v!r} must be a positive number of Gbit/s.")
-    nbytes = sum(report.payload(kind) for kind in COLLECTIVES)
-    link, gbps = ("inter-node", inter_gbps) if devices > per_node else ("intra-node", intra_gbps)
-    seconds = nbytes * (devices - 1) / devices / (gbps * 1e9 / 8)
-    return WireTime(nbytes, seconds, link, float(gbps))
-
-
-def stage_quantize(quantize: str | None, stage: int) -> str | None:
-    """The part of ``quantize`` (``"weights"``, ``"grads"``, ``"both"``) that acts at
-    ``stage``: weights at stage 3, gradients at stages 2-3 (``ZeRO`` refuses the rest)."""
-    weights = quantize in ("weights", "both") and stage == 3
-    grads = quantize in ("grads", "both") and stage >= 2
-    return {(True, True): "both", (True, False): "weights", (False, True): "grads"}.get(
-        (weights, grads)
-    )
-
-
 def _zero(
-    shape: ModelShape, mesh, stage: int, per, precision: str, copy, offload, quantize, prefetch
+    shape: ModelShape, mesh, stage: int, per, precision: str, copy, offload, quantize, prefetch, hpz
 ):
     """The plan's ``ZeRO`` for one case; ``per``: False (whole), ``"layer"`` (the scanned
-    stack, ``layers=``) or ``"unit"`` (the Python loop's blocks, ``units=``, with
-    ``prefetch``)."""
+    stack, ``layers=``, with ``hpz``) or ``"unit"`` (the Python loop's blocks, ``units=``,
+    with ``prefetch``)."""
     return ZeRO(
         optax.adam(1e-4),
         mesh,
@@ -224,6 +189,7 @@ def _zero(
         offload=offload,
         prefetch=prefetch if per == "unit" else None,
         quantize=stage_quantize(quantize, stage),
+        hpz_partition_size=hpz,
     )
 
 
@@ -247,6 +213,28 @@ def check_loop(shape: ModelShape, stage2: str, stage1: str) -> None:
                 f"loop={shape.loop!r} is a Python loop of blocks, which stage 3 alone runs unit "
                 f"by unit (ZeRO(units=...)). Pass {name}='whole', or a scanned loop."
             )
+
+
+def check_hpz(hpz, shape: ModelShape, stages, stage3: str, devices: int, replicas: int) -> None:
+    """``hpz`` acts on the per-layer stage-3 row of a scanned stack only; G must split the data
+    axis into nodes (divide it, and be smaller)."""
+    if hpz is None:
+        return
+    n = devices // replicas
+    why = None
+    if stages is not None and 3 not in stages:
+        why = "it acts on stage 3 per layer only (the backward's gathers): include stage 3"
+    elif stage3 == "whole":
+        why = (
+            "it acts on stage 3 per layer only: pass stage3='per-layer' or 'both' "
+            "(jaxzero plan --stage3 per-layer)"
+        )
+    elif shape.loop in PYTHON_LOOPS:
+        why = "it needs a scanned stack (jaxzero.scan_layers), not a Python loop of blocks"
+    elif isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 2 or n % hpz or hpz >= n:
+        why = f"G must be >= 2, divide the data axis of {n} devices and be smaller"
+    if why:
+        raise ValueError(f"hpz={hpz!r}: {why}.")
 
 
 def _check_plan_args(precision, accum, devices, replicas, quantize=None):
@@ -323,6 +311,7 @@ def plan(
     offload: str | None = None,
     prefetch: str = "on",
     quantize: str | None = None,
+    hpz: int | None = None,
 ) -> list[PlanRow]:
     """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
 
@@ -341,9 +330,9 @@ def plan(
     runs stage 3 "per layer" one block at a time, ``ZeRO(units=r"block_\\d+")``, and its rows
     read "3 per unit"; stages 1-2 then reduce the whole gradient. ``prefetch``: that row with
     ``ZeRO(prefetch=True)`` (``"on"``), ``prefetch=False`` (``"off"``) or both rows
-    (``"both"``; :func:`prefetch_advice` then says which to pick). ``quantize``
-    (``"weights"``, ``"grads"``, ``"both"``): ZeRO++'s int8 collectives,
-    ``ZeRO(quantize=...)``, where each acts (:func:`stage_quantize`).
+    (``"both"``; :func:`prefetch_advice` then says which to pick). ``quantize`` (``"weights"``,
+    ``"grads"``, ``"both"``): ZeRO++'s int8 collectives, ``ZeRO(quantize=...)``, where each
+    acts (:func:`stage_quantize`); ``hpz``: ZeRO++'s hpZ on the per-layer stage-3 row.
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -353,23 +342,24 @@ def plan(
     """
     _check_plan_args(precision, accum, devices, replicas, quantize)
     check_loop(shape, stage2, stage1)
+    check_hpz(hpz, shape, stages, stage3, devices, replicas)
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
     cases = plan_cases(_plan_stages(stages, offload), stage3, stage2, stage1)
     cases = _unit_cases(cases, per, prefetch)
     mesh = compile_only_mesh(gpu, devices, replicas=replicas)
     params = abstract_params(shape)
-    loss_fn = make_loss(shape)
-    batch = batch_shapes(shape, shape.batch * devices * accum)
-    batch_bytes = 2 * shape.batch * accum * shape.seq * 4
-    n = devices // replicas
-    sema = ShardedEMA(0.999) if ema else None
-    rows = []
+    loss_fn, batch = make_loss(shape), batch_shapes(shape, shape.batch * devices * accum)
+    batch_bytes, n = 2 * shape.batch * accum * shape.seq * 4, devices // replicas
+    sema, rows = ShardedEMA(0.999) if ema else None, []
     for i, (stage, per_layer, pf) in enumerate(cases):
         if on_case is not None:
             label = f"{stage} per {per}" if per_layer else str(stage)
             on_case(label + ("" if pf is not False else ", prefetch=False"), i, len(cases))
         copy = compute_copy or stage != 3  # the layout exists at stage 3 only
-        zero = _zero(shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf)
+        g = hpz if stage == 3 and per_layer else None
+        zero = _zero(
+            shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf, g
+        )
         step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
         report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
         est = row_estimate(
@@ -377,6 +367,8 @@ def plan(
         )
         state = report.argument_bytes - batch_bytes
         rows.append(
-            PlanRow(stage, per_layer, shape.num_params, report, est, state, per=per, prefetch=pf)
+            PlanRow(
+                stage, per_layer, shape.num_params, report, est, state, per=per, prefetch=pf, hpz=g
+            )
         )
     return rows
