@@ -23,6 +23,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from jaxzero._compat import compute_on_host  # noqa: E402
 from jaxzero.gpu import compile_only_mesh  # noqa: E402
 from jaxzero.zero import offload  # noqa: E402
 
@@ -47,7 +48,7 @@ def build(design: str, mesh):
         apply = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in g]))
         if design == "host":
             g = jax.device_put(g, jax.tree.map(lambda x: host(spec(x)), g))
-            m, o, e, p = offload.on_host(update)(g, o, m, e, apply)
+            m, o, e, p = compute_on_host(jax.jit(update))(g, o, m, e, apply)
             return m, o, e, jax.device_put(p, jax.memory.Space.Device)
         to = lambda where, t: jax.device_put(t, jax.tree.map(lambda x: where(spec(x)), t))
         m, o, e, p = update(g, to(device, o), to(device, m), to(device, e), apply)

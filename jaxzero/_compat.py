@@ -95,15 +95,9 @@ def call_jaxpr(eqn):
     return None
 
 
-def memory_space_is_host(x) -> bool:
-    """Whether ``x`` (an array or tracer) is typed host memory (jax's aval memory space)."""
-    import jax
-
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-
-
 def compute_on_host(fn):
-    """``fn`` run on the devices' hosts, its outputs in host memory. jax 0.10's
+    """``fn`` run on the devices' hosts, its outputs in host memory (the host-update design
+    that ``benchmarks/offload_designs.py`` measures against the streamed one). jax 0.10's
     ``compute_on("device_host")`` is a decorator factory (the outputs stay where the host
     computed them); jax 0.12's takes the function with keyword-only ``compute_type`` and
     ``out_memory_spaces``."""

@@ -209,11 +209,6 @@ def host_shardings(mesh: Mesh, specs):
     return jax.tree.map(lambda s: host_sharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
 
 
-def to_device(tree):
-    """``tree`` moved (inside jit) to device memory, in the same shardings."""
-    return jax.device_put(tree, jax.memory.Space.Device)
-
-
 def offloaded_bytes(state) -> int:
     """Bytes per device of what ``offload="optimizer"`` keeps in host memory: the master, the
     optimizer state and the EMA of ``state`` (a TrainState of arrays or ShapeDtypeStructs

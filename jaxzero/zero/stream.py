@@ -5,10 +5,10 @@ writes each chunk back into the state's own (donated) buffers.
 The update is traced once and cut into parts (:mod:`jaxzero.zero.stream_parts`). The
 prologue (small values several parts read: a global norm, a step count) and the parts that
 are not elementwise (Adafactor's factored moments, LAMB's per-leaf norms) run whole, on the
-device, under jit's sharding. An elementwise part (Adam's, the EMA's, the casts) runs in a
-``shard_map`` on each device's shards: a ``fori_loop`` over chunks of the shards' first
-dimension, each chunk fetched to the device and written back in place with
-``dynamic_update_slice``. An ``optimization_barrier`` chain runs the parts one after another,
+device, under jit's sharding. An elementwise part (Adam's, the EMA's, the casts) runs, also
+under jit's sharding, in a ``fori_loop`` over chunks of a dimension the sharding leaves whole
+(:func:`chunk_dim`), each chunk fetched to the device and written back in place with
+``dynamic_update_slice`` into the state leaf it replaces. An ``optimization_barrier`` chain runs the parts one after another,
 so the device never holds more than one part's chunk (or one whole non-elementwise part).
 """
 
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero._compat import bind_params
-from jaxzero.zero import stream_parts
+from jaxzero.zero import jaxpr_eval, stream_parts
 
 DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
 
@@ -37,22 +37,18 @@ def rows_per_chunk(rows: int, row_elements: int, chunk: int) -> int:
     return max(d for d in range(1, min(rows, fit) + 1) if rows % d == 0)
 
 
-def _bind(eqn, invals, shape=None):
-    params = bind_params(eqn)
-    if shape is not None and eqn.primitive.name == "broadcast_in_dim":
-        params = {**params, "shape": shape}
-        params.pop("sharding", None)
-    out = eqn.primitive.bind(*invals, **params)
-    return out if eqn.primitive.multiple_results else [out]
-
-
 def _run_eqns(jaxpr, eqns, env, shape=None):
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    """``jaxpr``'s equations ``eqns`` evaluated into ``env``; with ``shape`` (a chunk's), a
+    scalar broadcast to a large value broadcasts to the chunk instead."""
     for i in eqns:
         eqn = jaxpr.eqns[i]
-        big = shape is not None and any(stream_parts.big(v) for v in eqn.outvars)
-        outs = _bind(eqn, [read(v) for v in eqn.invars], shape if big else None)
-        env.update(zip(eqn.outvars, outs, strict=True))
+        chunked = shape is not None and eqn.primitive.name == "broadcast_in_dim"
+        if not (chunked and stream_parts.big(eqn.outvars[0])):
+            jaxpr_eval.bind(eqn, env)
+            continue
+        params = {**bind_params(eqn), "shape": shape}
+        params.pop("sharding", None)
+        env[eqn.outvars[0]] = eqn.primitive.bind(jaxpr_eval.read(env, eqn.invars[0]), **params)
     return env
 
 

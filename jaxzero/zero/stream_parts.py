@@ -155,12 +155,8 @@ def _slice(jaxpr, targets, stop) -> tuple[int, ...]:
 
 
 def _inputs(jaxpr, eqns, stop) -> tuple[Var, ...]:
-    seen = []
-    for i in eqns:
-        for v in jaxpr.eqns[i].invars:
-            if isinstance(v, Var) and v in stop and v not in seen:
-                seen.append(v)
-    return tuple(seen)
+    """The values ``eqns`` read from outside (all in ``stop``, as :func:`_slice` cut them)."""
+    return tuple(v for v in jaxpr_eval.reads([jaxpr.eqns[i] for i in eqns]) if v in stop)
 
 
 def _elementwise(jaxpr, eqns) -> bool:
@@ -184,7 +180,7 @@ def _elementwise(jaxpr, eqns) -> bool:
 def plan(closed) -> Plan:
     """``closed`` (from :func:`flat_jaxpr`) cut into a prologue and independent parts."""
     jaxpr = closed.jaxpr
-    groups, owners = _group(jaxpr)
+    groups, sources = _group(jaxpr)
     group_of = {}
     shared = set()  # small values a part reads that other parts feed: the prologue's
     for i, eqn in enumerate(jaxpr.eqns):
@@ -194,7 +190,7 @@ def plan(closed) -> Plan:
         g = groups.find(bigs[0])
         group_of.setdefault(g, []).append(i)
         for v in eqn.invars:
-            if isinstance(v, Var) and not big(v) and _owners(groups, owners, v) - {g}:
+            if isinstance(v, Var) and not big(v) and _owners(groups, sources, v) - {g}:
                 shared.add(v)
     inputs = set(jaxpr.invars) | set(jaxpr.constvars)
     outs = {}  # group -> its outputs
@@ -202,7 +198,7 @@ def plan(closed) -> Plan:
     for v in jaxpr.outvars:
         if not isinstance(v, Var) or v in inputs:
             continue
-        mine = _owners(groups, owners, v)
+        mine = _owners(groups, sources, v)
         if len(mine) == 1 and next(iter(mine)) in group_of:
             outs.setdefault(next(iter(mine)), []).append(v)
         elif v not in pro_out:
