@@ -4,6 +4,8 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when jax is imported: set it first
 
@@ -13,10 +15,26 @@ from jaxzero.simulate import cpu_xla_flags  # noqa: E402  (imports jax; no backe
 # machine one simulated device can reach a collective long after the others, and XLA would
 # abort the process after its default timeout.
 os.environ["XLA_FLAGS"] = cpu_xla_flags(8, os.environ.get("XLA_FLAGS", ""))
+# LLVM's optimisation passes off for the suite's compiles (XLA's HLO passes, fusion and
+# scheduling are unchanged): the tests compile hundreds of small programs that each run a few
+# steps, and codegen time is most of it. Every expected number is computed in the same process.
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# One XLA compilation cache per run, made by the process that starts the run and shared by its
+# xdist workers (they inherit the variable), removed when the run ends: many tests compile a
+# step once to read its HLO (`step.lower(...).compile()`) and again when they run it, and jit's
+# own cache does not see the AOT compile. Nothing outlives the run.
+_OWN_CACHE = "JAXZERO_TESTS_XLA_CACHE" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAXZERO_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxzero-tests-xla-cache-")
+CACHE = os.environ["JAXZERO_TESTS_XLA_CACHE"]
+jax.config.update("jax_compilation_cache_dir", CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 import pytest  # noqa: E402
 
@@ -53,6 +71,11 @@ def pytest_configure(config):
 
 
 _interop_off = False
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:
+        shutil.rmtree(CACHE, ignore_errors=True)
 
 
 def pytest_deselected(items):

@@ -201,6 +201,10 @@ def main():
     rank = int(os.environ["RANK"])
     for spec in json.load(open(sys.argv[1])):
         run(spec, rank)
+    # Without it gloo's worker threads can outlive the interpreter and abort the exit with
+    # "terminate called without an active exception" (pytorch/pytorch#190489).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

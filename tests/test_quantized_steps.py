@@ -159,12 +159,11 @@ def test_hybrid_mesh_two_hops_within_the_bound(stage, wire):
     assert max(jax.tree.leaves(moved)) > 1e-6  # the gradients were quantized
 
 
-# slow (~35 s each): the per-layer and units paths gather and reduce through the same
-# layers.gather_shard / collectives.scatter_leaf as the whole model, whose cases stay
-@pytest.mark.slow
 def test_per_layer_scan_layers_within_the_bound():
+    """scan_layers' backward reduces each layer's quantized gradient one iteration late (the
+    last layer's before the loop, layer 0's after it): 3 layers take every path."""
     params, loss_fn, batches = make_problem(
-        "stack", scan_layers=jz.scan_layers, stacked_params=jz.stacked_params, layers=2, steps=1
+        "stack", scan_layers=jz.scan_layers, stacked_params=jz.stacked_params, layers=3, steps=1
     )
     got, zero = run(loss_fn, params, batches[0], stage=3, layers="layers", quantize="both")
     at = gathered(params, zero, stacked=("layers",))
@@ -172,7 +171,9 @@ def test_per_layer_scan_layers_within_the_bound():
     check_close(got, ref, LR * local_grad_bound(loss_fn, at, batches[0], 8) + 1e-5)
 
 
-@pytest.mark.slow  # see above
+# slow (~35 s): the units chain is unrolled and reduces each unit's gradient through the same
+# collectives.reduce_leaves as scan_layers, whose case stays
+@pytest.mark.slow
 def test_units_within_the_bound():
     params, loss_fn, batches = make_problem("transformer", steps=1)
     got, zero = run(loss_fn, params, batches[0], stage=3, units=r"layer\d+", quantize="both")

@@ -137,7 +137,9 @@ def _problem(kind):
         ("linen_remat_loop", 8, 1),
         pytest.param("linen_remat_loop", 2, 4, marks=pytest.mark.slow),
         ("nnx", 8, 1),
-        ("hf_gpt2", 8, 1),
+        # slow: Hugging Face's GPT-2 (the HF Llama and T5 cases in test_units_any_model stay,
+        # and GPT-2's units in test_no_gathered_weight_is_saved_for_the_backward)
+        pytest.param("hf_gpt2", 8, 1, marks=pytest.mark.slow),
     ],
 )
 def test_units_match_single_device_optax(kind, n, accum):
@@ -495,6 +497,9 @@ def test_gpu_units_on_hugging_face_flax_gpt2():
     assert units["ag_rs_hidden"] >= max(peer["ag_rs_hidden"], 0.2), units["ag_rs_hidden"]
 
 
+# slow: the plan CLI over --loop python (make test keeps the per-unit compile against the peer,
+# test_gpu_units_against_the_gspmd_fsdp_peer, and the plan CLI's rows, tests/test_gpu.py)
+@pytest.mark.slow
 def test_gpu_plan_runs_an_unscanned_model_unit_by_unit_and_says_which_prefetch(capsys, monkeypatch):
     """`jaxzero plan --loop python`: the decoder as a Python loop of blocks; its stage 3 per
     layer is ZeRO(units=r"block_\\d+") ("3 per unit"), holding no more than ``unit_bound``'s

@@ -134,3 +134,18 @@ def test_simulated_devices_pick_the_cpu_platform_by_the_same_gpu_detection(monke
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     simulate.simulate_cpu_devices(4)
     assert chosen == []
+
+
+def test_quantized_gradients_add_a_second_collective_in_flight():
+    """``quantized_grads=True`` adds the parallel-collective limit of 2 after the recommended
+    flags, in both forms; a non-bool, or ``flags`` beside it, is refused."""
+    limit = "--xla_gpu_experimental_parallel_collective_overlap_limit=2"
+    assert xla_flags.recommended_xla_flags(quantized_grads=True) == [*FLAGS, limit]
+    assert xla_flags.xla_options(quantized_grads=True) == {
+        **OPTIONS,
+        "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+    }
+    with pytest.raises(TypeError, match="quantized_grads='yes' must be True or False"):
+        xla_flags.recommended_xla_flags(quantized_grads="yes")
+    with pytest.raises(ValueError, match="quantized_grads picks among the recommended flags"):
+        xla_flags.xla_options([THRESHOLD], quantized_grads=True)

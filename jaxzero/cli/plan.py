@@ -259,8 +259,17 @@ def _describe(args, shape, recommended_xla_flags) -> str:
         + (f", offload {args.offload} to pinned host memory" if args.offload else "")
         + (f", int8 {args.quantize} on the wire" if args.quantize else "")
         + (f", hpZ in groups of {args.hpz}" if args.hpz else "")
-        + (f"; XLA flags {' '.join(recommended_xla_flags())}" if args.xla_flags else "")
+        + (
+            f"; XLA flags {' '.join(recommended_xla_flags(quantized_grads=_qgz(args)))}"
+            if args.xla_flags
+            else ""
+        )
     )
+
+
+def _qgz(args) -> bool:
+    """Whether the plan's gradients are quantized (the recommended flags then add one)."""
+    return args.quantize in ("grads", "both")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
@@ -304,7 +313,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             "quantize",
             "hpz",
         )
-        flags = xla_options() if args.xla_flags else None
+        flags = xla_options(quantized_grads=_qgz(args)) if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
     except PluginMissingError as e:
         close()

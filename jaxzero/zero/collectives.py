@@ -68,13 +68,32 @@ def scatter_leaf(comm: Comm, g, d: int | None):
     reduce-scattered along ``d`` over the data axis (then summed over replica axes), both on
     ``comm.wire`` (exact, or quantized: :mod:`jaxzero.zero.wire`), or all-reduced exactly over
     every batch axis when ``d`` is None. Returns the sum, in ``reduce_dtype``."""
-    g = g.astype(comm.reduce_dtype)
-    if d is None:
-        return jax.lax.psum(g, comm.batch_axes)
-    g = comm.wire.reduce_scatter(g, comm.axis, d)
-    if comm.replica_axes:
-        g = comm.wire.all_reduce(g, comm.replica_axes)
-    return g
+    return scatter_leaves(comm, [g], [d])[0]
+
+
+def scatter_leaves(comm: Comm, gs: list, dims: list) -> list:
+    """:func:`scatter_leaf` of each of ``gs`` (one layer's or unit's gradients), their
+    reduce-scatters asked of the wire together
+    (:meth:`~jaxzero.zero.wire.Wire.reduce_scatter_many`: one all-to-all when quantized)."""
+    gs = [g.astype(comm.reduce_dtype) for g in gs]
+    split = [k for k, d in enumerate(dims) if d is not None]
+    out = [
+        jax.lax.psum(g, comm.batch_axes) if d is None else None
+        for g, d in zip(gs, dims, strict=True)
+    ]
+    if split:
+        scattered = comm.wire.reduce_scatter_many(
+            [gs[k] for k in split], comm.axis, [dims[k] for k in split]
+        )
+        for k, g in zip(split, scattered, strict=True):
+            out[k] = comm.wire.all_reduce(g, comm.replica_axes) if comm.replica_axes else g
+    return out
+
+
+def reduce_leaves(comm: Comm, gs: list, dims: list) -> list:
+    """:func:`reduce_leaf` of each of ``gs``, their reduce-scatters together
+    (:func:`scatter_leaves`)."""
+    return [finish_leaf(comm, g) for g in scatter_leaves(comm, gs, dims)]
 
 
 def finish_leaf(comm: Comm, g):

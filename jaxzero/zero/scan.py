@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.zero.collectives import Comm, reduce_leaf, to_varying, varying_axes
+from jaxzero.zero.collectives import Comm, reduce_leaves, to_varying, varying_axes
 from jaxzero.zero.layers import LayerPlan, current_plan, gather_layer, gather_shard
 
 __all__ = ["scan_layers", "stacked_init", "stacked_params"]
@@ -215,7 +215,9 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
             kept = lambda i: _at(stack, i)
         ct, ct_ys = cts
 
-        def body(state, i):
+        def layer(state, i):
+            """Layer ``i``'s backward, layer ``i - 1``'s gather and input fetch in flight:
+            the next state, and layer ``i``'s weight gradient (unreduced leaves)."""
             ct, w, c, dconsts = state
             prev = jnp.maximum(i - 1, 0)
             nxt = gather(leaves, prev, (ct, w), kept)  # in flight under layer i
@@ -223,19 +225,50 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
             x = _at(xs, i)
             _, pull = jax.vjp(lambda w, c, *k: fn(w, c, x, *k), w, c, *consts)
             dw, dc, *dk = pull((ct, _at(ct_ys, i)))
-            g = _reduce_tree(comm, dw, dims, leaves)
-            return (dc, nxt, c_prev, [a + b for a, b in zip(dconsts, dk, strict=True)]), g
+            dconsts = [a + b for a, b in zip(dconsts, dk, strict=True)]
+            return (dc, nxt, c_prev, dconsts), jax.tree.leaves(dw)
 
         dk = [_zeros(k) for k in consts]
         c = _layer_input(saved, inputs, c_last, length - 1, length)
         state = (ct, gather(leaves, length - 1, ct, kept), c, dk)
-        (ct, _, _, dk), grads = jax.lax.scan(body, state, jnp.arange(length), reverse=True)
+        if comm.wire.defers_reduce:
+            (ct, _, _, dk), grads = _deferred(comm, layer, state, leaves, dims, length)
+        else:
+
+            def body(state, i):  # XLA's pipeliner moves layer i's reduce-scatter under i - 1
+                state, dw = layer(state, i)
+                return state, _reduce_tree(comm, dw, dims, leaves)
+
+            steps = jnp.arange(length)
+            (ct, _, _, dk), grads = jax.lax.scan(body, state, steps, reverse=True)
         no_grad = jax.tree.map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), xs)
         return grads, ct, no_grad, dk
 
     run = jax.custom_vjp(lambda leaves, carry, xs, consts: forward(leaves, carry, xs, consts)[0])
     run.defvjp(forward, backward)
     return run
+
+
+def _deferred(comm: Comm, layer, state, leaves, dims, length):
+    """The backward loop with each layer's gradient reduced one iteration later, by hand: the
+    last layer's backward runs first, then iteration ``i`` reduces layer ``i + 1``'s gradient
+    (carried over) while layer ``i``'s backward computes, and layer 0's is reduced after the
+    loop. For a wire whose reduction XLA's collective pipeliner does not move across
+    iterations (qgZ's all-to-all): left in the iteration that computes it, it waits for the
+    whole layer's backward and nothing computes beside it. Returns the final state and the
+    reduced gradient stacks."""
+    state, pending = layer(state, length - 1)
+
+    def body(carry, i):
+        state, pending, out = carry
+        out = _put(out, _reduce_tree(comm, pending, dims, leaves), i + 1)  # under layer i
+        state, pending = layer(state, i)
+        return (state, pending, out), None
+
+    out = [_zeros(x) for x in leaves]
+    steps = jnp.arange(length - 1)
+    (state, pending, out), _ = jax.lax.scan(body, (state, pending, out), steps, reverse=True)
+    return state, _put(out, _reduce_tree(comm, pending, dims, leaves), 0)
 
 
 def _layer_input(saved, inputs, last, i, length):
@@ -270,10 +303,9 @@ def _put(buffer, slices, i):
 def _reduce_tree(comm: Comm, dw, dims, leaves):
     """Each leaf of one layer's gradient reduced (reduce-scatter along its dim, or all-reduce)
     and returned in the dtype of the stack leaf it belongs to."""
-    flat = jax.tree.leaves(dw)
+    reduced = reduce_leaves(comm, jax.tree.leaves(dw), dims)
     return [
-        to_varying(reduce_leaf(comm, g, d).astype(x.dtype), varying_axes(x))
-        for g, d, x in zip(flat, dims, leaves, strict=True)
+        to_varying(g.astype(x.dtype), varying_axes(x)) for g, x in zip(reduced, leaves, strict=True)
     ]
 
 

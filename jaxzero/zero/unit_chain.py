@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jaxzero.zero.collectives import reduce_leaf, varying_axes
+from jaxzero.zero.collectives import reduce_leaves, varying_axes
 from jaxzero.zero.jaxpr_eval import bind, bind_unrematted
 from jaxzero.zero.jaxpr_eval import reads as read_vars
 from jaxzero.zero.layers import gather_shard
@@ -230,11 +230,12 @@ class Chain:
     def _reduce(self, p: Piece, dw, shard_of, grads, before):
         """Reduce-scatter piece ``p``'s weight gradients ``dw`` (after ``before``, the previous
         unit's); returns their token."""
+        ties = [before] if before is not None else []
+        dw = [barrier([g], ties)[0] for g in dw]
+        dims = [self.dim_of(v) for v in p.gathered]
         out = []
-        for v, g in zip(p.gathered, dw, strict=True):
-            d = self.dim_of(v)
-            g = barrier([g], [before] if before is not None else [])[0]
-            r = reduce_leaf(self.comm, g, d).astype(shard_of[v].dtype)
+        for v, r in zip(p.gathered, reduce_leaves(self.comm, dw, dims), strict=True):
+            r = r.astype(shard_of[v].dtype)
             grads[v] = r if v not in grads else grads[v] + r
             out.append(r)
         return token(out)

@@ -49,6 +49,11 @@ class Exact:
         """``g`` summed over ``axis``, this device's tile along ``d`` kept."""
         return jax.lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True)
 
+    def reduce_scatter_many(self, gs: list, axis: str, dims: list[int]) -> list:
+        """:meth:`reduce_scatter` of each of ``gs`` (XLA's combiners merge them as they see
+        fit)."""
+        return [self.reduce_scatter(g, axis, d) for g, d in zip(gs, dims, strict=True)]
+
     def all_reduce(self, g, axes: tuple[str, ...]):
         """``g`` summed over ``axes`` (a hybrid mesh's replica axes)."""
         return jax.lax.psum(g, axes)
@@ -82,15 +87,35 @@ class Blockwise:
     def reduce_scatter(self, g, axis: str, d: int):
         """``g``'s N tiles along ``d`` quantized, exchanged with one ``all_to_all`` and
         summed in float32 after dequantizing; this device's tile, in ``g.dtype``."""
+        return self.reduce_scatter_many([g], axis, [d])[0]
+
+    def reduce_scatter_many(self, gs: list, axis: str, dims: list[int]) -> list:
+        """:meth:`reduce_scatter` of each of ``gs`` along its ``dims`` entry, every leaf's
+        int payload and scales (bitcast to int8) sent in ONE ``all_to_all``: XLA:GPU keeps
+        one all-to-all in flight at a time, so a layer's dozens of small ones would run one
+        after another, each hidden by a sliver of the backward, and hold the next layer's
+        gather back (DeepSpeed's qgZ buckets the same way)."""
         n = jax.lax.axis_size(axis)
-        tile = g.shape[:d] + (g.shape[d] // n,) + g.shape[d + 1 :]
-        tiles = jnp.moveaxis(g.reshape(g.shape[:d] + (n, -1) + g.shape[d + 1 :]), d, 0)
-        size = tiles[0].size  # tiles: [N, *tile]
-        q, s = quantize(tiles.reshape(n, size), self.bits, self.max_block)
-        q = jax.lax.all_to_all(q, axis, 0, 0, tiled=True)  # row i: device i's tile for me
-        s = jax.lax.all_to_all(s, axis, 0, 0, tiled=True)
-        parts = dequantize(q, s, size, self.bits, jnp.float32)
-        return jnp.sum(parts, axis=0).reshape(tile).astype(g.dtype)
+        rows, plan = [], []
+        for g, d in zip(gs, dims, strict=True):
+            tiles = jnp.moveaxis(g.reshape(g.shape[:d] + (n, -1) + g.shape[d + 1 :]), d, 0)
+            size = tiles[0].size  # tiles: [N, *tile]
+            q, s = quantize(tiles.reshape(n, size), self.bits, self.max_block)
+            s = jax.lax.bitcast_convert_type(s, jnp.int8).reshape(n, -1)  # [N, groups * 4]
+            rows += [q, s]
+            plan.append((size, q.shape[1], s.shape[1]))
+        got = jax.lax.all_to_all(jnp.concatenate(rows, axis=1), axis, 0, 0, tiled=True)
+        out, at = [], 0  # got row i: device i's tiles for me
+        for g, d, (size, nq, ns) in zip(gs, dims, plan, strict=True):
+            q = got[:, at : at + nq]
+            s = jax.lax.bitcast_convert_type(
+                got[:, at + nq : at + nq + ns].reshape(n, -1, 4), jnp.float32
+            )
+            at += nq + ns
+            parts = dequantize(q, s, size, self.bits, jnp.float32)
+            tile = g.shape[:d] + (g.shape[d] // n,) + g.shape[d + 1 :]
+            out.append(jnp.sum(parts, axis=0).reshape(tile).astype(g.dtype))
+        return out
 
     def all_reduce(self, g, axes: tuple[str, ...]):
         """``g`` summed over ``axes``, the second hop on a hybrid mesh: each device's ``g``
@@ -170,8 +195,18 @@ class Wire:
         nodes = [list(range(k, k + self.hpz)) for k in range(0, n, self.hpz)]
         return jax.lax.all_gather(x, axis, axis=d, tiled=True, axis_index_groups=nodes)
 
+    @property
+    def defers_reduce(self) -> bool:
+        """Whether a layer loop must move each layer's gradient reduction into the next
+        iteration itself: XLA's collective pipeliner moves a reduce-scatter, not qgZ's
+        all-to-all (:func:`jaxzero.scan_layers`)."""
+        return not isinstance(self.grads, Exact)
+
     def reduce_scatter(self, g, axis: str, d: int):
         return self.grads.reduce_scatter(g, axis, d)
+
+    def reduce_scatter_many(self, gs: list, axis: str, dims: list[int]) -> list:
+        return self.grads.reduce_scatter_many(gs, axis, dims)
 
     def all_reduce(self, g, axes: tuple[str, ...]):
         return self.grads.all_reduce(g, axes)
