@@ -268,8 +268,11 @@ def _describe(args, shape, recommended_xla_flags) -> str:
 
 
 def _qgz(args) -> bool:
-    """Whether the plan's gradients are quantized (the recommended flags then add one)."""
-    return args.quantize in ("grads", "both")
+    """Whether the plan's wire defers the gradient reduction (quantized gradients: the
+    recommended flags then add one)."""
+    from jaxzero.zero.wire import wire
+
+    return wire(args.quantize).defers_reduce
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:

@@ -109,7 +109,7 @@ def reduce_leaf(comm: Comm, g, d: int | None):
     or all-reduce when ``d`` is None; communicated in ``reduce_dtype``, returned in
     ``output_dtype`` and divided by the number of batch shards.
     """
-    return finish_leaf(comm, scatter_leaf(comm, g, d))
+    return reduce_leaves(comm, [g], [d])[0]
 
 
 def front_tile(comm: Comm, g, d: int | None):

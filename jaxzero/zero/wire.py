@@ -202,9 +202,6 @@ class Wire:
         all-to-all (:func:`jaxzero.scan_layers`)."""
         return not isinstance(self.grads, Exact)
 
-    def reduce_scatter(self, g, axis: str, d: int):
-        return self.grads.reduce_scatter(g, axis, d)
-
     def reduce_scatter_many(self, gs: list, axis: str, dims: list[int]) -> list:
         return self.grads.reduce_scatter_many(gs, axis, dims)
 
