@@ -212,6 +212,17 @@ def reference_run(tx, params, loss_fn, batches):
     return p, s
 
 
+def run_steps(zero, loss_fn, state, batches, ema, **step_kw):
+    """``(state, losses)`` after one jaxzero train step per batch from ``state`` (``step_kw``:
+    make_train_step's)."""
+    step = jz.make_train_step(loss_fn, zero, ema=ema, **step_kw)
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
 def train(zero, loss_fn, params, batches, **kw):
     """The state after one jaxzero train step per batch (``kw``: make_train_step's)."""
     step = jz.make_train_step(loss_fn, zero, **kw)

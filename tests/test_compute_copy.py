@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import make_problem, reference_run
+from models import make_problem, reference_run, run_steps
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
@@ -41,13 +41,7 @@ def _zero(precision, replicas=1, **kw):
     return jz.ZeRO(optax.adam(1e-2, eps=1e-6), mesh, stage=3, precision=precision, **kw)
 
 
-def _run(zero, loss_fn, state, batches, ema):
-    step = jz.make_train_step(loss_fn, zero, ema=ema)
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    return state, losses
+_run = run_steps
 
 
 # slow: whole-model and hybrid (per layer stays)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from models import make_problem, reference_run
+from models import make_problem, reference_run, run_steps, stack_problem
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
@@ -78,13 +78,7 @@ def _zero(off, **kw):
     return jz.ZeRO(optax.adam(1e-2, eps=1e-6), jz.data_parallel_mesh(N), offload=off, **kw)
 
 
-def _run(zero, loss_fn, state, batches, ema, **step_kw):
-    step = jz.make_train_step(loss_fn, zero, ema=ema, **step_kw)
-    losses = []
-    for b in batches:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-    return state, losses
+_run = run_steps
 
 
 def _host_kinds(tree):
@@ -174,24 +168,40 @@ def test_gather_and_ema_params_read_offloaded_state():
     chex.assert_trees_all_close(out["optimizer"], out[None], rtol=1e-6, atol=1e-8)
 
 
-# slow: the offloaded -> device restore (device -> offloaded stays)
+PARAMS = ("optimizer", "params")
+
+
 @pytest.mark.parametrize(
-    "direction",
-    [pytest.param("offloaded_to_device", marks=pytest.mark.slow), "device_to_offloaded"],
+    "src,dst",
+    [
+        # slow: the offloaded -> device restore (device -> offloaded stays)
+        pytest.param("optimizer", None, id="offloaded_to_device", marks=pytest.mark.slow),
+        pytest.param(None, "optimizer", id="device_to_offloaded"),
+        pytest.param(PARAMS, None, id="params_offloaded_to_device"),
+        pytest.param("optimizer", PARAMS, id="optimizer_to_params_offloaded"),
+    ],
 )
-def test_checkpoints_restore_across_offload_settings_and_continue(direction, tmp_path):
+def test_checkpoints_restore_across_offload_settings_and_continue(src, dst, tmp_path):
     """A checkpoint saved from either setting restores into the other (host memory kinds
-    where the target offloads) and training continues as in the setting that wrote it."""
-    params, loss_fn, batches = _problem("transformer", steps=4)
-    ema = jz.ShardedEMA(0.9)
+    where the target offloads; the params too with ``("optimizer", "params")``) and
+    training continues as in the setting that wrote it."""
+    params_off = PARAMS in (src, dst)
     kw = {"stage": 2, "precision": BF16}
-    src, dst = ("optimizer", None) if direction == "offloaded_to_device" else (None, "optimizer")
+    if params_off:
+        kw = {"stage": 3, "precision": "bf16", "layers": "layers"}
+        params, loss_fn, batches = stack_problem(layers=3, steps=4)
+    else:
+        params, loss_fn, batches = _problem("transformer", steps=4)
+    ema = jz.ShardedEMA(0.9)
     zero_src, zero_dst = _zero(src, **kw), _zero(dst, **kw)
     state, _ = _run(zero_src, loss_fn, zero_src.init(params, ema=ema), batches[:2], ema)
     assert ck.save(str(tmp_path), 2, state, zero=zero_src, wait=True)
     restored = ck.restore(str(tmp_path), zero_dst, params, ema=ema)
     want_kind = "pinned_host" if dst else "device"
     assert _host_kinds((restored.master, restored.opt_state, restored.ema)) == {want_kind}
+    if params_off:
+        assert _host_kinds(restored.params) == {"pinned_host" if dst == PARAMS else "device"}
+    chex.assert_trees_all_equal(_numpy(restored.params), _numpy(state.params))
     chex.assert_trees_all_equal(_numpy(restored.master), _numpy(state.master))
     chex.assert_trees_all_equal(_numpy(restored.opt_state), _numpy(state.opt_state))
     cont_src, _ = _run(zero_src, loss_fn, state, batches[2:], ema)
@@ -209,7 +219,7 @@ def test_offload_refuses_stage0_and_unknown_values():
         jz.ZeRO(optax.sgd(0.1), mesh, stage=0, offload="optimizer")
     with pytest.raises(ValueError, match=r"offload='cpu' is not supported; use None"):
         jz.ZeRO(optax.sgd(0.1), mesh, stage=2, offload="cpu")
-    with pytest.raises(ValueError, match=r"Parameter offload .* is not built"):
+    with pytest.raises(ValueError, match=r"use offload=\('optimizer', 'params'\)"):
         jz.ZeRO(optax.sgd(0.1), mesh, stage=3, offload="params")
 
 

@@ -113,7 +113,7 @@ def describe(
         # how stage 3 gathers and where the state lives; absent from checkpoints before them
         "layers": None if zero is None else list(zero.layers or ()) or None,
         "units": None if zero is None else list(zero.units or ()) or None,
-        "offload": None if zero is None else zero.offload,
+        "offload": None if zero is None or not zero.offload else ",".join(_as_tuple(zero.offload)),
         "optimizer": optimizer
         if optimizer is not None
         else (None if zero is None else _describe_tx(zero.tx)),
@@ -273,3 +273,9 @@ def _target(zero: ZeRO, params_or_abstract_state, ema, model_state, rng) -> tupl
         else storage.resolve(ema.bucket_leaves_up_to, zero.mesh, zero.stage, zero.offload)
     )
     return storage.to_per_leaf(target), threshold
+
+
+def _as_tuple(offload) -> tuple[str, ...]:
+    """``ZeRO.offload`` (a name or a tuple of names) as a tuple, for the metadata's one
+    string (``"optimizer"``, ``"optimizer,params"``)."""
+    return (offload,) if isinstance(offload, str) else tuple(offload)

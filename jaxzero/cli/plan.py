@@ -10,7 +10,7 @@ import sys
 
 from jaxzero.cli.command import Command, param_count, pick, positive_int
 from jaxzero.cli.plan_output import fallback_note, network, progress, table
-from jaxzero.zero.offload import check_offload
+from jaxzero.zero.offload import check_offload, params_offloaded
 
 DESCRIPTION = """\
 Compile jaxzero's Adam train step of a GPT/LLaMA-shaped model for a GPU cluster with XLA's GPU
@@ -91,10 +91,17 @@ def _add_state_layout(group) -> None:
     )
     group.add_argument(
         "--offload",
-        choices=["optimizer"],
-        help="keep the fp32 master, Adam's state and the EMA in pinned host memory, updated "
-        "on the host (jaxzero.ZeRO(offload='optimizer'); stages 1-3, the default then)",
+        choices=["optimizer", "optimizer,params"],
+        help="keep the fp32 master, Adam's state and the EMA in pinned host memory, streamed "
+        "through the GPU by the update (jaxzero.ZeRO(offload='optimizer'); stages 1-3, the "
+        "default then); optimizer,params: the bf16 params too, fetched a layer at a time, "
+        "and their gradients (offload=('optimizer', 'params'); stage 3 per layer)",
     )
+
+
+def _offload_words(offload) -> str:
+    """``--offload``'s choice as the description line says it."""
+    return offload if isinstance(offload, str) else " and ".join(offload)
 
 
 def _add_wire(group) -> None:
@@ -256,7 +263,11 @@ def _describe(args, shape, recommended_xla_flags) -> str:
         + (", EMA" if args.ema else "")
         + ("" if args.compute_copy else ", stage 3 without a compute copy")
         + (", stage 3 vocabulary-parallel embedding" if args.vocab_parallel else "")
-        + (f", offload {args.offload} to pinned host memory" if args.offload else "")
+        + (
+            f", offload {_offload_words(args.offload)} to pinned host memory"
+            if args.offload
+            else ""
+        )
         + (f", int8 {args.quantize} on the wire" if args.quantize else "")
         + (f", hpZ in groups of {args.hpz}" if args.hpz else "")
         + (
@@ -290,8 +301,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     print(_describe(args, shape, recommended_xla_flags), flush=True)
     if args.network_gbps and min(args.network_gbps) <= 0:
         parser.error(f"--network-gbps: {args.network_gbps} must be two positive Gbit/s figures")
-    stages = args.stage or ((1, 2, 3) if args.offload else None)
     try:
+        args.offload = check_offload(args.offload, tuple(args.stage or ()))
+        stages = args.stage or (
+            ((3,) if params_offloaded(args.offload) else (1, 2, 3)) if args.offload else None
+        )
         check_offload(args.offload, tuple(stages or ()))
     except ValueError as e:
         parser.error(f"--offload: {e}")

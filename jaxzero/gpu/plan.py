@@ -25,7 +25,7 @@ from jaxzero.memory.estimate import param_bytes
 from jaxzero.precision import Precision
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
-from jaxzero.zero.offload import check_offload
+from jaxzero.zero.offload import check_offload, params_offloaded
 
 __all__ = [
     "PlanRow",
@@ -194,9 +194,10 @@ def _zero(
 
 
 def _plan_stages(stages, offload):
-    """The stages to plan: with ``offload`` 1-3 by default, and stage 0 refused."""
+    """The stages to plan: with ``offload`` 1-3 by default (3 with the params offloaded),
+    and stage 0 refused."""
     if offload and stages is None:
-        return (1, 2, 3)
+        return (3,) if params_offloaded(check_offload(offload, 3)) else (1, 2, 3)
     if stages is not None:
         check_offload(offload, tuple(stages))
     return stages

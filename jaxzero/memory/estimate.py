@@ -36,7 +36,7 @@ import math
 import re
 
 from jaxzero._tree import check_int, format_bytes
-from jaxzero.zero.offload import check_offload
+from jaxzero.zero.offload import check_offload, params_offloaded
 
 OPTIMIZERS = ("adam", "sgd", "adafactor")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -186,11 +186,9 @@ def estimate_memory(
         optimizer: "adam", "sgd" (with momentum) or "adafactor".
         precision: "bf16" or "fp16" (mixed, fp32 master) or "fp32".
         ema: include a sharded fp32 EMA of the parameters.
-        batch: per-device micro-batch size (activations are not sharded by ZeRO).
-        seq: sequence length.
-        hidden: model width.
+        batch, seq, hidden, heads: per-device micro-batch size (activations are not
+            sharded by ZeRO), sequence length, model width, attention heads.
         layers: number of transformer layers.
-        heads: number of attention heads.
         ckpt_every: layers between activation checkpoints ci (1 <= ci <= layers).
         vocab: vocabulary size, for the logits term (needs the activation arguments).
         layer_params: parameters of one scanned layer, for stage 3 with ``ZeRO(layers=...)``.
@@ -198,8 +196,9 @@ def estimate_memory(
             compute dtype (the step's peak under the default ``ZeRO(stage=3)``).
         compute_copy: False: stage 3 in FSDP's layout (``Precision(compute_copy=False)``,
             p = 0 in mixed precision); ``stage`` must be 3 or None.
-        offload: None, or "optimizer" (``ZeRO(offload=...)``, stages 1-3): the optimizer
-            state (with the fp32 master, if not the params) and the EMA go to ``host``.
+        offload: None, "optimizer" (``ZeRO(offload=...)``, stages 1-3: the optimizer
+            state, the fp32 master if not the params, and the EMA go to ``host``) or
+            ``("optimizer", "params")`` (stage 3: the params and their gradients too).
 
     Returns:
         A :class:`MemoryEstimate`, or a list of four (stages 0..3) when stage is None.
@@ -219,13 +218,16 @@ def estimate_memory(
 
 
 def _offloaded(e: MemoryEstimate, offload, compute_copy: bool, precision) -> MemoryEstimate:
-    """``e`` with the optimizer state and the EMA in host memory (``offload="optimizer"``)."""
+    """``e`` with the optimizer state and the EMA in host memory (``offload="optimizer"``),
+    and with ``("optimizer", "params")`` the params too, their gradients in the same bytes."""
     if not offload:
         return e
     stay = 0  # FSDP's layout: the fp32 master is the device's params, 4 bytes of K
     if not compute_copy and precision != "fp32":
         stay = _MASTER_BYTES * -(-e.num_params // e.world_size)
     host = e.optimizer - stay + e.ema
+    if params_offloaded(check_offload(offload, e.stage)):  # the gradients in their bytes
+        return dataclasses.replace(e, params=0, grads=0, optimizer=0, ema=0, host=host + e.params)
     return dataclasses.replace(e, params=e.params + stay, optimizer=0, ema=0, host=host)
 
 

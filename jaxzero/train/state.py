@@ -167,13 +167,16 @@ def state_specs(zero: ZeROConfig, state: TrainState) -> TrainState:
 
 
 def state_shardings(zero: ZeROConfig, state: TrainState) -> TrainState:
-    """NamedShardings for every leaf of ``state``; the master, the optimizer state and the
-    EMA where ``zero.placement`` keeps them (pinned host memory with offload)."""
+    """NamedShardings for every leaf of ``state``; the params, the master, the optimizer
+    state and the EMA where ``zero.placement`` keeps them (pinned host memory with offload)."""
     specs = state_specs(zero, state)
     where = lambda t: zero.placement.shardings(zero.mesh, t)
     out = sh.named(zero.mesh, specs)
     return out.replace(
-        master=where(specs.master), opt_state=where(specs.opt_state), ema=where(specs.ema)
+        params=zero.placement.param_shardings(zero.mesh, specs.params),
+        master=where(specs.master),
+        opt_state=where(specs.opt_state),
+        ema=where(specs.ema),
     )
 
 

@@ -233,6 +233,13 @@ def make_train_step(
         raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
     if ema is not None and not isinstance(ema, ShardedEMA):
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
+    if accum_steps > 1 and zero.placement.params_on_host:
+        raise ValueError(
+            f"accum_steps={accum_steps} with ZeRO(offload={zero.offload!r}): the backward "
+            "writes each layer's gradient into its params' host buffer, which the next "
+            "micro-batch's forward would read. Use accum_steps=1 with a larger batch per "
+            "step, or offload='optimizer'."
+        )
     unused = unused_reason(zero, accum_steps)
     if unused:
         warnings.warn(

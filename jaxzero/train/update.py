@@ -17,6 +17,7 @@ from jaxzero.ema.ema import ShardedEMA
 from jaxzero.train.state import TrainState, cast, constrain, ema_target, state_specs
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig
+from jaxzero.zero.offload import on_host
 
 
 def master_view(zero: ZeROConfig, state: TrainState):
@@ -29,8 +30,12 @@ def master_view(zero: ZeROConfig, state: TrainState):
 
 
 def _pinned(zero: ZeROConfig, grads):
-    """The gradients in the master's shards."""
-    return jax.lax.with_sharding_constraint(grads, sh.named(zero.mesh, zero.shard_specs(grads)))
+    """The gradients in the master's shards. Leaves in host memory (parameter offload: the
+    stacks' gradients, written into their params' host buffers) are left where they are:
+    they already have the master's shards, and a constraint would fetch them."""
+    named = sh.named(zero.mesh, zero.shard_specs(grads))
+    pin = lambda g, s: g if on_host(g) else jax.lax.with_sharding_constraint(g, s)
+    return jax.tree.map(pin, grads, named)
 
 
 def _unscaled(zero: ZeROConfig, state: TrainState, grads):
@@ -54,9 +59,9 @@ def _optax_update(zero: ZeROConfig, state: TrainState, master, grads):
     return pin(new_master), pin(opt_state)
 
 
-def _metrics(zero: ZeROConfig, state: TrainState, new_state: TrainState, grads, finite):
+def _metrics(zero: ZeROConfig, state: TrainState, new_state: TrainState, norm, finite):
     metrics = {
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": norm,
         "finite": finite,
         "skipped": new_state.skipped,
         "step": new_state.step,
@@ -94,12 +99,16 @@ def _new_ema(zero: ZeROConfig, state: TrainState, ema, new_master, model_state, 
     return new
 
 
-def _shard_update(zero: ZeROConfig, ema, state: TrainState, master, grads, model_state, apply):
-    """``(new_master, opt_state, ema, compute shards)``: the optax and EMA updates on the
-    shards (each leaf unchanged where not ``apply``) from the pinned, scaled ``grads``, and
-    ``cast(new_master)`` to ``param_dtype`` (the master itself without a compute copy). It
-    runs where ``zero.placement`` keeps the state (on the host with offload: decision 32)."""
+def _shard_update(zero: ZeROConfig, ema, state: TrainState, master, grads, model_state):
+    """``(new_master, opt_state, ema, compute shards, finite, grad_norm)``: the optax and EMA updates on the shards (each
+    leaf unchanged where the step is skipped) and ``cast(new_master)`` to ``param_dtype``
+    (the master itself without a compute copy), then the global finite check and norm of
+    the unscaled ``grads``. It runs where ``zero.placement`` keeps the
+    state (streamed through the device with offload: decision 32), so the reductions over the
+    gradients run there too."""
     grads = _unscaled(zero, state, grads)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    apply = finite if zero.skip_nonfinite else jnp.asarray(True)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
     with jax.named_scope("optimizer_update"):
         new_master, opt_state = _optax_update(zero, state, master, grads)
@@ -109,7 +118,8 @@ def _shard_update(zero: ZeROConfig, ema, state: TrainState, master, grads, model
     compute = new_master
     if zero.precision.compute_copy:
         compute = cast(new_master, zero.precision.param_dtype)
-    return new_master, keep(opt_state, state.opt_state), new_ema, compute
+    norm = optax.tree.norm(grads)
+    return new_master, keep(opt_state, state.opt_state), new_ema, compute, finite, norm
 
 
 def apply_gradients(
@@ -119,20 +129,18 @@ def apply_gradients(
     master = master_view(zero, state)
     with jax.named_scope("optimizer_update"):
         pinned = _pinned(zero, grads)
-        grads = _unscaled(zero, state, pinned)
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    apply = finite if zero.skip_nonfinite else jnp.asarray(True)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
     update = lambda *a: _shard_update(zero, ema, *a)  # unscales where the state lives
     specs = (
         state_specs(zero, state).replace(params=None, master=None),
         zero.shard_specs(master),
         zero.shard_specs(pinned),
-        jax.tree.map(lambda _: P(), (model_state, apply)),
+        jax.tree.map(lambda _: P(), model_state),
     )
-    new_master, opt_state, new_ema, compute = zero.placement.run_update(
-        zero, update, state, master, pinned, model_state, apply, specs=specs
+    new_master, opt_state, new_ema, compute, finite, norm = zero.placement.run_update(
+        zero, update, state, master, pinned, model_state, specs=specs
     )
+    apply = finite if zero.skip_nonfinite else jnp.asarray(True)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
     step = jnp.where(apply, state.step + 1, state.step)
     if zero.stage in (1, 2):
         with jax.named_scope("gather_updated_params"):
@@ -152,5 +160,5 @@ def apply_gradients(
     if state.model_state is not None and model_state is not None:
         check_same_structure(state.model_state, model_state, "model_state")
         new_state = new_state.replace(model_state=keep(model_state, state.model_state))
-    metrics = _metrics(zero, state, new_state, grads, finite)
+    metrics = _metrics(zero, state, new_state, norm, finite)
     return constrain(zero, new_state), metrics

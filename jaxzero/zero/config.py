@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -101,7 +102,11 @@ class ZeROConfig:
         state, acts = activations.split(self.offload)
         object.__setattr__(self, "offload", state)
         object.__setattr__(self, "offload_activations", acts or self.offload_activations)
+        object.__setattr__(self, "offload", offload.check_offload(self.offload, self.stage))
         offload.placement(self.offload, self.stage, self.mesh)
+        exact = collectives.param_dtype_gradient_exact(self.comm)
+        copy, defers = self.precision.separate_master, self.quantize.defers_reduce
+        offload.check_params(self.offload, self.layers, self.units, exact, copy, defers)
         self.activations  # noqa: B018 (checked here, before any state exists)
         if self.offload_activations:
             offload.check_platform(self.mesh)
@@ -214,7 +219,14 @@ class ZeROConfig:
         )
 
     def params_for_loss(self, local_params, specs):
-        """The full compute params, marked device-varying, ready to differentiate."""
+        """The full compute params, marked device-varying, ready to differentiate; with the
+        params in host memory every leaf but the layer stacks is fetched to the device first
+        (:func:`jaxzero.scan_layers` fetches each layer of those)."""
+        where = self.placement
+        if where.params_on_host:
+            stacks = sh.subtree_mask(local_params, self.layers)
+            fetch = lambda stack, x: x if stack else where.fetch(x)
+            local_params = jax.tree.map(fetch, stacks, local_params)
         tables = vocab.mask(self.vocab_parallel, local_params)  # stay rows, like the stacks
         args = (vocab.either(self._stacked_mask(local_params), tables),)
         keep_dtype = not self.placement.master_on_device  # the stacks are params: decision 32
@@ -237,6 +249,7 @@ class ZeROConfig:
             gather=gather,
             invariant=self.stage == 0,
             activations=self.activations,
+            placement=self.placement,
         )
 
     def loss_hooks(self, local_params, specs) -> list[LossHook]:

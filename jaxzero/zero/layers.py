@@ -56,6 +56,7 @@ from jaxzero._tree import path_keys, path_strs
 from jaxzero.zero.activations import DeviceActivations
 from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying, varying_axes
 from jaxzero.zero.hooks import LossHook, scoped
+from jaxzero.zero.offload import DeviceMemory
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_end, subtree_paths
 
 _PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(
@@ -86,6 +87,12 @@ _NO_SCAN_TO_OFFLOAD = (
     "'activations' from offload=."
 )
 
+_NO_SCAN_FOR_PARAMS = (
+    "ZeRO(offload=('optimizer', 'params'), layers={}) keeps the layer stacks in host memory "
+    "and jaxzero.scan_layers fetches them a layer at a time; gather_layer (an nn.scan over "
+    "the stack) cannot. Run the stack with jaxzero.scan_layers, or use offload='optimizer'."
+)
+
 _NO_SCAN_FOR_HPZ = (
     "ZeRO(hpz_partition_size={}, layers={}) keeps each layer's gathered weights within the "
     "node for the backward's gather in jaxzero.scan_layers' loop, and this model never ran "
@@ -112,6 +119,9 @@ class LayerPlan(LossHook):
     seen: set = dataclasses.field(default_factory=set)
     activations: DeviceActivations = dataclasses.field(default_factory=DeviceActivations)
     scans: int = 0  # jaxzero.scan_layers calls that ran the prefetching loop
+    #: where the stacks live: device memory, or host memory (``offload=("optimizer",
+    #: "params")``: each layer fetched, each layer's gradient written into its host slot)
+    placement: DeviceMemory = dataclasses.field(default_factory=DeviceMemory)
 
     def lookup(self, path, x):
         keys = path_keys(path)
@@ -161,6 +171,7 @@ def build_plan(
     gather=True,
     invariant=False,
     activations: DeviceActivations | None = None,
+    placement: DeviceMemory | None = None,
 ) -> LayerPlan:
     """The :class:`LayerPlan` of a per-layer step: for each leaf of one layer (a leaf of a
     ``layers`` stack without its layer axis), the dimension it is (stage 3: ``specs`` of the
@@ -175,10 +186,9 @@ def build_plan(
             continue
         d = spec_dim(flat_specs[path])
         dims[_layer_key(path, x.shape, layers)] = None if d is None else d - 1
-    activations = activations or DeviceActivations()
-    return LayerPlan(
-        comm, layers, dims, gather=gather, invariant=invariant, activations=activations
-    )
+    where = {"activations": activations or DeviceActivations()}
+    where["placement"] = placement or DeviceMemory()
+    return LayerPlan(comm, layers, dims, gather=gather, invariant=invariant, **where)
 
 
 def reduces_exactly(precision) -> bool:
@@ -378,6 +388,8 @@ def gather_layer(variables):
     if plan is None:
         return variables
     plan.calls += 1
+    if plan.placement.params_on_host:
+        raise ValueError(_NO_SCAN_FOR_PARAMS.format(plan.layers))
     leaf = _gather_leaf if plan.gather else _pass_leaf
     return jax.tree_util.tree_map_with_path(
         lambda path, x: leaf(plan.comm, x, plan.lookup(path, x)), variables

@@ -28,45 +28,98 @@ from jax.sharding import PartitionSpec as P
 from jaxzero.zero import specs as sh
 from jaxzero.zero import stream
 
-OFFLOADS = ("optimizer",)
+OPTIMIZER, PARAMS = "optimizer", "params"
+#: what ``offload=`` takes for the state, normalised: the optimizer side, or it and the params
+OFFLOADS = (OPTIMIZER, (OPTIMIZER, PARAMS))
 HOST = "pinned_host"
 
 
-def check_offload(offload, stage) -> str | None:
+def check_offload(offload, stage) -> str | tuple[str, str] | None:
     """``offload`` checked against ``stage`` (an int, or the stages a plan or a table covers):
-    None or ``"optimizer"``. The one check of the offload choices: ``ZeRO``,
-    :func:`jaxzero.estimate_memory`, ``jaxzero.gpu.plan`` and ``jaxzero plan`` call it."""
+    None, ``"optimizer"`` or ``("optimizer", "params")`` (in either order, or the string
+    ``"optimizer,params"``), returned normalised. The one check of the offload choices:
+    ``ZeRO``, :func:`jaxzero.estimate_memory`, ``jaxzero.gpu.plan`` and ``jaxzero plan`` call
+    it; what parameter offload needs of the rest of the configuration is
+    :func:`check_params`'s."""
     if offload is None:
         return None
+    if isinstance(offload, str) and "," in offload:
+        offload = tuple(x.strip() for x in offload.split(","))
+    if isinstance(offload, tuple | list) and sorted(offload) == [OPTIMIZER, PARAMS]:
+        offload = (OPTIMIZER, PARAMS)
     if offload not in OFFLOADS:
         hint = ""
-        if offload in ("params", "param", "optimizer+params"):
+        if offload in (PARAMS, "param", (PARAMS,)):
             hint = (
-                " Parameter offload (DeepSpeed's offload_param) is not built; offload the "
-                "optimizer (offload='optimizer') and use stage 3 to shard the parameters."
+                " Parameter offload keeps the optimizer side on the host too (it is the larger "
+                "part): use offload=('optimizer', 'params')."
             )
         raise ValueError(
-            f"offload={offload!r} is not supported; use None (state in device memory) or "
-            f"'optimizer' (fp32 master, optimizer state and EMA in pinned host memory, "
-            f"updated on the host: DeepSpeed's offload_optimizer).{hint}"
+            f"offload={offload!r} is not supported; use None (state in device memory), "
+            f"'optimizer' (fp32 master, optimizer state and EMA in pinned host memory: "
+            f"DeepSpeed's offload_optimizer) or ('optimizer', 'params') (the 16-bit params "
+            f"too, fetched a layer at a time: offload_param).{hint}"
         )
     stages = tuple(stage) if isinstance(stage, tuple | list) else (stage,)
     if 0 in stages:
         got = f"stage={stage}" if len(stages) == 1 else f"stages={stages}"
         raise ValueError(
-            f"offload='optimizer' needs stage 1, 2 or 3 (got {got}): at stage 0 every device "
+            f"offload={offload!r} needs stage 1, 2 or 3 (got {got}): at stage 0 every device "
             "holds the whole optimizer state and would update all of it on its host. Use "
             "stage=1 (same communication as stage 0, the state sharded 1/N) with offload."
         )
+    if params_offloaded(offload) and set(stages) - {3}:
+        raise ValueError(
+            f"offload={offload!r} needs stage=3 (got stage(s) {stages}): below stage 3 every "
+            "device holds whole params for the step. Use stage=3 with layers=."
+        )
     return offload
+
+
+def params_offloaded(offload) -> bool:
+    """Whether a checked ``offload`` keeps the params in host memory."""
+    return isinstance(offload, tuple) and PARAMS in offload
+
+
+def check_params(offload, layers, units, exact: bool, compute_copy: bool, defers: bool) -> None:
+    """Refuse parameter offload where nothing would fetch the params a layer at a time: it
+    needs the layer stacks of ``layers=`` run by :func:`jaxzero.scan_layers`, whose backward
+    writes each layer's gradient into that layer's own host slot (``exact``: the stacks'
+    gradients are exact in ``param_dtype``; ``compute_copy``: the params are a 16-bit copy
+    apart from the master, which the update does not read; ``defers``: the wire reduces a layer's gradient an iteration
+    later)."""
+    if not params_offloaded(offload):
+        return
+    fix = "or offload='optimizer' (the params stay on the device)."
+    if units or not layers:
+        raise ValueError(
+            f"offload={offload!r} fetches each layer's params from host memory as "
+            f"jaxzero.scan_layers runs the stack named by layers=; this configuration has "
+            f"{'units=' if units else 'no layers='}. Use stage=3 with layers= and "
+            f"jaxzero.scan_layers in the model, {fix}"
+        )
+    if not (exact and compute_copy):
+        raise ValueError(
+            f"offload={offload!r} writes each layer's gradient into its 16-bit params' host "
+            "buffer, so it needs a 16-bit compute copy apart from the fp32 master (the "
+            "update reads the master, not the params; Precision(compute_copy=True)) and a "
+            "gradient exact in param_dtype: reduce_dtype equal to param_dtype and a "
+            f"power-of-two number of devices. Use precision='bf16' on 2^k devices, {fix}"
+        )
+    if defers:
+        raise ValueError(
+            f"offload={offload!r} is not built with quantized gradients (quantize='grads' or "
+            f"'both'), whose reduction is deferred a layer. Use quantize='weights' or None, {fix}"
+        )
 
 
 def placement(offload, stage: int, mesh: Mesh) -> DeviceMemory | HostMemory:
     """The placement of ``ZeRO(offload=offload)``: :func:`check_offload`, then
     :func:`check_platform` when offloading."""
-    if check_offload(offload, stage):
+    offload = check_offload(offload, stage)
+    if offload:
         check_platform(mesh)
-        return HostMemory()
+        return HostMemory(params=params_offloaded(offload))
     return DeviceMemory()
 
 
@@ -78,10 +131,21 @@ class DeviceMemory:
     #: whether the step builds the loss's params from the master (stage 3 with a separate
     #: master: decision 22) where it can; the host's master is out of the device's reach
     master_on_device = True
+    #: whether the compute params live in host memory (``offload=("optimizer", "params")``)
+    params_on_host = False
 
     def shardings(self, mesh: Mesh, specs):
         """NamedShardings of a state component's ``specs`` (None stays None)."""
         return None if specs is None else sh.named(mesh, specs)
+
+    def param_shardings(self, mesh: Mesh, specs):
+        """NamedShardings of the compute params' ``specs``."""
+        return sh.named(mesh, specs)
+
+    def fetch(self, x):
+        """``x`` (a param shard, or one layer's slice of a stack, inside ``shard_map``) in
+        device memory, where the loss computes with it."""
+        return x
 
     def constrain(self, tree, shardings):
         """``tree`` (inside jit) in ``shardings``."""
@@ -104,13 +168,27 @@ class DeviceMemory:
 
 class HostMemory(DeviceMemory):
     """``offload="optimizer"`` (DeepSpeed's ``offload_optimizer``): the master (when separate
-    from the compute params), the optimizer state and the EMA in pinned host memory, updated
-    on the host (decision 32)."""
+    from the compute params), the optimizer state and the EMA in pinned host memory, streamed
+    through the device by the update (decision 32). With ``params=True``
+    (``offload=("optimizer", "params")``, DeepSpeed's ``offload_param``) the 16-bit compute
+    params too: the loss fetches each leaf, and each layer of a stack one layer ahead, and the
+    stacks' gradients are written into their params' host buffers (decision 37)."""
 
     master_on_device = False
 
+    def __init__(self, params: bool = False):
+        self.params_on_host = params
+
     def shardings(self, mesh: Mesh, specs):
         return None if specs is None else host_shardings(mesh, specs)
+
+    def param_shardings(self, mesh: Mesh, specs):
+        if self.params_on_host:
+            return host_shardings(mesh, specs)
+        return super().param_shardings(mesh, specs)
+
+    def fetch(self, x):
+        return jax.device_put(x, jax.memory.Space.Device) if self.params_on_host else x
 
     def constrain(self, tree, shardings):
         # device_put also moves a leaf to its memory kind (a constraint keeps the kind it has)
@@ -122,16 +200,19 @@ class HostMemory(DeviceMemory):
     def run_update(self, zero, update, state, master, grads, *rest, specs):
         """``update`` streamed through the device (:mod:`jaxzero.zero.stream`): the state is
         fetched from host memory a chunk at a time and each chunk's result written back into
-        the state's own buffers; the new compute shards (``update``'s last output) stay on
-        the device. ``specs``: the PartitionSpecs of ``(state, master, grads, *rest)``, the
-        state without its params and master (the update reads ``master``)."""
+        the state's own buffers; the new compute shards (``update``'s outputs before the
+        finite flag and the norm, which stay on the device) stay on the device, or with the params on the host are written into the buffers the old ones
+        leave (a stack's gradient's, which the backward wrote into the stack's: decision 37).
+        ``specs``: the PartitionSpecs of ``(state, master, grads, *rest)``, the state without
+        its params and master (the update reads ``master``)."""
         args = (state.replace(params=None, master=None), master, grads, *rest)
         mark = lambda t, on: jax.tree.map(lambda _: on, t)
         in_host = mark(args[0], False).replace(
             opt_state=mark(state.opt_state, True),
             ema=mark(state.ema, True),
         )
-        flags = (in_host, mark(master, state.master is not None), mark((grads, *rest), False))
+        grads_host = jax.tree.map(on_host, grads)
+        flags = (in_host, mark(master, state.master is not None), grads_host, mark(rest, False))
         # each new state leaf replaces its own (donated) input leaf
         index = jax.tree.unflatten(jax.tree.structure(args), range(len(jax.tree.leaves(args))))
         olds = jax.tree.leaves((index[0].opt_state, index[0].ema))
@@ -140,16 +221,24 @@ class HostMemory(DeviceMemory):
             olds = jax.tree.leaves(index[1]) + olds
         first = 0 if state.master is not None else m  # the new master replaces the old one
         alias = {first + o: i for o, i in enumerate(olds)}
+        device_outputs = 2 + (0 if self.params_on_host else m)  # finite, norm (+ compute)
         if zero.stage == 3 and state.master is not None:
-            # the new bf16 shards are written into the old ones (no longer read: the loss
-            # has run), so the device never holds two copies of the params
+            # the new 16-bit shards are written into the old ones (no longer read: the loss
+            # has run), so no second copy of the params is held; a stack whose gradient the
+            # backward wrote into its params' host buffer gets them back in that buffer
             args = (*args, state.params)
             start = len(jax.tree.leaves(args)) - m
             tail = len(olds) + first  # the compute outputs follow the state's
-            alias.update({tail + o: start + o for o in range(m)})
+            into = [
+                g if on else start + o
+                for o, (g, on) in enumerate(
+                    zip(jax.tree.leaves(index[2]), jax.tree.leaves(grads_host), strict=True)
+                )
+            ]
+            alias.update({tail + o: i for o, i in enumerate(into)})
             fn = lambda *a: update(*a[:-1])
             specs = (specs, zero.param_specs(state.params))
-            flags = (*flags, mark(state.params, False))
+            flags = (*flags, mark(state.params, self.params_on_host))
         else:
             fn = update
         return stream.run(
@@ -159,11 +248,16 @@ class HostMemory(DeviceMemory):
             specs=jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
             host=jax.tree.leaves(flags),
             alias=alias,
-            device_outputs=m,
+            device_outputs=device_outputs,
         )
 
     def new_params(self, compute, params, keep):
         return compute  # already the kept master's cast: the device params are not read
+
+
+def on_host(x) -> bool:
+    """Whether the (traced) array ``x`` is typed to live in host memory."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
 def memory_kinds(mesh: Mesh) -> tuple[str, ...]:

@@ -151,8 +151,9 @@ def scan_layers(fn: Callable, stack, carry, xs=None, *, with_ys: bool = False):
         the forward ``kept`` (:meth:`~jaxzero.zero.wire.Wire.keep`); not before ``after``
         exists (an optimization barrier: else XLA hoists the backward's gathers to the start
         of the step, where they are exposed and held through the forward)."""
-        # Cast before the barrier: the slice and the cast are then one kernel.
-        shards = [x.astype(plan.comm.param_dtype) for x in _at(ls, i)]
+        # Cast before the barrier: the slice and the cast are then one kernel (with the
+        # params in host memory, the slice is fetched to the device first).
+        shards = [plan.placement.fetch(x).astype(plan.comm.param_dtype) for x in _at(ls, i)]
         parts = [None] * len(shards) if kept is None else kept(i)
         src = [x if p is None else p for x, p in zip(shards, parts, strict=True)]
         if after is not None:
@@ -215,12 +216,13 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
             kept = lambda i: _at(stack, i)
         ct, ct_ys = cts
 
-        def layer(state, i):
-            """Layer ``i``'s backward, layer ``i - 1``'s gather and input fetch in flight:
-            the next state, and layer ``i``'s weight gradient (unreduced leaves)."""
+        def layer(state, i, src=leaves):
+            """Layer ``i``'s backward, layer ``i - 1``'s gather (from the stacks ``src``) and
+            input fetch in flight: the next state, and layer ``i``'s weight gradient
+            (unreduced leaves)."""
             ct, w, c, dconsts = state
             prev = jnp.maximum(i - 1, 0)
-            nxt = gather(leaves, prev, (ct, w), kept)  # in flight under layer i
+            nxt = gather(src, prev, (ct, w), kept)  # in flight under layer i
             c_prev = _layer_input(saved, inputs, c_last, prev, length)  # fetched under layer i
             x = _at(xs, i)
             _, pull = jax.vjp(lambda w, c, *k: fn(w, c, x, *k), w, c, *consts)
@@ -233,6 +235,8 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
         state = (ct, gather(leaves, length - 1, ct, kept), c, dk)
         if comm.wire.defers_reduce:
             (ct, _, _, dk), grads = _deferred(comm, layer, state, leaves, dims, length)
+        elif plan.placement.params_on_host:
+            (ct, _, _, dk), grads = _in_place(comm, layer, state, leaves, dims, length)
         else:
 
             def body(state, i):  # XLA's pipeliner moves layer i's reduce-scatter under i - 1
@@ -269,6 +273,29 @@ def _deferred(comm: Comm, layer, state, leaves, dims, length):
     steps = jnp.arange(length - 1)
     (state, pending, out), _ = jax.lax.scan(body, (state, pending, out), steps, reverse=True)
     return state, _put(out, _reduce_tree(comm, pending, dims, leaves), 0)
+
+
+def _in_place(comm: Comm, layer, state, leaves, dims, length):
+    """The backward loop over stacks in host memory (parameter offload): iteration ``i``
+    reads layer ``i - 1``'s params from the stacks it carries and writes layer ``i``'s
+    reduced gradient into layer ``i``'s slot, which nothing reads again (the backward
+    fetched layer ``i`` one iteration earlier). XLA then updates the stacks' host buffers in
+    place: the gradient takes the params' bytes, and leaves the device layer by layer.
+    Returns the final state and the gradient stacks (in the params' buffers)."""
+
+    def body(carry, i):
+        state, out = carry
+        state, dw = layer(state, i, out)
+        # the write waits for the read of layer i - 1 (in the next layer's weights): else
+        # the two overlap, and XLA copies the whole stack to keep the read's bytes
+        dw, _ = jax.lax.optimization_barrier((dw, state[1]))
+        reduced = _reduce_tree(comm, dw, dims, leaves)
+        host = [jax.device_put(g, jax.memory.Space.Host) for g in reduced]
+        return (state, _put(out, host, i)), None
+
+    steps = jnp.arange(length)
+    (state, out), _ = jax.lax.scan(body, (state, list(leaves)), steps, reverse=True)
+    return state, out
 
 
 def _layer_input(saved, inputs, last, i, length):

@@ -1,0 +1,176 @@
+"""``ZeRO(offload=("optimizer", "params"))``: the bf16 compute params in pinned host memory
+too, each layer of a ``jz.scan_layers`` stack fetched a layer ahead, each layer's gradient
+written into its own params' host slot (decision 37).
+
+Numbers: on 8 simulated CPU devices the run equals the same run with the params on the
+device and with nothing offloaded (to 1e-6), and single-device fp32 optax within bf16's
+rounding (checkpoints moving between the settings: test_offload.py). Memory: the deviceless H100 compile holds
+in host memory exactly the offloaded state plus the params (restated from the sharding
+rule), with no host temporaries (the gradients take the params' bytes), and no
+parameter bytes among the device's arguments. Bad configurations are refused before any
+state exists.
+"""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+from models import make_problem, reference_run, run_steps, stack_problem
+
+import jaxzero as jz
+from jaxzero import gpu
+from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
+
+N = 8
+PARAMS = ("optimizer", "params")
+TX = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6))
+
+
+def _zero(off, **kw):
+    kw = {"stage": 3, "layers": "layers", "precision": "bf16", **kw}
+    return jz.ZeRO(TX(), jz.data_parallel_mesh(N), offload=off, **kw)
+
+
+def _numpy(tree):
+    return jax.tree.map(np.asarray, jz.gather(tree))
+
+
+def _kinds(tree):
+    return {
+        s.data.sharding.memory_kind for x in jax.tree.leaves(tree) for s in x.addressable_shards
+    }
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        pytest.param({}, id="bf16"),
+        pytest.param(
+            {"precision": "fp16", "loss_scale": jz.DynamicLossScale(2.0**10)}, id="fp16_scaled"
+        ),
+    ],
+)
+def test_param_offload_trains_like_the_device_params(kw):
+    """Losses, params, master, optimizer state, EMA and counters after 3 steps equal the
+    runs with the params on the device (optimizer offload) and with nothing offloaded; the
+    params, master, optimizer state and EMA are in pinned host memory throughout."""
+    params, loss_fn, batches = stack_problem(layers=3, steps=3)
+    ema = jz.ShardedEMA(0.9, tau=2.0)
+    runs = {}
+    for off in (None, "optimizer", PARAMS):
+        zero = _zero(off, **kw)
+        runs[off] = run_steps(zero, loss_fn, zero.init(params, ema=ema), batches, ema)
+    host, losses = runs[PARAMS]
+    assert _kinds((host.params, host.master, host.opt_state, host.ema)) == {"pinned_host"}
+    tol = {"rtol": 1e-6, "atol": 1e-8}
+    for off in (None, "optimizer"):
+        other, other_losses = runs[off]
+        np.testing.assert_allclose(losses, other_losses, rtol=1e-6)
+        for part in ("params", "master", "opt_state", "ema"):
+            chex.assert_trees_all_close(
+                _numpy(getattr(host, part)), _numpy(getattr(other, part)), **tol
+            )
+        assert (int(host.step), int(host.skipped)) == (int(other.step), int(other.skipped))
+
+
+def test_param_offload_follows_single_device_optax():
+    """The fp32 master after 3 steps is plain single-device fp32 optax's within what the
+    bf16 forward and the bf16 gradient reduction round."""
+    params, loss_fn, batches = stack_problem(layers=3, steps=3)
+    ref, _ = reference_run(TX(), params, loss_fn, batches)
+    zero = _zero(PARAMS)
+    state, _ = run_steps(zero, loss_fn, zero.init(params), batches, None)
+    chex.assert_trees_all_close(_numpy(state.master), ref, atol=2e-2)
+    # and far from the initial params: the steps moved them by more than the tolerance
+    moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), ref, params)
+    assert max(jax.tree.leaves(moved)) > 5e-3
+
+
+def test_param_offload_refuses_what_would_not_fetch_layer_by_layer():
+    mesh = jz.data_parallel_mesh(N)
+    tx = optax.adam(1e-3)
+    with pytest.raises(ValueError, match=r"needs stage=3"):
+        jz.ZeRO(tx, mesh, stage=2, precision="bf16", offload=PARAMS)
+    with pytest.raises(ValueError, match=r"use offload=\('optimizer', 'params'\)"):
+        jz.ZeRO(tx, mesh, stage=3, layers="layers", precision="bf16", offload="params")
+    with pytest.raises(ValueError, match=r"has no layers="):
+        jz.ZeRO(tx, mesh, stage=3, precision="bf16", offload=PARAMS)
+    with pytest.raises(ValueError, match=r"has units="):
+        jz.ZeRO(tx, mesh, stage=3, units="block_*", precision="bf16", offload=PARAMS)
+    with pytest.raises(ValueError, match=r"needs a 16-bit compute copy"):
+        jz.ZeRO(tx, mesh, stage=3, layers="layers", offload=PARAMS)  # fp32: no copy
+    fsdp = jz.Precision.create("bf16", compute_copy=False)
+    with pytest.raises(ValueError, match=r"needs a 16-bit compute copy"):
+        jz.ZeRO(tx, mesh, stage=3, layers="layers", precision=fsdp, offload=PARAMS)
+    with pytest.raises(ValueError, match=r"not built with quantized gradients"):
+        jz.ZeRO(
+            tx, mesh, stage=3, layers="layers", precision="bf16", offload=PARAMS, quantize="grads"
+        )
+    zero = _zero(PARAMS)
+    params, loss_fn, _ = stack_problem(layers=3, steps=1)
+    with pytest.raises(ValueError, match=r"accum_steps=2 .* next micro-batch's forward"):
+        jz.make_train_step(loss_fn, zero, accum_steps=2)
+
+
+def test_param_offload_refuses_a_stack_run_by_gather_layer():
+    """An nn.scan over gather_layer cannot fetch host stacks a layer at a time: refused
+    when the step is traced, before any state changes."""
+    params, loss_fn, batches = make_problem("scanned", steps=1, gather_layer=jz.gather_layer)
+    zero = _zero(PARAMS)
+    step = jz.make_train_step(loss_fn, zero)
+    state = step.init(params)
+    with pytest.raises(ValueError, match=r"gather_layer \(an nn.scan over the stack\) cannot"):
+        step(state, batches[0])
+    assert int(state.step) == 0  # not donated: the call failed while tracing
+
+
+SHAPE = model_shape(layers=4, hidden=512, heads=4, vocab=512, seq=64, batch=1)
+
+
+def _gpu_report(off):
+    zero = jz.ZeRO(
+        optax.adam(1e-3),
+        gpu.compile_only_mesh("h100", N),
+        stage=3,
+        precision="bf16",
+        layers="layers",
+        offload=off,
+    )
+    step = jz.make_train_step(make_loss(SHAPE), zero, ema=jz.ShardedEMA(0.99))
+    return gpu.compile_report(step, abstract_params(SHAPE), batch_shapes(SHAPE, N))
+
+
+def _local_elements():
+    """Elements per device of every param leaf, by the sharding rule (split 8 ways on the
+    first divisible dimension, a stack's layer axis skipped, else whole)."""
+    total = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(abstract_params(SHAPE))[0]:
+        skip = 1 if path[0].key == "layers" else 0
+        split = any(d % N == 0 for d in x.shape[skip:])
+        total += math.prod(x.shape) // (N if split else 1)
+    return total
+
+
+def test_gpu_param_offload_holds_state_and_params_on_the_host_and_nothing_more():
+    """Deviceless H100, 4 scanned layers x 512 at N = 8, bf16 Adam with an EMA: the host
+    holds the fp32 master, mu, nu and EMA (16 bytes per local element) and the bf16 params
+    (2), plus Adam's and the EMA's counters, and nothing else: no temporaries, every output
+    aliased to its input (the gradients are written into the params' buffers). The device's
+    arguments hold no parameter bytes (the batch and two counters only), and its peak is below optimizer
+    offload's by at least the bf16 params and their bf16 gradient (2 + 2 bytes per local
+    element)."""
+    local = _local_elements()
+    host = _gpu_report(PARAMS)
+    want = 18 * local + 2 * 4
+    assert host.host_argument_bytes == want
+    assert host.host_temp_bytes == 0
+    assert host.host_alias_bytes == host.host_output_bytes == want
+    # the device's arguments: the int32 tokens and labels, the step and skip counters
+    assert host.argument_bytes == 2 * 4 * SHAPE.batch * SHAPE.seq + 2 * 4
+    device = _gpu_report("optimizer")
+    assert device.peak_bytes - host.peak_bytes >= 4 * local
