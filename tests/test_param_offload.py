@@ -14,6 +14,7 @@ state exists.
 from __future__ import annotations
 
 import math
+import re
 
 import chex
 import jax
@@ -145,6 +146,23 @@ def _gpu_report(off):
     return gpu.compile_report(step, abstract_params(SHAPE), batch_shapes(SHAPE, N))
 
 
+def _local_stack_shapes():
+    """Each layer stack's shape per device: split 8 ways on its first divisible non-layer
+    dimension."""
+    shapes = set()
+    for x in jax.tree.leaves(abstract_params(SHAPE)["layers"]):
+        d = next(d for d in range(1, len(x.shape)) if x.shape[d] % N == 0)
+        shapes.add(x.shape[:d] + (x.shape[d] // N,) + x.shape[d + 1 :])
+    return shapes
+
+
+# a write of one layer's device slice into a stack in host memory (S(5)), as XLA:GPU's async
+# dynamic-update-slice prints it: the host operand's shape is captured
+_HOST_WRITE = re.compile(
+    r"dynamic-update-slice\S* = \(\(bf16\[([\d,]+)\]\{[\d,]*:S\(5\)\}, bf16\[1,"
+)
+
+
 def _local_elements():
     """Elements per device of every param leaf, by the sharding rule (split 8 ways on the
     first divisible dimension, a stack's layer axis skipped, else whole)."""
@@ -163,7 +181,8 @@ def test_gpu_param_offload_holds_state_and_params_on_the_host_and_nothing_more()
     aliased to its input (the gradients are written into the params' buffers). The device's
     arguments hold no parameter bytes (the batch and two counters only), and its peak is below optimizer
     offload's by at least the bf16 params and their bf16 gradient (2 + 2 bytes per local
-    element)."""
+    element). Each stack's gradient leaves the device one layer's slice at a time: the
+    compiled step writes a [1, ...] device slice into every stack's host buffer."""
     local = _local_elements()
     host = _gpu_report(PARAMS)
     want = 18 * local + 2 * 4
@@ -174,3 +193,7 @@ def test_gpu_param_offload_holds_state_and_params_on_the_host_and_nothing_more()
     assert host.argument_bytes == 2 * 4 * SHAPE.batch * SHAPE.seq + 2 * 4
     device = _gpu_report("optimizer")
     assert device.peak_bytes - host.peak_bytes >= 4 * local
+    # the per-layer transfer: every stack's gradient is written into its host buffer one
+    # layer's slice at a time (in the backward loop)
+    writes = {tuple(int(d) for d in m.split(",")) for m in _HOST_WRITE.findall(host.hlo_text)}
+    assert writes == _local_stack_shapes()
