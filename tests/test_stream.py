@@ -149,3 +149,154 @@ def test_streamed_update_in_many_chunks_equals_plain_optax(tx):
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves((new, new_state))}
     assert kinds == {"pinned_host"}
     assert {x.sharding.memory_kind for x in jax.tree.leaves(compute)} == {"device"}
+
+
+# Gradients in host memory too (parameter offload): three large leaves that chunk along an
+# unsplit dimension ((64, 256) and (40, 200) split on their rows, (4100,) replicated), one small.
+HOST_GRAD_SHAPES = {"w": (64, 256), "m": (40, 200), "r": (4100,), "b": (16,)}
+
+
+def _host_grads(seed):
+    keys = jax.random.split(jax.random.key(seed), len(HOST_GRAD_SHAPES))
+    shapes = HOST_GRAD_SHAPES.items()
+    return {k: jax.random.normal(key, s) for key, (k, s) in zip(keys, shapes, strict=True)}
+
+
+def _spec(x):
+    return P("data") if x.ndim and x.shape[0] % 8 == 0 else P()
+
+
+def _streamed(fn, args, *, device_outputs, alias, chunk=64):
+    """``fn`` streamed under jit on 8 devices, every leaf of ``args`` in pinned host memory:
+    ``(the jitted function, its arguments)``."""
+    mesh = jz.data_parallel_mesh(8)
+    flat, tree = jax.tree.flatten(args)
+    specs = [_spec(x) for x in flat]
+    flat = [jax.device_put(x, host_sharding(mesh, s)) for x, s in zip(flat, specs, strict=True)]
+
+    @jax.jit
+    def run(*args):
+        return stream.run(
+            fn,
+            args,
+            mesh=mesh,
+            specs=specs,
+            host=[True] * len(flat),
+            device_outputs=device_outputs,
+            alias=alias,
+            chunk=chunk,
+        )
+
+    return run, tuple(jax.tree.unflatten(tree, flat))
+
+
+def _clip_adamw_with_host_grads():
+    """``(update, its arguments, the streamed update, its arguments)``: clip_by_global_norm
+    (active: the gradient's norm is about 170) and AdamW, with a finite check and the norm."""
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+    params, grads = _host_grads(1), _host_grads(2)
+    state = tx.init(params)
+
+    def update(grads, state, params):
+        updates, state = tx.update(grads, state, params)
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        return optax.apply_updates(params, updates), state, finite, optax.tree.norm(grads)
+
+    n_g, n_s = len(jax.tree.leaves(grads)), len(jax.tree.leaves(state))
+    alias = {o: n_g + n_s + o for o in range(n_g)}  # new params into params
+    alias.update({n_g + o: n_g + o for o in range(n_s)})  # new state into state
+    args = (grads, state, params)
+    return (update, args, *_streamed(update, args, device_outputs=2, alias=alias))
+
+
+def test_host_gradients_clip_adamw_streamed_equals_plain_optax():
+    """Gradients, state and params in host memory, 64 elements a chunk (several loop
+    iterations per leaf, in the prologue's norms and finite check and in every part): the same
+    new params, state, finite check and norm as ``tx`` on one device."""
+    update, args, run, host_args = _clip_adamw_with_host_grads()
+    want = update(*args)
+    assert want[3] > 1.0  # clipping is active
+    got = run(*host_args)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, got), want, rtol=1e-6, atol=1e-7)
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(got[:2])}
+    assert kinds == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in got[2:]} == {"device"}
+
+
+def _fetches(jaxpr):
+    """The shapes of the values every ``device_put`` to device memory in ``jaxpr`` (and the
+    jaxprs inside it) moves."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            for v, d in zip(eqn.invars, eqn.params["devices"], strict=True):
+                if d == jax.memory.Space.Device:
+                    out.append(v.aval.shape)
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, tuple | list) else (p,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    out += _fetches(sub)
+    return out
+
+
+def test_host_gradients_are_fetched_a_chunk_at_a_time_never_whole():
+    """No ``device_put`` to the device in the streamed update moves a large gradient leaf whole
+    (the prologue's norm and finite check reduce it chunk by chunk); chunks of it are moved."""
+    _, args, run, host_args = _clip_adamw_with_host_grads()
+    fetched = _fetches(jax.make_jaxpr(run)(*host_args).jaxpr)
+    large = {g.shape for g in jax.tree.leaves(args[0]) if g.size > stream_parts.SMALL}
+    assert len(large) == 3
+    assert not large & set(fetched), fetched
+    assert {(64, 8), (40, 10), (50,)} <= set(fetched)  # the chunks, 64 elements a device
+
+
+def _reductions(grads):
+    """Full reductions of each leaf's elementwise values, combined across leaves (so the
+    prologue computes them): a max, a min, an and, an or, a product (of powers of two: exact in
+    any order), an integer max, and a norm of the leaves scaled by their norm (a chain that
+    reads a reduction before it)."""
+    g = jax.tree.leaves(grads)
+    each = lambda f: jnp.stack([f(x) for x in g])
+    norm = optax.tree.norm(grads)
+    return (
+        jnp.max(each(lambda x: jnp.max(jnp.abs(x)))),
+        jnp.min(each(jnp.min)),
+        jnp.all(each(lambda x: jnp.all(jnp.abs(x) < 10))),
+        jnp.all(each(lambda x: jnp.all(x < 3))),
+        jnp.any(each(lambda x: jnp.any(x > 3.5))),
+        jnp.any(each(lambda x: jnp.any(x > 100))),
+        jnp.prod(each(lambda x: jnp.prod(jnp.where(x > 3, 2.0, jnp.where(x < -3, 0.5, 1.0))))),
+        jnp.max(each(lambda x: jnp.max((x * 100).astype(jnp.int32)))),
+        optax.tree.norm(jax.tree.map(lambda x: x / norm, grads)),
+    )
+
+
+def test_chunked_max_min_and_or_prod_combine_as_the_whole_reductions():
+    """Every reduction of :func:`_reductions` over host gradients runs in chunks (no large leaf
+    is fetched whole) and gives plain jnp's value, the boolean ones both ways."""
+    grads = _host_grads(3)
+    want = _reductions(grads)
+    run, host_args = _streamed(_reductions, (grads,), device_outputs=len(want), alias={})
+    fetched = _fetches(jax.make_jaxpr(run)(*host_args).jaxpr)
+    assert not {(64, 256), (40, 200), (4100,)} & set(fetched), fetched
+    got = jax.tree.map(np.asarray, run(*host_args))
+    assert [bool(x) for x in got[2:6]] == [True, False, True, False]
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_host_value_another_equation_reads_whole_is_fetched_whole():
+    """A transpose reads the (64, 256) leaf whole: that leaf is fetched whole and its max runs
+    whole, the other leaves' maxes still run in chunks, and the numbers are plain jnp's."""
+
+    def fn(grads):
+        g = jax.tree.leaves(grads)
+        top = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in g]))
+        return top, jnp.sum(grads["w"].T[:3] * grads["b"][0])
+
+    grads = _host_grads(4)
+    run, host_args = _streamed(fn, (grads,), device_outputs=2, alias={})
+    fetched = set(_fetches(jax.make_jaxpr(run)(*host_args).jaxpr))
+    assert (64, 256) in fetched and not {(40, 200), (4100,)} & fetched
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, run(*host_args)), fn(grads), rtol=1e-6)

@@ -8,8 +8,16 @@ are not elementwise (Adafactor's factored moments, LAMB's per-leaf norms) run wh
 device, under jit's sharding. An elementwise part (Adam's, the EMA's, the casts) runs, also
 under jit's sharding, in a ``fori_loop`` over chunks of a dimension the sharding leaves whole
 (:func:`chunk_dim`), each chunk fetched to the device and written back in place with
-``dynamic_update_slice`` into the state leaf it replaces. An ``optimization_barrier`` chain runs the parts one after another,
-so the device never holds more than one part's chunk (or one whole non-elementwise part).
+``dynamic_update_slice`` into the state leaf it replaces. An ``optimization_barrier`` chain
+runs the parts one after another, so the device never holds more than one part's chunk (or
+one whole non-elementwise part).
+
+In the prologue, a full reduction (sum, max, min, and, or, product over every axis) of a large
+value computed elementwise from large values of one spec, at least one in host memory (the
+sum of squares of a global norm, a finite check, of host-resident gradients), runs the same
+way: a ``fori_loop`` over chunks, each chunk of those values fetched, the elementwise chain
+computed on it and reduced, the chunks' values combined by the reduction's monoid. Such a
+host value is never fetched whole, unless another equation of the prologue reads it whole.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Literal, Var
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -37,6 +46,33 @@ def rows_per_chunk(rows: int, row_elements: int, chunk: int) -> int:
     return max(d for d in range(1, min(rows, fit) + 1) if rows % d == 0)
 
 
+#: how two chunks' values of a full reduction combine
+_MONOIDS = {
+    "reduce_sum": jax.lax.add,
+    "reduce_max": jax.lax.max,
+    "reduce_min": jax.lax.min,
+    "reduce_and": jax.lax.bitwise_and,
+    "reduce_or": jax.lax.bitwise_or,
+    "reduce_prod": jax.lax.mul,
+}
+
+
+def _identity(name: str, dtype):
+    """The value, in ``dtype``, of the reduction ``name`` over no elements."""
+    dtype = jnp.dtype(dtype)
+    if name in ("reduce_max", "reduce_min"):
+        low = name == "reduce_max"
+        if dtype == jnp.bool_:
+            return jnp.asarray(not low)
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return jnp.asarray(-jnp.inf if low else jnp.inf, dtype)
+        info = jnp.iinfo(dtype)
+        return jnp.asarray(info.min if low else info.max, dtype)
+    if name == "reduce_and":  # every bit set
+        return jnp.asarray(np.invert(np.zeros((), dtype)))
+    return jnp.asarray(1 if name == "reduce_prod" else 0, dtype)
+
+
 def _run_eqns(jaxpr, eqns, env, shape=None):
     """``jaxpr``'s equations ``eqns`` evaluated into ``env``; with ``shape`` (a chunk's), a
     scalar broadcast to a large value broadcasts to the chunk instead."""
@@ -47,7 +83,8 @@ def _run_eqns(jaxpr, eqns, env, shape=None):
             jaxpr_eval.bind(eqn, env)
             continue
         params = {**bind_params(eqn), "shape": shape}
-        params.pop("sharding", None)
+        if "sharding" in params:  # the chunk's sharding is jit's to choose
+            params["sharding"] = None
         env[eqn.outvars[0]] = eqn.primitive.bind(jaxpr_eval.read(env, eqn.invars[0]), **params)
     return env
 
@@ -86,15 +123,82 @@ class _Run:
         self.chain = outs
         return dict(zip(part.outputs, outs, strict=True))
 
+    def prologue(self, env, part, chunk):
+        """``part`` as :meth:`whole` runs it, except the full reductions of a large value that
+        :func:`stream_parts.reductions` finds computed elementwise from values of one spec, at
+        least one in host memory: each runs in a loop over chunks (:meth:`reduced`), and the
+        large values that only such loops read are never fetched or computed whole."""
+        jaxpr = self.plan.jaxpr.jaxpr
+        ok = lambda bigs: any(v in self.host for v in bigs) and self._spec(bigs) is not None
+        loops = stream_parts.reductions(jaxpr, part, ok)
+        looped = set(loops).union(*loops.values())
+        rest = [jaxpr.eqns[i] for i in part.eqns if i not in looped]
+        whole = set(jaxpr_eval.reads(rest))
+        vals = self.chained([env[v] for v in part.inputs])
+        local = {
+            v: self.fetched(v, x) if v in whole or not stream_parts.big(v) else x
+            for v, x in zip(part.inputs, vals, strict=True)
+        }
+        local.update(zip(jaxpr.constvars, self.plan.jaxpr.consts, strict=True))
+        for i in part.eqns:
+            if i in loops:
+                local[jaxpr.eqns[i].outvars[0]] = self.reduced(local, i, loops[i], chunk)
+            elif i not in looped:
+                _run_eqns(jaxpr, (i,), local)
+        outs = [local[v] for v in part.outputs]
+        self.chain = outs
+        return dict(zip(part.outputs, outs, strict=True))
+
+    def reduced(self, local, i, eqns, chunk):
+        """The jaxpr's equation ``i``, a full reduction, in a loop over chunks under jit's
+        sharding: each chunk of the large values its chain ``eqns`` reads from ``local`` sliced
+        (and fetched, from host memory), the chain computed on the chunk, the chunk reduced and
+        combined with the chunks before by the reduction's monoid."""
+        jaxpr = self.plan.jaxpr.jaxpr
+        eqn = jaxpr.eqns[i]
+        x = eqn.invars[0]
+        reads = jaxpr_eval.reads([jaxpr.eqns[j] for j in eqns]) or [x]
+        big = [v for v in reads if stream_parts.big(v)]
+        small = {v: local[v] for v in reads if not stream_parts.big(v)}
+        k, c, chunk_shape = self._chunks(self._spec(big), x.aval.shape, chunk)
+        big_vals = self.chained([local[v] for v in big])
+        params, combine = bind_params(eqn), _MONOIDS[eqn.primitive.name]
+
+        def body(j, acc):
+            envl = dict(small)
+            for v, y in zip(big, big_vals, strict=True):
+                s = jax.lax.dynamic_slice_in_dim(y, j * c, c, k, allow_negative_indices=False)
+                envl[v] = jax.device_put(s, DEVICE) if v in self.host else s
+            _run_eqns(jaxpr, eqns, envl, chunk_shape)
+            return combine(acc, eqn.primitive.bind(envl[x], **params))
+
+        init = _identity(eqn.primitive.name, eqn.outvars[0].aval.dtype)
+        acc = jax.lax.fori_loop(0, x.aval.shape[k] // c, body, init)
+        self.chain = [acc]
+        return acc
+
     def streamable(self, part) -> P | None:
         """The one spec of ``part``'s large inputs when it can run in chunks, else None."""
         if not part.elementwise or not all(stream_parts.big(v) for v in part.outputs):
             return None
-        specs = {self.spec.get(v) for v in part.inputs if stream_parts.big(v)}
+        return self._spec([v for v in part.inputs if stream_parts.big(v)])
+
+    def _spec(self, bigs) -> P | None:
+        """The one spec of the large values ``bigs`` (of one shape) when it leaves a dimension
+        to chunk, else None."""
+        specs = {self.spec.get(v) for v in bigs}
         if len(specs) != 1 or None in specs:
             return None
         spec = next(iter(specs))
-        return spec if chunk_dim(spec, part.outputs[0].aval.shape) is not None else None
+        return spec if chunk_dim(spec, bigs[0].aval.shape) is not None else None
+
+    def _chunks(self, spec, shape, chunk):
+        """``(dimension, rows, chunk shape)`` of a loop over chunks of ``shape`` under ``spec``,
+        each at most ``chunk`` elements per device."""
+        local = NamedSharding(self.mesh, spec).shard_shape(shape)
+        k = chunk_dim(spec, shape)
+        c = rows_per_chunk(shape[k], math.prod(local) // shape[k], chunk)
+        return k, c, shape[:k] + (c,) + shape[k + 1 :]
 
     def chunked(self, env, part, spec, chunk):
         """``part`` in a loop over chunks of an unsplit dimension, under jit's sharding: each
@@ -104,10 +208,7 @@ class _Run:
         big = [v for v in part.inputs if stream_parts.big(v)]
         small = [v for v in part.inputs if not stream_parts.big(v)]
         shape = part.outputs[0].aval.shape
-        local = NamedSharding(self.mesh, spec).shard_shape(shape)
-        k = chunk_dim(spec, shape)
-        c = rows_per_chunk(shape[k], math.prod(local) // shape[k], chunk)
-        chunk_shape = shape[:k] + (c,) + shape[k + 1 :]
+        k, c, chunk_shape = self._chunks(spec, shape, chunk)
         into = []
         for v in part.outputs:
             u = self.alias.get(v)
@@ -193,7 +294,7 @@ def run(fn, args, *, mesh, specs, host, device_outputs: int, alias, chunk: int |
     r = _Run(plan, mesh, specs, host, dev, pairs)
     env = dict(zip(jaxpr.invars, flat, strict=True))
     env.update(zip(jaxpr.constvars, closed.consts, strict=True))
-    env.update(r.whole(env, plan.prologue))
+    env.update(r.prologue(env, plan.prologue, chunk))
     for part in plan.parts:
         spec = r.streamable(part)
         env.update(r.whole(env, part) if spec is None else r.chunked(env, part, spec, chunk))

@@ -8,7 +8,8 @@ once, by the prologue, and handed to them; one that only a part's own values fee
 So ``clip_by_global_norm`` is a prologue of the norm and a part per leaf, Adam a part per leaf,
 and a chain that mixes leaves through a large value (a flattened ``optax.flatten`` vector) is
 one part. A part whose every large value has one shape and is computed elementwise
-(``elementwise``) can run in chunks along its first dimension.
+(``elementwise``) can run in chunks along its first dimension, and so can a full reduction of
+a large value computed elementwise (:func:`reductions`: the prologue's norms and finite checks).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ ELEMENTWISE = frozenset(
     "abs add and atan2 ceil clamp convert_element_type copy copy_p cos div eq erf exp exp2 "
     "expm1 floor ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg "
     "nextafter not or pow rem round rsqrt select_n sign sin sqrt square sub tan tanh xor".split()
+)
+
+#: reductions of every axis that :func:`reductions` offers to run in chunks: the chunks' values
+#: combine by the reduction's monoid (add, max, min, and, or, multiply)
+FULL_REDUCTIONS = frozenset(
+    "reduce_sum reduce_max reduce_min reduce_and reduce_or reduce_prod".split()
 )
 
 
@@ -215,3 +222,62 @@ def plan(closed) -> Plan:
             Part(eqns, _inputs(jaxpr, eqns, stop), tuple(outs[g]), _elementwise(jaxpr, eqns))
         )
     return Plan(closed, prologue, tuple(parts))
+
+
+def _full_reduction(eqn) -> bool:
+    x = eqn.invars[0]
+    return (
+        eqn.primitive.name in FULL_REDUCTIONS
+        and big(x)
+        and tuple(sorted(eqn.params["axes"])) == tuple(range(len(x.aval.shape)))
+    )
+
+
+def _chain(jaxpr, made, x) -> tuple[int, ...] | None:
+    """The equations (of those in ``made``, ``{value: equation}``) that compute the large value
+    ``x`` elementwise from large values they do not compute, in order; None when a large value
+    on the way is not computed elementwise."""
+    need, chosen = [x], set()
+    while need:
+        v = need.pop()
+        if v in made and made[v] not in chosen:
+            chosen.add(made[v])
+            need.extend(u for u in jaxpr.eqns[made[v]].invars if big(u))
+    eqns = tuple(sorted(chosen))
+    return eqns if not eqns or _elementwise(jaxpr, eqns) else None
+
+
+def reductions(jaxpr, part: Part, ok) -> dict[int, tuple[int, ...]]:
+    """``{equation: its chain}`` for the full reductions in ``part`` that can run in chunks: each
+    reduces every axis of a large value that its chain (equations of ``part``, see
+    :func:`_chain`) computes elementwise from large values it reads from outside, which
+    ``ok(those values)`` accepts. Every large value a chain computes or reads is read in
+    ``part`` only by chosen chains and reductions, and is none of ``part``'s outputs: the other
+    equations of ``part`` never need it whole."""
+    made = {v: i for i in part.eqns for v in jaxpr.eqns[i].outvars}
+    found = {}
+    for i in part.eqns:
+        eqn = jaxpr.eqns[i]
+        if not _full_reduction(eqn):
+            continue
+        eqns = _chain(jaxpr, made, eqn.invars[0])
+        if eqns is None:
+            continue
+        outside = [v for v in jaxpr_eval.reads([jaxpr.eqns[j] for j in eqns]) if big(v)]
+        if ok(outside or [eqn.invars[0]]):
+            found[i] = eqns
+    while True:
+        inside = set(found).union(*found.values())
+        whole = {v for v in part.outputs if big(v)}
+        for i in part.eqns:
+            if i not in inside:
+                whole.update(v for v in jaxpr.eqns[i].invars if big(v))
+        drop = [
+            i
+            for i, eqns in found.items()
+            if any(big(v) and v in whole for j in (*eqns, i) for v in jaxpr.eqns[j].invars)
+        ]
+        if not drop:
+            return found
+        for i in drop:
+            del found[i]
