@@ -24,7 +24,7 @@ import pytest
 from models import make_problem, reference_run, run_steps, stack_problem
 
 import jaxzero as jz
-from jaxzero import gpu
+from jaxzero import cli, gpu
 from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
 
 N = 8
@@ -197,3 +197,29 @@ def test_gpu_param_offload_holds_state_and_params_on_the_host_and_nothing_more()
     # layer's slice at a time (in the backward loop)
     writes = {tuple(int(d) for d in m.split(",")) for m in _HOST_WRITE.findall(host.hlo_text)}
     assert writes == _local_stack_shapes()
+
+
+def test_plan_cli_offloads_the_params_at_stage_3_only(capsys):
+    """``jaxzero plan --offload optimizer,params`` plans stage 3 (its default) with the host
+    at 14 bytes per local parameter (bf16 params 2, fp32 master 4, Adam 8: the gradient
+    takes the params' bytes) by the estimate, the compiled host column equal to it plus
+    the state's counters and the batch-free device state; stage 2 is refused."""
+    argv = ["plan", "--devices", "8", "--layers", "4", "--hidden", "512", "--heads", "4"]
+    argv += ["--vocab", "512", "--seq", "64", "--stage3", "per-layer"]
+    assert cli.main([*argv, "--offload", "optimizer,params"]) == 0
+    out = capsys.readouterr().out
+    assert "offload optimizer and params to pinned host memory" in out
+    row = next(line for line in out.splitlines() if line.startswith("3 per layer"))
+    est = jz.estimate_memory(SHAPE.num_params, N, stage=3, offload=PARAMS)
+    assert (est.host, est.params, est.grads, est.optimizer) == (
+        14 * -(-SHAPE.num_params // N),
+        0,
+        0,
+        0,
+    )
+    assert jz.memory.format_bytes(est.host) in row
+    assert not any(line.startswith(("1 ", "2 ")) for line in out.splitlines())
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--stage", "2", "--offload", "optimizer,params"])
+    assert e.value.code == 2
+    assert "needs stage=3" in capsys.readouterr().err

@@ -101,7 +101,7 @@ def _add_state_layout(group) -> None:
 
 def _offload_words(offload) -> str:
     """``--offload``'s choice as the description line says it."""
-    return offload if isinstance(offload, str) else " and ".join(offload)
+    return " and ".join(offload.split(",") if isinstance(offload, str) else offload)
 
 
 def _add_wire(group) -> None:

@@ -64,8 +64,12 @@ class ZeRO(ZeROConfig):
         ``prefetch_fsdp_weights``). False: each unit is a ``jax.checkpoint`` that keeps the
         model's own remat policy, with the backward's collectives exposed (decision 33).
       offload: None, or ``"optimizer"`` (stages 1-3, DeepSpeed's ``offload_optimizer``): the
-        master, optimizer state, EMA in host memory, updated there (the config's
-        ``placement``, :class:`~jaxzero.zero.config.ZeROConfig`); ``"activations"``, alone or
+        master, optimizer state, EMA in host memory, streamed through the device by the
+        update (the config's ``placement``, :class:`~jaxzero.zero.config.ZeROConfig`);
+        ``("optimizer", "params")`` (stage 3 with ``layers=`` run by
+        :func:`jaxzero.scan_layers`; DeepSpeed's ``offload_param``): the 16-bit params too,
+        each layer fetched one ahead, its gradient written into its params' host bytes
+        (decision 37); ``"activations"``, alone or
         as ``("optimizer", "activations")``: stage 3 with ``layers=`` keeps the layer inputs
         :func:`jaxzero.scan_layers` saves for the backward in host memory, fetched back one
         layer ahead (:mod:`jaxzero.zero.activations`).

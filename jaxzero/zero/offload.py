@@ -304,11 +304,13 @@ def host_shardings(mesh: Mesh, specs):
 
 
 def offloaded_bytes(state) -> int:
-    """Bytes per device of what ``offload="optimizer"`` keeps in host memory: the master, the
-    optimizer state and the EMA of ``state`` (a TrainState of arrays or ShapeDtypeStructs
-    with shardings), whatever memory kind they were given."""
+    """Bytes per device of what offload keeps in host memory: the master, the optimizer state
+    and the EMA of ``state`` (a TrainState of arrays or ShapeDtypeStructs with shardings),
+    whatever memory kind they were given, and the params placed in host memory
+    (``("optimizer", "params")``)."""
+    params = [x for x in jax.tree.leaves(state.params) if x.sharding.memory_kind == HOST]
     total = 0
-    for x in jax.tree.leaves((state.master, state.opt_state, state.ema)):
+    for x in jax.tree.leaves((state.master, state.opt_state, state.ema, params)):
         total += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
     return total
 
