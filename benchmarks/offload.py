@@ -7,8 +7,9 @@ Rows, each ``lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01`` on one f
 tensor of ``--params`` elements (params, gradient, mu, nu: 16 bytes per parameter):
 
 - jaxzero's host update: ``jax.jit`` of ``optax.adamw``'s update + ``apply_updates`` with the
-  params and the optimizer state donated, on XLA:CPU (what ``ZeRO(offload="optimizer")``
-  runs on the host before the EMA and the skip-on-non-finite select);
+  params and the optimizer state donated, on XLA:CPU (what an update on the host CPU
+  compiles to; ``ZeRO(offload=...)`` streams the state through the GPU instead and updates
+  it there, decision 32);
 - ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (``adamw_mode=True``; JIT-built on first use:
   set ``TORCH_EXTENSIONS_DIR`` to keep the build);
 - ``torch.optim.AdamW(fused=True)`` and ``torch.optim.AdamW(foreach=True)``.

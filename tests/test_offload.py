@@ -178,7 +178,10 @@ PARAMS = ("optimizer", "params")
         pytest.param("optimizer", None, id="offloaded_to_device", marks=pytest.mark.slow),
         pytest.param(None, "optimizer", id="device_to_offloaded"),
         pytest.param(PARAMS, None, id="params_offloaded_to_device"),
-        pytest.param("optimizer", PARAMS, id="optimizer_to_params_offloaded"),
+        # slow: into parameter offload (out of it stays)
+        pytest.param(
+            "optimizer", PARAMS, id="optimizer_to_params_offloaded", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_checkpoints_restore_across_offload_settings_and_continue(src, dst, tmp_path):

@@ -51,8 +51,11 @@ def _kinds(tree):
     "kw",
     [
         pytest.param({}, id="bf16"),
+        # slow: fp16 with dynamic loss scaling (bf16 stays)
         pytest.param(
-            {"precision": "fp16", "loss_scale": jz.DynamicLossScale(2.0**10)}, id="fp16_scaled"
+            {"precision": "fp16", "loss_scale": jz.DynamicLossScale(2.0**10)},
+            id="fp16_scaled",
+            marks=pytest.mark.slow,
         ),
     ],
 )
