@@ -262,6 +262,34 @@ def test_gpu_quantized_gradients_are_hidden_like_the_exact_reduce_scatters(loop)
     assert both.hidden_share(*kinds) >= floor * exact.hidden_share(*kinds)
 
 
+def test_gpu_quantized_gradients_per_unit_hold_no_more_than_the_exact_step():
+    """Deviceless H100, 8 devices, units= over a Python loop of 4 GPT blocks x 256, qwZ + qgZ
+    against the exact step: the peak (arguments + temporaries) grows by less than one unit's
+    int8 payload sent and received (2 bytes per unit parameter). Without the barrier after
+    each dequantize-and-sum, XLA fused the sum into the update's readers and kept every
+    unit's received int8 buffer (N times a tile) alive to the end of the backward: 17.7 MB
+    against 15.9 MB here (+1.8 MB, more than the 1.6 MB allowed), 598 against 471 MB on the
+    168M GPT of benchmarks/units.py."""
+    from jaxzero import gpu
+    from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
+
+    shape = model_shape(
+        layers=4, hidden=256, heads=4, vocab=1024, seq=128, batch=1, arch="gpt", loop="python"
+    )
+    mesh, params = gpu.compile_only_mesh("h100", 8), abstract_params(shape)
+    peak = {}
+    for q in (None, "both"):
+        zero = jz.ZeRO(
+            optax.adam(1e-3), mesh, stage=3, precision="bf16", quantize=q, units=r"block_\d+"
+        )
+        rep = gpu.compile_report(
+            jz.make_train_step(make_loss(shape), zero), params, batch_shapes(shape, 8)
+        )
+        peak[q] = rep.argument_bytes + rep.temp_bytes
+    unit = sum(x.size for x in jax.tree.leaves(params["block_0"]))
+    assert peak["both"] - peak[None] < 2 * unit, (peak, unit)
+
+
 def test_gpu_quantized_gradients_with_the_recommended_flags_keep_two_collectives_in_flight():
     """Deviceless H100 compile, 64 devices, 4 LLaMA-7B-wide layers, stage 3 per layer, int8
     weights and gradients: with the recommended flags the pipelined all-gathers wait behind the
