@@ -95,62 +95,6 @@ def test_chunk_dim_skips_split_and_single_dimensions():
     assert stream.chunk_dim(P("data"), (64,)) is None
 
 
-@pytest.mark.parametrize(
-    "tx",
-    [
-        pytest.param(optax.adamw(1e-2, weight_decay=0.1), id="adamw"),
-        pytest.param(optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)), id="clip_adam"),
-        pytest.param(optax.adafactor(1e-2, min_dim_size_to_factor=64), id="adafactor"),
-    ],
-)
-def test_streamed_update_in_many_chunks_equals_plain_optax(tx):
-    """On 8 simulated devices, the state in pinned host memory, 16 elements a chunk (the
-    (64, 256) leaf split over devices on its rows runs 128 loop iterations): the same new
-    params and state as ``tx`` on one device, each output in the memory the caller asked."""
-    mesh = jz.data_parallel_mesh(8)
-    params, grads = _tree(1), _tree(2)
-    state = tx.init(params)
-    want = tx.update(grads, state, params)
-    want = (optax.apply_updates(params, want[0]), want[1])
-
-    def update(grads, state, params):
-        updates, state = tx.update(grads, state, params)
-        new = optax.apply_updates(params, updates)
-        return new, state, jax.tree.map(lambda x: x.astype(jnp.bfloat16), new)
-
-    spec = lambda x: P("data") if x.ndim and x.shape[0] % 8 == 0 else P()
-    host = lambda t: jax.tree.map(lambda x: jax.device_put(x, host_sharding(mesh, spec(x))), t)
-    dev = lambda t: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec(x))), t)
-    args = (dev(grads), host(state), host(params))
-    flat = jax.tree.leaves(args)
-    specs = [spec(x) for x in flat]
-    n_g, n_s = len(jax.tree.leaves(grads)), len(jax.tree.leaves(state))
-    in_host = [False] * n_g + [True] * (len(flat) - n_g)
-    p0 = n_g + n_s  # the params' leaves follow the gradient's and the state's
-    alias = {o: p0 + o for o in range(len(jax.tree.leaves(params)))}
-    alias.update({len(alias) + o: n_g + o for o in range(n_s)})
-
-    @jax.jit
-    def run(*args):
-        return stream.run(
-            update,
-            args,
-            mesh=mesh,
-            specs=specs,
-            host=in_host,
-            device_outputs=len(jax.tree.leaves(params)),
-            alias=alias,
-            chunk=16,
-        )
-
-    new, new_state, compute = run(*args)
-    tol = {"rtol": 1e-6, "atol": 1e-7}
-    chex.assert_trees_all_close(jax.tree.map(np.asarray, (new, new_state)), want, **tol)
-    kinds = {x.sharding.memory_kind for x in jax.tree.leaves((new, new_state))}
-    assert kinds == {"pinned_host"}
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(compute)} == {"device"}
-
-
 # Gradients in host memory too (parameter offload): three large leaves that chunk along an
 # unsplit dimension ((64, 256) and (40, 200) split on their rows, (4100,) replicated), one small.
 HOST_GRAD_SHAPES = {"w": (64, 256), "m": (40, 200), "r": (4100,), "b": (16,)}
@@ -166,13 +110,16 @@ def _spec(x):
     return P("data") if x.ndim and x.shape[0] % 8 == 0 else P()
 
 
-def _streamed(fn, args, *, device_outputs, alias, chunk=64):
-    """``fn`` streamed under jit on 8 devices, every leaf of ``args`` in pinned host memory:
+def _streamed(fn, args, *, device_outputs, alias, chunk=64, host=None):
+    """``fn`` streamed under jit on 8 devices, each leaf of ``args`` in pinned host memory
+    where ``host`` (one flag per flat leaf; default: every leaf) says, else on the devices:
     ``(the jitted function, its arguments)``."""
     mesh = jz.data_parallel_mesh(8)
     flat, tree = jax.tree.flatten(args)
     specs = [_spec(x) for x in flat]
-    flat = [jax.device_put(x, host_sharding(mesh, s)) for x, s in zip(flat, specs, strict=True)]
+    host = [True] * len(flat) if host is None else host
+    where = lambda s, h: host_sharding(mesh, s) if h else NamedSharding(mesh, s)
+    flat = [jax.device_put(x, where(s, h)) for x, s, h in zip(flat, specs, host, strict=True)]
 
     @jax.jit
     def run(*args):
@@ -181,13 +128,56 @@ def _streamed(fn, args, *, device_outputs, alias, chunk=64):
             args,
             mesh=mesh,
             specs=specs,
-            host=[True] * len(flat),
+            host=host,
             device_outputs=device_outputs,
             alias=alias,
             chunk=chunk,
         )
 
     return run, tuple(jax.tree.unflatten(tree, flat))
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        pytest.param(optax.adamw(1e-2, weight_decay=0.1), id="adamw"),
+        pytest.param(optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)), id="clip_adam"),
+        pytest.param(optax.adafactor(1e-2, min_dim_size_to_factor=64), id="adafactor"),
+    ],
+)
+def test_streamed_update_in_many_chunks_equals_plain_optax(tx):
+    """On 8 simulated devices, the state in pinned host memory, 16 elements a chunk (the
+    (64, 256) leaf split over devices on its rows runs 128 loop iterations): the same new
+    params and state as ``tx`` on one device, each output in the memory the caller asked."""
+    params, grads = _tree(1), _tree(2)
+    state = tx.init(params)
+    want = tx.update(grads, state, params)
+    want = (optax.apply_updates(params, want[0]), want[1])
+
+    def update(grads, state, params):
+        updates, state = tx.update(grads, state, params)
+        new = optax.apply_updates(params, updates)
+        return new, state, jax.tree.map(lambda x: x.astype(jnp.bfloat16), new)
+
+    n_g, n_s = len(jax.tree.leaves(grads)), len(jax.tree.leaves(state))
+    n = n_g + n_s + len(jax.tree.leaves(params))
+    p0 = n_g + n_s  # the params' leaves follow the gradient's and the state's
+    alias = {o: p0 + o for o in range(len(jax.tree.leaves(params)))}
+    alias.update({len(alias) + o: n_g + o for o in range(n_s)})
+    run, args = _streamed(
+        update,
+        (grads, state, params),
+        device_outputs=len(jax.tree.leaves(params)),
+        alias=alias,
+        chunk=16,
+        host=[False] * n_g + [True] * (n - n_g),
+    )
+    new, new_state, compute = run(*args)
+    tol = {"rtol": 1e-6, "atol": 1e-7}
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, (new, new_state)), want, **tol)
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves((new, new_state))}
+    assert kinds == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(compute)} == {"device"}
 
 
 def _clip_adamw_with_host_grads():

@@ -10,7 +10,6 @@ import sys
 
 from jaxzero.cli.command import Command, param_count, pick, positive_int
 from jaxzero.cli.plan_output import fallback_note, network, progress, table
-from jaxzero.zero.offload import check_offload, params_offloaded
 
 DESCRIPTION = """\
 Compile jaxzero's Adam train step of a GPT/LLaMA-shaped model for a GPU cluster with XLA's GPU
@@ -290,7 +289,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     """Compile every requested stage and print the table; returns the exit code."""
     shape = _shape(args, parser)
     from jaxzero.gpu import PluginMissingError, plan, plan_cases, recommended_xla_flags, xla_options
-    from jaxzero.gpu.plan import prefetch_advice
+    from jaxzero.gpu.plan import plan_stages, prefetch_advice
 
     if args.params is not None and abs(shape.num_params - args.params) > 0.1 * args.params:
         print(
@@ -302,11 +301,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     if args.network_gbps and min(args.network_gbps) <= 0:
         parser.error(f"--network-gbps: {args.network_gbps} must be two positive Gbit/s figures")
     try:
-        args.offload = check_offload(args.offload, tuple(args.stage or ()))
-        stages = args.stage or (
-            ((3,) if params_offloaded(args.offload) else (1, 2, 3)) if args.offload else None
-        )
-        check_offload(args.offload, tuple(stages or ()))
+        stages = plan_stages(args.stage, args.offload)
     except ValueError as e:
         parser.error(f"--offload: {e}")
     cases = plan_cases(stages, args.stage3, args.stage2, args.stage1)

@@ -193,7 +193,7 @@ def _zero(
     )
 
 
-def _plan_stages(stages, offload):
+def plan_stages(stages, offload):
     """The stages to plan: with ``offload`` 1-3 by default (3 with the params offloaded),
     and stage 0 refused."""
     if offload and stages is None:
@@ -345,7 +345,7 @@ def plan(
     check_loop(shape, stage2, stage1)
     check_hpz(hpz, shape, stages, stage3, devices, replicas)
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
-    cases = plan_cases(_plan_stages(stages, offload), stage3, stage2, stage1)
+    cases = plan_cases(plan_stages(stages, offload), stage3, stage2, stage1)
     cases = _unit_cases(cases, per, prefetch)
     mesh = compile_only_mesh(gpu, devices, replicas=replicas)
     params = abstract_params(shape)

@@ -100,12 +100,12 @@ def _new_ema(zero: ZeROConfig, state: TrainState, ema, new_master, model_state, 
 
 
 def _shard_update(zero: ZeROConfig, ema, state: TrainState, master, grads, model_state):
-    """``(new_master, opt_state, ema, compute shards, finite, grad_norm)``: the optax and EMA updates on the shards (each
-    leaf unchanged where the step is skipped) and ``cast(new_master)`` to ``param_dtype``
-    (the master itself without a compute copy), then the global finite check and norm of
-    the unscaled ``grads``. It runs where ``zero.placement`` keeps the
-    state (streamed through the device with offload: decision 32), so the reductions over the
-    gradients run there too."""
+    """``(new_master, opt_state, ema, compute shards, finite, grad_norm)``: the optax and EMA
+    updates on the shards (each leaf unchanged where the step is skipped) and
+    ``cast(new_master)`` to ``param_dtype`` (the master itself without a compute copy), then
+    the global finite check and norm of the unscaled ``grads``. It runs where
+    ``zero.placement`` keeps the state (streamed through the device with offload: decision
+    32), so the reductions over the gradients run there too."""
     grads = _unscaled(zero, state, grads)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)

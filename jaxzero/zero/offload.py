@@ -86,8 +86,8 @@ def check_params(offload, layers, units, exact: bool, compute_copy: bool, defers
     needs the layer stacks of ``layers=`` run by :func:`jaxzero.scan_layers`, whose backward
     writes each layer's gradient into that layer's own host slot (``exact``: the stacks'
     gradients are exact in ``param_dtype``; ``compute_copy``: the params are a 16-bit copy
-    apart from the master, which the update does not read; ``defers``: the wire reduces a layer's gradient an iteration
-    later)."""
+    apart from the master, which the update does not read; ``defers``: the wire reduces a
+    layer's gradient an iteration later)."""
     if not params_offloaded(offload):
         return
     fix = "or offload='optimizer' (the params stay on the device)."
@@ -200,9 +200,10 @@ class HostMemory(DeviceMemory):
     def run_update(self, zero, update, state, master, grads, *rest, specs):
         """``update`` streamed through the device (:mod:`jaxzero.zero.stream`): the state is
         fetched from host memory a chunk at a time and each chunk's result written back into
-        the state's own buffers; the new compute shards (``update``'s outputs before the
-        finite flag and the norm, which stay on the device) stay on the device, or with the params on the host are written into the buffers the old ones
-        leave (a stack's gradient's, which the backward wrote into the stack's: decision 37).
+        the state's own buffers. The finite flag and the norm (``update``'s last outputs)
+        stay on the device, and so do the new compute shards before them, unless the params
+        are on the host: then each is written into the buffer its old one leaves (a stack's
+        into its gradient's, which the backward wrote into the stack's: decision 37).
         ``specs``: the PartitionSpecs of ``(state, master, grads, *rest)``, the state without
         its params and master (the update reads ``master``)."""
         args = (state.replace(params=None, master=None), master, grads, *rest)

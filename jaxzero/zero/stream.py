@@ -126,7 +126,8 @@ class _Run:
     def prologue(self, env, part, chunk):
         """``part`` as :meth:`whole` runs it, except the full reductions of a large value that
         :func:`stream_parts.reductions` finds computed elementwise from values of one spec, at
-        least one in host memory: each runs in a loop over chunks (:meth:`reduced`), and the
+        least one in host memory: they run in loops over chunks (:meth:`reduced`), one loop
+        for the reductions that read the same values (:meth:`_group`), and the
         large values that only such loops read are never fetched or computed whole."""
         jaxpr = self.plan.jaxpr.jaxpr
         ok = lambda bigs: any(v in self.host for v in bigs) and self._spec(bigs) is not None
@@ -140,42 +141,70 @@ class _Run:
             for v, x in zip(part.inputs, vals, strict=True)
         }
         local.update(zip(jaxpr.constvars, self.plan.jaxpr.consts, strict=True))
+        done = set()
         for i in part.eqns:
-            if i in loops:
-                local[jaxpr.eqns[i].outvars[0]] = self.reduced(local, i, loops[i], chunk)
+            if i in loops and i not in done:
+                group = self._group(loops, i, local, done)
+                done.update(group)
+                sums = self.reduced(local, [(j, loops[j]) for j in group], chunk)
+                local.update(
+                    (jaxpr.eqns[j].outvars[0], r) for j, r in zip(group, sums, strict=True)
+                )
             elif i not in looped:
                 _run_eqns(jaxpr, (i,), local)
         outs = [local[v] for v in part.outputs]
         self.chain = outs
         return dict(zip(part.outputs, outs, strict=True))
 
-    def reduced(self, local, i, eqns, chunk):
-        """The jaxpr's equation ``i``, a full reduction, in a loop over chunks under jit's
-        sharding: each chunk of the large values its chain ``eqns`` reads from ``local`` sliced
-        (and fetched, from host memory), the chain computed on the chunk, the chunk reduced and
-        combined with the chunks before by the reduction's monoid."""
+    def _group(self, loops, i, local, done) -> list[int]:
+        """Reduction ``i`` and the later ones that read the same large values, of one shape,
+        whose small inputs are known now: one loop reads those values once for all of them
+        (a finite check, the metrics' norm and ``clip_by_global_norm``'s read each gradient)."""
         jaxpr = self.plan.jaxpr.jaxpr
-        eqn = jaxpr.eqns[i]
-        x = eqn.invars[0]
-        reads = jaxpr_eval.reads([jaxpr.eqns[j] for j in eqns]) or [x]
+
+        def key(j):
+            reads = jaxpr_eval.reads([jaxpr.eqns[e] for e in (*loops[j], j)])
+            return tuple(v for v in reads if stream_parts.big(v)), jaxpr.eqns[j].invars[
+                0
+            ].aval.shape
+
+        def ready(j):
+            reads = jaxpr_eval.reads([jaxpr.eqns[e] for e in (*loops[j], j)])
+            return all(stream_parts.big(v) or v in local for v in reads)
+
+        return [i] + [j for j in loops if j > i and j not in done and key(j) == key(i) and ready(j)]
+
+    def reduced(self, local, items, chunk):
+        """The full reductions ``items`` (``(equation, its chain)`` pairs of the jaxpr, over
+        large values of one shape) in one loop over chunks under jit's sharding: each chunk of
+        the large values the chains read from ``local`` sliced (and fetched, from host memory)
+        once, the chains computed on the chunk, each reduction's chunk combined with the chunks
+        before by its monoid. Returns the reductions' values."""
+        jaxpr = self.plan.jaxpr.jaxpr
+        eqns = sorted(set().union(*(e for _, e in items)))
+        reads = jaxpr_eval.reads([jaxpr.eqns[j] for j in (*eqns, *(i for i, _ in items))])
         big = [v for v in reads if stream_parts.big(v)]
         small = {v: local[v] for v in reads if not stream_parts.big(v)}
-        k, c, chunk_shape = self._chunks(self._spec(big), x.aval.shape, chunk)
+        shape = jaxpr.eqns[items[0][0]].invars[0].aval.shape
+        k, c, chunk_shape = self._chunks(self._spec(big), shape, chunk)
         big_vals = self.chained([local[v] for v in big])
-        params, combine = bind_params(eqn), _MONOIDS[eqn.primitive.name]
+        ops = [jaxpr.eqns[i] for i, _ in items]
 
-        def body(j, acc):
+        def body(j, accs):
             envl = dict(small)
             for v, y in zip(big, big_vals, strict=True):
                 s = jax.lax.dynamic_slice_in_dim(y, j * c, c, k, allow_negative_indices=False)
                 envl[v] = jax.device_put(s, DEVICE) if v in self.host else s
             _run_eqns(jaxpr, eqns, envl, chunk_shape)
-            return combine(acc, eqn.primitive.bind(envl[x], **params))
+            return tuple(
+                _MONOIDS[e.primitive.name](a, e.primitive.bind(envl[e.invars[0]], **bind_params(e)))
+                for e, a in zip(ops, accs, strict=True)
+            )
 
-        init = _identity(eqn.primitive.name, eqn.outvars[0].aval.dtype)
-        acc = jax.lax.fori_loop(0, x.aval.shape[k] // c, body, init)
-        self.chain = [acc]
-        return acc
+        init = tuple(_identity(e.primitive.name, e.outvars[0].aval.dtype) for e in ops)
+        accs = list(jax.lax.fori_loop(0, shape[k] // c, body, init))
+        self.chain = accs
+        return accs
 
     def streamable(self, part) -> P | None:
         """The one spec of ``part``'s large inputs when it can run in chunks, else None."""
