@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxzero._compat import compute_on_host  # noqa: E402
 from jaxzero.gpu import compile_only_mesh  # noqa: E402
-from jaxzero.zero import offload  # noqa: E402
+from jaxzero.zero.offload import placement as offload  # noqa: E402
 
 SIDE, LEAVES = 2048, 4
 

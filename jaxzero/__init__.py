@@ -35,14 +35,14 @@ from jaxzero.train.optimizer import ZeRO as ZeRO
 from jaxzero.train.state import TrainState as TrainState
 from jaxzero.train.step import TrainStep as TrainStep
 from jaxzero.train.step import make_train_step as make_train_step
+from jaxzero.zero.layers import VocabParallelEmbed as VocabParallelEmbed
 from jaxzero.zero.layers import gather_layer as gather_layer
-from jaxzero.zero.scan import scan_layers as scan_layers
-from jaxzero.zero.scan import stacked_init as stacked_init
-from jaxzero.zero.scan import stacked_params as stacked_params
-from jaxzero.zero.vocab import VocabParallelEmbed as VocabParallelEmbed
-from jaxzero.zero.vocab import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
-from jaxzero.zero.vocab import vocab_parallel_embed as vocab_parallel_embed
-from jaxzero.zero.vocab import vocab_table as vocab_table
+from jaxzero.zero.layers import scan_layers as scan_layers
+from jaxzero.zero.layers import stacked_init as stacked_init
+from jaxzero.zero.layers import stacked_params as stacked_params
+from jaxzero.zero.layers import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from jaxzero.zero.layers import vocab_parallel_embed as vocab_parallel_embed
+from jaxzero.zero.layers import vocab_table as vocab_table
 from jaxzero.zero.wire import Wire as Wire
 
 __all__ = [

@@ -23,7 +23,7 @@ import jaxzero as jz
 from jaxzero import cli, gpu
 from jaxzero.gpu import report
 from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
-from jaxzero.zero import offload
+from jaxzero.zero.offload import placement as offload
 
 N = 8
 # hidden 256: the state (3.9 MB per device) outweighs the step's other buffers

@@ -16,7 +16,7 @@ from models import make_problem, reference_run, run_steps, stack_problem
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
-from jaxzero.zero import offload
+from jaxzero.zero.offload import placement as offload
 
 N = 8
 BF16 = jz.Precision("bfloat16", "float32", "float32")

@@ -2,7 +2,7 @@
 ``clip_by_global_norm``, a schedule, Adafactor, LAMB, ``MultiSteps``) at stages 1-3 and at
 stage 3 with ``units=``, against plain single-device optax on the full batch.
 
-The streamed update (:mod:`jaxzero.zero.stream`) cuts each chain into a prologue (a global
+The streamed update (:mod:`jaxzero.zero.offload.stream`) cuts each chain into a prologue (a global
 norm, a step count, ``MultiSteps``' counters) and parts: elementwise ones stream a chunk at a
 time, the others (Adafactor's factored moments, LAMB's per-leaf norms) are fetched whole.
 """

@@ -1,4 +1,4 @@
-"""Blockwise int8/int4 quantization (jaxzero.zero.quantize) and the quantized collectives
+"""Blockwise int8/int4 quantization (jaxzero.zero.wire.quantize) and the quantized collectives
 (jaxzero.zero.wire) on 8 simulated devices.
 
 Every bound is the documented formula ``|x - deq(q(x))| <= max|x_b| / (2 qmax)`` per block
@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxzero as jz
-from jaxzero.zero.quantize import dequantize, quantize
 from jaxzero.zero.wire import Blockwise, Exact
+from jaxzero.zero.wire.quantize import dequantize, quantize
 
 QMAX = {8: 127, 4: 7}
 

@@ -1,4 +1,4 @@
-"""The streamed offload update (``jaxzero.zero.stream``, decision 32): how an optax update is cut
+"""The streamed offload update (``jaxzero.zero.offload.stream``, decision 32): how an optax update is cut
 into parts, and that the chunked, streamed evaluation gives plain optax's numbers.
 
 The parts are restated from what each chain computes: Adam updates each leaf from that leaf
@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxzero as jz
-from jaxzero.zero import stream, stream_parts
-from jaxzero.zero.offload import host_sharding
+from jaxzero.zero.offload import host_sharding, stream
+from jaxzero.zero.offload import parts as stream_parts
 
 SHAPES = {"w": (64, 256), "v": (8192,), "b": (16,)}  # two large leaves, one small
 

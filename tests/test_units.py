@@ -27,7 +27,7 @@ import jaxzero as jz
 from jaxzero import gpu
 from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape, nnx_model
 from jaxzero.gpu.plan import unit_bound
-from jaxzero.zero import units as units_mod
+from jaxzero.zero.units import plan as units_mod
 
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6, weight_decay=0.1))
 

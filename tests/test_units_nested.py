@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from models import Residual, make_problem, reference_run
 
 import jaxzero as jz
-from jaxzero.zero import units as units_mod
+from jaxzero.zero.units import plan as units_mod
 
 PATTERN = r"layer\d+"  # tests/models.py's transformer blocks
 

@@ -1,5 +1,5 @@
 """Stage 3 with a vocabulary-parallel embedding (``ZeRO(vocab_parallel="embed")``,
-:mod:`jaxzero.zero.vocab`): the tied table stays this device's rows in the loss; the lookup and
+:mod:`jaxzero.zero.layers.vocab`): the tied table stays this device's rows in the loss; the lookup and
 the tied head's cross-entropy run on them with activation collectives. The numbers are plain
 single-device optax's on the same model (whose layers then are plain ``jnp.take`` and optax's
 softmax cross-entropy), on 8 simulated devices; the table is never gathered; misuse is a

@@ -40,9 +40,7 @@ import optax
 from flax import nnx
 
 from jaxzero.flax_nnx import split
-from jaxzero.zero.layers import gather_layer
-from jaxzero.zero.scan import scan_layers, stacked_params
-from jaxzero.zero.vocab import VocabParallelEmbed
+from jaxzero.zero.layers import VocabParallelEmbed, gather_layer, scan_layers, stacked_params
 
 __all__ = [
     "ARCHS",

@@ -22,7 +22,7 @@ from jaxzero.gpu.targets import gpu_spec
 from jaxzero.gpu.topology import gpu_kind_of
 from jaxzero.memory import format_bytes
 from jaxzero.train.state import TrainState
-from jaxzero.zero import offload as host_memory
+from jaxzero.zero.offload import placement as host_memory
 
 __all__ = ["TRITON_GEMM_OFF", "CompileReport", "compile_report", "format_gb"]
 

@@ -14,7 +14,6 @@ from jaxzero.precision import warn_wide_compute
 from jaxzero.zero import hooks as loss_hooks
 from jaxzero.zero.collectives import to_varying
 from jaxzero.zero.config import ZeROConfig
-from jaxzero.zero.layers import reduces_in_backward
 
 
 def _bad_axis_name(e: Exception) -> bool:
@@ -86,14 +85,10 @@ def gradient_zero(zero: ZeROConfig, accum_steps: int) -> ZeROConfig:
     backward, under the next layer's backward, instead of one all-reduce of the whole gradient
     after it (the same sums, half an all-reduce's traffic, and no full reduced gradient: the
     optimizer only reads its shard). Stage 0 with ``layers=`` all-reduces each layer's
-    gradient inside the backward (:mod:`jaxzero.zero.layers`). With micro-batches stages 0/1
+    gradient inside the backward (:mod:`jaxzero.zero.layers.plan`). With micro-batches stages 0/1
     keep their full local accumulator and reduce once (a reduce per micro-batch would add
     traffic)."""
-    if (
-        zero.stage == 1
-        and accum_steps == 1
-        and reduces_in_backward(2, zero.layers, zero.precision, zero.replica_axes)
-    ):
+    if zero.stage == 1 and accum_steps == 1 and zero.path.reduces_in_backward(stage=2):
         return dataclasses.replace(zero, stage=2)
     if zero.stage == 0 and accum_steps > 1 and zero.layers:
         return dataclasses.replace(zero, layers=None)  # one all-reduce after the micro-batches
@@ -116,13 +111,13 @@ def local_gradients(zero: ZeROConfig, loss_fn, accum_steps: int, *, stateful: bo
     """
     axes = zero.batch_axes
     # stages 2/3, and stage 0 when it all-reduces each layer in the backward (one micro-batch)
-    reduce_each = zero.stage >= 2 or reduces_in_backward(zero.stage, zero.layers, zero.precision)
+    reduce_each = zero.path.reduces_each_micro_batch()
 
     checked = []
 
     def micro(params, specs, model_state, batch, rng, scale):
-        full = zero.params_for_loss(params, specs)
-        hooks = zero.loss_hooks(params, specs)  # layers=, vocab_parallel=, units=
+        full = zero.path.params_for_loss(params, specs)
+        hooks = zero.path.loss_hooks(params, specs)  # layers=, vocab_parallel=, units=
         scaled = loss_hooks.wrap(hooks, _scaled_loss(loss_fn, stateful))
         if not checked:  # once per trace: the loss's matmul dtypes under a 16-bit policy
             checked.append(True)
@@ -145,7 +140,7 @@ def local_gradients(zero: ZeROConfig, loss_fn, accum_steps: int, *, stateful: bo
         if reduce_each:
             # reduce_gradients casts to reduce_dtype for the collective and to output_dtype
             # after it: no full-size upcast of the local gradient before a 16-bit scatter.
-            g = zero.reduce_gradients(g, hooks)
+            g = zero.path.reduce_gradients(g, hooks)
         else:
             # stages 0/1 accumulate the local gradient in output_dtype, reduce once at the end
             g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)
@@ -165,7 +160,7 @@ def local_gradients(zero: ZeROConfig, loss_fn, accum_steps: int, *, stateful: bo
                 run_in, accum_steps, model_state, batch, rng
             )
         if not reduce_each:
-            g = zero.reduce_gradients(g)
+            g = zero.path.reduce_gradients(g)
         loss = jax.lax.pmean(losses, axes)
         aux = jax.tree.map(lambda x: _mean_over(x, axes), auxes)
         if model_state is not None:

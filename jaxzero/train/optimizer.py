@@ -53,14 +53,14 @@ class ZeRO(ZeROConfig):
       vocab_parallel: stage 3 only: names of params subtrees holding ``[vocab, width]``
         embedding tables (e.g. ``"embed"``) that the loss gets as this device's rows, never
         gathered; the model looks them up and computes its tied head's cross-entropy with
-        :class:`jaxzero.VocabParallelEmbed` (:mod:`jaxzero.zero.vocab`: pays at small N).
+        :class:`jaxzero.VocabParallelEmbed` (:mod:`jaxzero.zero.layers.vocab`: pays at small N).
       units: stage 3: regular expressions over params paths (``r"block_\\d+"``), each match
         gathered where it runs and for its backward (``fully_shard``: :mod:`jaxzero.zero.units`).
       prefetch: with ``units=`` only (default True): the units run as one chain that gathers
         unit ``k + 1`` under unit ``k``'s forward and unit ``k - 1`` under unit ``k``'s
         backward, reduce-scatters each unit's gradient under the next unit's backward, gathers
         the leaves outside the units where they are read, and recomputes each unit from its
-        input for its backward (:mod:`jaxzero.zero.unit_chain`; MaxText's
+        input for its backward (:mod:`jaxzero.zero.units.chain`; MaxText's
         ``prefetch_fsdp_weights``). False: each unit is a ``jax.checkpoint`` that keeps the
         model's own remat policy, with the backward's collectives exposed (decision 33).
       offload: None, or ``"optimizer"`` (stages 1-3, DeepSpeed's ``offload_optimizer``): the
@@ -72,7 +72,7 @@ class ZeRO(ZeROConfig):
         (decision 37); ``"activations"``, alone or
         as ``("optimizer", "activations")``: stage 3 with ``layers=`` keeps the layer inputs
         :func:`jaxzero.scan_layers` saves for the backward in host memory, fetched back one
-        layer ahead (:mod:`jaxzero.zero.activations`).
+        layer ahead (decision 36).
       quantize: None (exact collectives), or ZeRO++'s quantized collectives
         (:mod:`jaxzero.zero.wire`): ``"weights"`` (qwZ, stage 3: each shard all-gathered as
         int8 blocks of <= 4096 values with a float32 scale each, dequantized to the compute

@@ -23,7 +23,6 @@ from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh
 from jaxzero.train.update import apply_gradients
 from jaxzero.zero.config import ZeROConfig
-from jaxzero.zero.layers import unused_reason
 
 
 def device_key(rng, step, axes):
@@ -240,7 +239,7 @@ def make_train_step(
             "micro-batch's forward would read. Use accum_steps=1 with a larger batch per "
             "step, or offload='optimizer'."
         )
-    unused = unused_reason(zero, accum_steps)
+    unused = zero.path.unused_layers(accum_steps)
     if unused:
         warnings.warn(
             f"ZeRO(stage={zero.stage}, layers={zero.layers!r}) reduces no layer's gradient in "

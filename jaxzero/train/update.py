@@ -85,7 +85,7 @@ def _new_ema(zero: ZeROConfig, state: TrainState, ema, new_master, model_state, 
     target = new_master
     if state.model_state is not None:
         target = ema_target(new_master, keep(model_state, state.model_state))
-    if zero.offload:
+    if zero.placement.update_is_local:
         # per leaf (decision 32): the streamed update reads each EMA leaf beside its master,
         # in the same shards, so the plain update under jit is local and needs no shard_map
         new = ema.update(state.ema, target, step=step, apply=apply)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.zero.specs import spec_dim
-from jaxzero.zero.wire import Wire
+from jaxzero.zero.wire.encodings import Wire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +195,7 @@ def reduce_gradients(
     leaves where ``scattered_mask`` is True were reduce-scattered layer by layer into the front
     tile of a full-size gradient (stage 2): that tile is cut out and finished. Leaves where
     ``complete_mask`` is True are already this device's shard summed over the data axis (a
-    vocabulary-parallel table, :mod:`jaxzero.zero.vocab`): summed over the replica axes and
+    vocabulary-parallel table, :mod:`jaxzero.zero.layers.vocab`): summed over the replica axes and
     finished."""
 
     def one(stacked, scattered, complete, g, spec):

@@ -3,7 +3,7 @@
 The config is the low layer of :class:`jaxzero.ZeRO`: its fields and their validation, the
 mesh facts and :class:`~jaxzero.zero.collectives.Comm`, the sharding rule's specs
 (:mod:`jaxzero.zero.specs`), the placement of the state (:mod:`jaxzero.zero.offload`), the
-features that hook into the loss (:mod:`jaxzero.zero.layers`, :mod:`jaxzero.zero.vocab`,
+features that hook into the loss (:mod:`jaxzero.zero.layers`, :mod:`jaxzero.zero.layers.vocab`,
 :mod:`jaxzero.zero.units`) and what runs inside ``shard_map``
 (:mod:`jaxzero.zero.collectives`). It imports nothing above ``zero/``: creating and updating
 the training state is :class:`jaxzero.ZeRO`'s, in :mod:`jaxzero.train.optimizer`
@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -24,9 +23,16 @@ from jax.sharding import PartitionSpec as P
 from jaxzero._tree import subtree_names
 from jaxzero.mesh import check_mesh, warn_unnamed_replica_axes
 from jaxzero.precision import DynamicLossScale, Precision, StaticLossScale, check_loss_scale
-from jaxzero.zero import activations, collectives, layers, offload, units, vocab, wire
+from jaxzero.zero import collectives
 from jaxzero.zero import specs as sh
 from jaxzero.zero.hooks import LossHook
+from jaxzero.zero.layers import plan as layers
+from jaxzero.zero.layers import vocab
+from jaxzero.zero.offload import activations
+from jaxzero.zero.offload import placement as offload
+from jaxzero.zero.path import GradientPath
+from jaxzero.zero.units import patterns as units
+from jaxzero.zero.wire import encodings as wire
 
 STAGES = (0, 1, 2, 3)
 
@@ -115,7 +121,7 @@ class ZeROConfig:
     def activations(self) -> activations.DeviceActivations:
         """Where per-layer stage 3 keeps the layer inputs saved for the backward: device
         memory, or pinned host memory with ``offload=("activations", ...)``
-        (:mod:`jaxzero.zero.activations`)."""
+        (:mod:`jaxzero.zero.offload.activations`)."""
         return activations.check(self.offload_activations, self.stage, self.layers, self.units)
 
     @property
@@ -187,17 +193,6 @@ class ZeROConfig:
         """Specs of a per-leaf EMA tree (always sharded, at every stage)."""
         return self._specs(tree, True)
 
-    def _stacked_mask(self, tree, on: bool | None = None):  # the loss gets them as shards
-        if not (self.per_layer or self.units if on is None else on):
-            return None
-        if self.units:
-            return units.mask(tree, self.units, self.prefetch)
-        return sh.subtree_mask(tree, self.layers)
-
-    def _whole_mask(self, tree):  # stage 0 per layer: the stacks stay device-invariant
-        on = self.stage == 0 and layers.reduces_in_backward(0, self.layers, self.precision)
-        return self._stacked_mask(tree, on)
-
     def check_layers(self, params) -> None:
         """``layers`` name params subtrees of arrays with a layer axis; ``units`` match paths."""
         layers.check_layers(params, self.layers, self.stage)
@@ -211,67 +206,31 @@ class ZeROConfig:
         sizes = (self.num_shards, item(p.param_dtype), item(p.reduce_dtype))
         return wire.report(self.quantize, params, self.grad_specs(params), *sizes)
 
-    # -- inside shard_map (jaxzero.zero.collectives, jaxzero.zero.layers) ---------------------
+    # -- inside shard_map (jaxzero.zero.path) ---------------------------------------------------
+    @property
+    def path(self) -> GradientPath:
+        """The gathers, loss hooks and gradient reductions of a step (:mod:`jaxzero.zero.path`):
+        what the training step asks inside its ``shard_map``."""
+        return GradientPath(self)
+
     def gather_params(self, local_params, specs):
         """All-gather stage-3 parameter shards (``specs``: ``param_specs(params)``)."""
-        return collectives.gather_params(
-            self.comm, local_params, specs, self._stacked_mask(local_params)
-        )
+        return self.path.gather_params(local_params, specs)
 
     def params_for_loss(self, local_params, specs):
-        """The full compute params, marked device-varying, ready to differentiate; with the
-        params in host memory every leaf but the layer stacks is fetched to the device first
-        (:func:`jaxzero.scan_layers` fetches each layer of those)."""
-        where = self.placement
-        if where.params_on_host:
-            stacks = sh.subtree_mask(local_params, self.layers)
-            fetch = lambda stack, x: x if stack else where.fetch(x)
-            local_params = jax.tree.map(fetch, stacks, local_params)
-        tables = vocab.mask(self.vocab_parallel, local_params)  # stay rows, like the stacks
-        args = (vocab.either(self._stacked_mask(local_params), tables),)
-        keep_dtype = not self.placement.master_on_device  # the stacks are params: decision 32
-        args += (self._whole_mask(local_params), keep_dtype)
-        full = collectives.params_for_loss(self.comm, local_params, specs, *args)
-        return vocab.varying(self.comm, tables, full)
-
-    def _layer_plan(self, local_params, specs) -> layers.LayerPlan | None:
-        """The plan of a per-layer stage-3 step (gather), or of a stage 2/0 step that reduces in
-        the backward (:func:`jaxzero.zero.layers.reduces_in_backward`); None otherwise."""
-        gather, rule = self.per_layer, (self.stage, self.layers, self.precision, self.replica_axes)
-        if not (gather or layers.reduces_in_backward(*rule)):
-            return None
-        specs = specs if gather else self.grad_specs(local_params)
-        return layers.build_plan(
-            self.comm,
-            self.layers,
-            local_params,
-            specs,
-            gather=gather,
-            invariant=self.stage == 0,
-            activations=self.activations,
-            placement=self.placement,
-        )
+        """The full compute params, marked device-varying, ready to differentiate
+        (:meth:`GradientPath.params_for_loss <jaxzero.zero.path.GradientPath.params_for_loss>`)."""
+        return self.path.params_for_loss(local_params, specs)
 
     def loss_hooks(self, local_params, specs) -> list[LossHook]:
-        """The features that hook into this step's loss (:mod:`jaxzero.zero.hooks`):
-        ``vocab_parallel=``, ``layers=`` and ``units=``, each where it acts."""
-        hooks = (
-            vocab.build_plan(self.comm, self.vocab_parallel, local_params, specs),
-            self._layer_plan(local_params, specs),
-            units.build_plan(
-                self.comm, self.units, local_params, specs, self.prefetch, self.vocab_parallel
-            ),
-        )
-        return [h for h in hooks if h is not None]
+        """The features that hook into this step's loss: ``vocab_parallel=``, ``layers=`` and
+        ``units=``, each where it acts (:mod:`jaxzero.zero.hooks`)."""
+        return self.path.loss_hooks(local_params, specs)
 
     def reduce_gradients(self, grads, hooks=()):
         """Average local gradients over every batch axis (all-reduce or reduce-scatter);
-        ``hooks``: the step's :meth:`loss_hooks` (a stage-2 layer plan names the leaves it
-        reduced per layer)."""
-        plan = next((h for h in hooks if isinstance(h, layers.LayerPlan)), None)
-        masks = (self._stacked_mask(grads), layers.scattered_mask(plan, grads))
-        masks += (vocab.mask(self.vocab_parallel, grads),)  # complete on every device
-        return collectives.reduce_gradients(self.comm, grads, self.grad_specs(grads), *masks)
+        ``hooks``: the step's :meth:`loss_hooks`."""
+        return self.path.reduce_gradients(grads, hooks)
 
     # -- under jit ------------------------------------------------------------------------------
     def all_gather(self, tree):

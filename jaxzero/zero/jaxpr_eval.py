@@ -1,7 +1,7 @@
 """Evaluating a jaxpr equation by equation under the caller's transformations, as
 ``jax.core.eval_jaxpr`` does, keeping each equation's source line and module name stack
 (profiles and :func:`jaxzero.precision.warn_wide_compute` name the model's modules, not the
-evaluator). Used by ``units=`` (:mod:`jaxzero.zero.units`, :mod:`jaxzero.zero.unit_chain`)."""
+evaluator). Used by ``units=`` (:mod:`jaxzero.zero.units`, :mod:`jaxzero.zero.units.chain`)."""
 
 from __future__ import annotations
 

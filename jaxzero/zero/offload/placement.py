@@ -25,8 +25,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxzero.zero.offload.stream as stream
 from jaxzero.zero import specs as sh
-from jaxzero.zero import stream
 
 OPTIMIZER, PARAMS = "optimizer", "params"
 #: what ``offload=`` takes for the state, normalised: the optimizer side, or it and the params
@@ -133,6 +133,9 @@ class DeviceMemory:
     master_on_device = True
     #: whether the compute params live in host memory (``offload=("optimizer", "params")``)
     params_on_host = False
+    #: whether the update runs leaf by leaf on each device's shards (streamed: decision 32), so
+    #: the EMA's update is local too and needs no ``shard_map`` of its own
+    update_is_local = False
 
     def shardings(self, mesh: Mesh, specs):
         """NamedShardings of a state component's ``specs`` (None stays None)."""
@@ -175,6 +178,7 @@ class HostMemory(DeviceMemory):
     stacks' gradients are written into their params' host buffers (decision 37)."""
 
     master_on_device = False
+    update_is_local = True
 
     def __init__(self, params: bool = False):
         self.params_on_host = params
@@ -198,7 +202,7 @@ class HostMemory(DeviceMemory):
         return tree  # the streamed update placed each output where it belongs
 
     def run_update(self, zero, update, state, master, grads, *rest, specs):
-        """``update`` streamed through the device (:mod:`jaxzero.zero.stream`): the state is
+        """``update`` streamed through the device (:mod:`jaxzero.zero.offload.stream`): the state is
         fetched from host memory a chunk at a time and each chunk's result written back into
         the state's own buffers. The finite flag and the norm (``update``'s last outputs)
         stay on the device, and so do the new compute shards before them, unless the params

@@ -38,7 +38,7 @@ from jax.extend import core as jcore
 from jaxzero.zero.collectives import reduce_leaves, varying_axes
 from jaxzero.zero.jaxpr_eval import bind, bind_unrematted
 from jaxzero.zero.jaxpr_eval import reads as read_vars
-from jaxzero.zero.layers import gather_shard
+from jaxzero.zero.layers.plan import gather_shard
 
 
 def token(values):

@@ -49,7 +49,7 @@ import optax
 from jaxzero._tree import path_keys, subtree_names
 from jaxzero.zero.collectives import Comm, to_varying
 from jaxzero.zero.hooks import LossHook, scoped
-from jaxzero.zero.scan import stored_param
+from jaxzero.zero.layers.scan import stored_param
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_mask
 
 __all__ = [

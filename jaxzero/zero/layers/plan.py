@@ -53,10 +53,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxzero._tree import path_keys, path_strs
-from jaxzero.zero.activations import DeviceActivations
 from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying, varying_axes
 from jaxzero.zero.hooks import LossHook, scoped
-from jaxzero.zero.offload import DeviceMemory
+from jaxzero.zero.offload.activations import DeviceActivations
+from jaxzero.zero.offload.placement import DeviceMemory
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_end, subtree_paths
 
 _PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero.zero.collectives import Comm, reduce_leaves, to_varying, varying_axes
-from jaxzero.zero.layers import LayerPlan, current_plan, gather_layer, gather_shard
+from jaxzero.zero.layers.plan import LayerPlan, current_plan, gather_layer, gather_shard
 
 __all__ = ["scan_layers", "stacked_init", "stacked_params"]
 

@@ -4,7 +4,7 @@ weight gather and every gradient reduce-scatter (ZeRO++'s qwZ and qgZ, opt-in).
 A :class:`Wire` holds two codecs, one for the weights' all-gathers and one for the
 gradients' reduce-scatters. :class:`Exact` is the plain collective in the array's own dtype;
 :class:`Blockwise` moves int8 (or packed int4) blocks with one float32 scale each
-(:mod:`jaxzero.zero.quantize`):
+(:mod:`jaxzero.zero.wire.quantize`):
 
 * **gather** (qwZ): each device quantizes its shard, all-gathers the payload and the scales,
   and dequantizes every device's shard to the shard's dtype on arrival. The master is never
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxzero._tree import path_strs
-from jaxzero.zero.quantize import BITS, MAX_BLOCK, blocks, dequantize, quantize
 from jaxzero.zero.specs import spec_dim
+from jaxzero.zero.wire.quantize import BITS, MAX_BLOCK, blocks, dequantize, quantize
 
 
 @dataclasses.dataclass(frozen=True)

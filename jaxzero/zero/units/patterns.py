@@ -98,7 +98,7 @@ def _owners(params, patterns: tuple[str, ...]) -> list[tuple[str | None, list[st
 
 
 #: The unit name of the leaves outside every unit when they are gathered where they are read
-#: (``ZeRO(prefetch=True)``: :mod:`jaxzero.zero.unit_chain`)
+#: (``ZeRO(prefetch=True)``: :mod:`jaxzero.zero.units.chain`)
 OUTSIDE = "(outside the units)"
 
 
