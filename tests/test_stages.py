@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tolerance
 from models import make_problem
 
 import jaxzero as jz
@@ -164,7 +165,6 @@ def test_abstract_state_under_eval_shape_allocates_nothing():
 
 
 def test_hybrid_mesh_matches_plain_optax():
-    from models import reference_run
 
     params, loss_fn, batches = make_problem("mlp", steps=4)
     mesh = jz.data_parallel_mesh(8, replicas=2)
@@ -173,11 +173,11 @@ def test_hybrid_mesh_matches_plain_optax():
     state = step.init(params)
     for b in batches:
         state, _ = step(state, b)
-    ref, _ = reference_run(optax.adam(1e-2), params, loss_fn, batches)
+    ref, _, atol = tolerance.reference(optax.adam(1e-2), params, loss_fn, batches)
     np.testing.assert_allclose(
         np.concatenate([np.ravel(x) for x in jax.tree.leaves(jz.gather(state))]),
         np.concatenate([np.ravel(x) for x in jax.tree.leaves(ref)]),
-        atol=1e-5,
+        atol=atol,
     )
     mu = state.opt_state[0].mu["fc2"]["bias"]  # 5 elements: replicated; kernel [31, 5]: too
     assert mu.sharding.spec == jax.sharding.PartitionSpec()

@@ -40,14 +40,13 @@ def _configure(p: argparse.ArgumentParser) -> None:
     _add_size(p)
     train = _add_training(p)
     _add_activations(p)
-    train.add_argument(
-        "--layer-params",
-        type=param_count,
-        metavar="N",
-        help="stage 3 one layer at a time (ZeRO(layers=...)): parameters of one layer; adds "
-        "that layer gathered with its gradient and the full gradients outside the stack "
-        "(needs --layers)",
-    )
+    train.add_argument("--layer-params", type=param_count, metavar="N", help=_LAYER_PARAMS)
+
+
+_LAYER_PARAMS = (
+    "stage 3 one layer at a time (ZeRO(layers=...)): parameters of one layer; adds that layer "
+    "gathered with its gradient and the full gradients outside the stack (needs --layers)"
+)
 
 
 def _add_size(p: argparse.ArgumentParser) -> None:

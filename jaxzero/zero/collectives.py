@@ -27,7 +27,9 @@ class Comm:
       batch_axes: every mesh axis the batch is split over (the data axis last).
       replica_axes: the batch axes other than ``axis`` (state replicated over them).
       num_batch_shards: the number of batch shards the gradient is averaged over.
-      param_dtype, reduce_dtype, output_dtype: the precision policy's dtypes.
+      precision: the :class:`~jaxzero.Precision` policy: its dtypes are the ones gathered in
+        (``param_dtype``), reduced in (``reduce_dtype``) and handed to the optimizer in
+        (``output_dtype``).
       wire: how the weight gathers and gradient reduce-scatters encode what they move
         (:class:`~jaxzero.zero.wire.Wire`: exact, or ZeRO++'s blockwise int8/int4).
     """
@@ -36,18 +38,27 @@ class Comm:
     batch_axes: tuple[str, ...]
     replica_axes: tuple[str, ...]
     num_batch_shards: int
-    param_dtype: Any
-    reduce_dtype: Any
-    output_dtype: Any
+    precision: Any
     wire: Wire = Wire()
 
     @classmethod
     def create(cls, axis, batch_axes, replica_axes, num_batch_shards, precision, wire=None) -> Comm:
-        """The Comm of those axes, a :class:`~jaxzero.Precision` policy's dtypes and a
+        """The Comm of those axes, a :class:`~jaxzero.Precision` policy and a
         :class:`~jaxzero.zero.wire.Wire`."""
-        dtypes = (precision.param_dtype, precision.reduce_dtype, precision.output_dtype)
         axes = (axis, tuple(batch_axes), tuple(replica_axes), num_batch_shards)
-        return cls(*axes, *dtypes, Wire() if wire is None else wire)
+        return cls(*axes, precision, Wire() if wire is None else wire)
+
+    @property
+    def param_dtype(self):
+        return self.precision.param_dtype
+
+    @property
+    def reduce_dtype(self):
+        return self.precision.reduce_dtype
+
+    @property
+    def output_dtype(self):
+        return self.precision.output_dtype
 
 
 def varying_axes(x) -> tuple[str, ...]:

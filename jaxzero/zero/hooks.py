@@ -35,6 +35,33 @@ class LossHook:
         """After the loss was traced: raise (or warn) when the model did not use the feature."""
 
 
+class CalledHook(LossHook):
+    """A hook that the model's own code must call while the loss is traced
+    (:func:`jaxzero.gather_layer`, the vocabulary-parallel functions): inside :meth:`scope` the
+    plan is what ``var`` (its class's ``ContextVar``) holds, each call counts in ``calls``,
+    and a plan that :meth:`must_be_called` but was not raises :meth:`not_called`'s error."""
+
+    var: contextvars.ContextVar
+    calls: int = 0
+
+    def must_be_called(self) -> bool:
+        return True
+
+    def not_called(self) -> Exception:
+        """The error that says how to call the feature."""
+        raise NotImplementedError
+
+    def scope(self):
+        return scoped(self.var, self)
+
+    def explain(self, error: Exception) -> Exception | None:
+        return self.not_called() if self.must_be_called() and not self.calls else None
+
+    def finish(self) -> None:
+        if self.must_be_called() and not self.calls:
+            raise self.not_called()
+
+
 def wrap(hooks, fn):
     """``fn`` wrapped by every hook, the first innermost."""
     for hook in hooks:
@@ -64,6 +91,12 @@ def finish(hooks) -> None:
     """Every hook's :meth:`LossHook.finish`."""
     for hook in hooks:
         hook.finish()
+
+
+def plan_var(name: str) -> contextvars.ContextVar:
+    """The ``ContextVar`` through which a :class:`CalledHook`'s functions find the plan of the
+    step being traced (None outside one)."""
+    return contextvars.ContextVar(name, default=None)
 
 
 @contextlib.contextmanager

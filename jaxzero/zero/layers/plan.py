@@ -42,7 +42,6 @@ micro-batches) :func:`gather_layer` is the identity, so one model definition ser
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import difflib
 import warnings
@@ -54,14 +53,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero._tree import path_keys, path_strs
 from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying, varying_axes
-from jaxzero.zero.hooks import LossHook, scoped
+from jaxzero.zero.hooks import CalledHook, plan_var, scoped
 from jaxzero.zero.offload.activations import DeviceActivations
 from jaxzero.zero.offload.placement import DeviceMemory
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_end, subtree_paths
 
-_PLAN: contextvars.ContextVar[LayerPlan | None] = contextvars.ContextVar(
-    "jaxzero_layer_plan", default=None
-)
+_PLAN = plan_var("jaxzero_layer_plan")  # the LayerPlan of the step being traced
 
 
 _NO_LAYER_GATHER = (
@@ -102,7 +99,7 @@ _NO_SCAN_FOR_HPZ = (
 
 
 @dataclasses.dataclass
-class LayerPlan(LossHook):
+class LayerPlan(CalledHook):
     """Which dimension each layer leaf was sharded on, keyed by its path inside one layer and
     its local (per-layer, per-device) shape; built by :func:`build_plan`. ``gather``: stage 3
     (gather the shards) or stage 2 (whole params; reduce the gradient only). ``invariant``:
@@ -122,6 +119,7 @@ class LayerPlan(LossHook):
     #: where the stacks live: device memory, or host memory (``offload=("optimizer",
     #: "params")``: each layer fetched, each layer's gradient written into its host slot)
     placement: DeviceMemory = dataclasses.field(default_factory=DeviceMemory)
+    var = _PLAN
 
     def lookup(self, path, x):
         keys = path_keys(path)
@@ -138,18 +136,15 @@ class LayerPlan(LossHook):
             f"(nn.map_variables(Block, 'params', trans_in_fn=jaxzero.gather_layer))."
         )
 
-    # -- the LossHook answers (jaxzero.zero.hooks) --------------------------------------------
-    def scope(self):
-        return layer_plan(self)
+    # -- the CalledHook answers (jaxzero.zero.hooks) ------------------------------------------
+    def must_be_called(self):
+        return self.gather
 
-    def explain(self, error):
-        if self.calls or not self.gather:
-            return None
+    def not_called(self):
         return ValueError(_NO_LAYER_GATHER.format(self.layers))
 
     def finish(self):
-        if self.gather and not self.calls:
-            raise ValueError(_NO_LAYER_GATHER.format(self.layers))
+        super().finish()
         if self.gather and self.comm.wire.hpz and not self.scans:
             raise ValueError(_NO_SCAN_FOR_HPZ.format(self.comm.wire.hpz, self.layers))
         if self.activations.on_host and not self.scans:

@@ -37,7 +37,6 @@ cross-entropy), so one model serves everywhere.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 from typing import Any
 
@@ -48,7 +47,7 @@ import optax
 
 from jaxzero._tree import path_keys, subtree_names
 from jaxzero.zero.collectives import Comm, to_varying
-from jaxzero.zero.hooks import LossHook, scoped
+from jaxzero.zero.hooks import CalledHook, plan_var, scoped
 from jaxzero.zero.layers.scan import stored_param
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_mask
 
@@ -59,9 +58,7 @@ __all__ = [
     "vocab_table",
 ]
 
-_PLAN: contextvars.ContextVar[VocabPlan | None] = contextvars.ContextVar(
-    "jaxzero_vocab_plan", default=None
-)
+_PLAN = plan_var("jaxzero_vocab_plan")  # the VocabPlan of the step being traced
 
 
 _NO_VOCAB_CALL = (
@@ -74,7 +71,7 @@ _NO_VOCAB_CALL = (
 
 
 @dataclasses.dataclass
-class VocabPlan(LossHook):
+class VocabPlan(CalledHook):
     """The vocabulary-parallel step being traced: its collectives' :class:`Comm`, the local
     shapes of the tables it hands over as shards, and how often the model used them."""
 
@@ -82,6 +79,7 @@ class VocabPlan(LossHook):
     names: tuple[str, ...]
     shapes: frozenset
     calls: int = 0
+    var = _PLAN
 
     def check(self, table, what: str) -> None:
         self.calls += 1
@@ -93,16 +91,9 @@ class VocabPlan(LossHook):
                 f"(jaxzero.vocab_table or jaxzero.VocabParallelEmbed), not a copy or a slice."
             )
 
-    # -- the LossHook answers (jaxzero.zero.hooks) --------------------------------------------
-    def scope(self):
-        return vocab_plan(self)
-
-    def explain(self, error):
-        return None if self.calls else ValueError(_NO_VOCAB_CALL.format(self.names))
-
-    def finish(self):
-        if not self.calls:
-            raise ValueError(_NO_VOCAB_CALL.format(self.names))
+    # -- the CalledHook answer (jaxzero.zero.hooks) --------------------------------------------
+    def not_called(self):
+        return ValueError(_NO_VOCAB_CALL.format(self.names))
 
 
 def names(vocab_parallel, stage: int) -> tuple[str, ...]:

@@ -62,7 +62,7 @@ class Exact:
 @dataclasses.dataclass(frozen=True)
 class Blockwise:
     """Symmetric blockwise ``bits``-bit integers with a float32 scale per block of at most
-    ``max_block`` values (:func:`jaxzero.zero.quantize.quantize`)."""
+    ``max_block`` values (:func:`jaxzero.zero.wire.quantize.quantize`)."""
 
     bits: int = 8
     max_block: int = MAX_BLOCK

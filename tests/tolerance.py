@@ -1,0 +1,91 @@
+"""The suite's one rule for how close a sharded run must land to plain single-device optax.
+
+A tolerance picked by hand passes where it was picked and fails on another CPU: Adam divides by
+``sqrt(v) + eps``, so a rounding of the gradient in its last bit moves an element of the update
+by a share of the learning rate whatever the gradient's size, and XLA:CPU's vectorisation (so its
+summation order) differs between CPUs and between jax releases. So the tolerance is measured
+from the path's own rounding: the reference is run again with only the order of its sums
+changed, the ways a data-parallel step changes it (the batch's rows reversed; the gradient as
+the mean of ``n`` per-shard means, as the sharded step reduces it), and the tolerance is
+:data:`SPREAD_MULTIPLE` times the largest distance between those exact references, never below
+:data:`ULPS` float32 ulps of the largest value compared.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+#: the tolerance, in multiples of the references' own spread (a sharded step's sums run in yet
+#: another order: several such orders land within a few spreads of each other)
+SPREAD_MULTIPLE = 8
+#: the floor, in float32 ulps of the largest value compared (a path whose references agree
+#: bit for bit still rounds its own sums once)
+ULPS = 16
+
+
+def _run(tx, params, loss_fn, batches, grad_fn):
+    @jax.jit
+    def step(p, s, b):
+        u, s = tx.update(grad_fn(p, b), s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    for b in batches:
+        p, s = step(p, s, b)
+    return p, s
+
+
+def _reversed_rows(loss_fn):
+    return lambda p, b: jax.grad(loss_fn)(p, jax.tree.map(lambda x: x[::-1], b))
+
+
+def _shard_means(loss_fn, n):
+    def grad(p, b):
+        parts = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), b)
+        g = jax.lax.map(lambda bi: jax.grad(loss_fn)(p, bi), parts)
+        return jax.tree.map(lambda x: x.mean(0), g)
+
+    return grad
+
+
+def max_distance(a, b) -> float:
+    """The largest absolute elementwise distance between two trees of the same structure."""
+    d = jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(jnp.asarray(x) - jnp.asarray(y)))), a, b)
+    return max(jax.tree.leaves(d), default=0.0)
+
+
+def _largest(tree) -> float:
+    return max((float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree)), default=0.0)
+
+
+def derived_atol(reference, *others) -> float:
+    """:data:`SPREAD_MULTIPLE` times the largest distance from ``reference`` to ``others``
+    (the same run with other summation orders), at least :data:`ULPS` ulps of its largest value."""
+    spread = max(max_distance(reference, o) for o in others)
+    floor = ULPS * float(np.finfo(np.float32).eps) * _largest(reference)
+    return max(SPREAD_MULTIPLE * spread, floor)
+
+
+def reference(tx, params, loss_fn, batches, n: int = 8):
+    """``(params, opt_state, atol)``: plain single-device optax on the global batches, and the
+    tolerance of a comparison against it (:func:`derived_atol` over the reference rerun with
+    the batch's rows reversed and with the gradient as the mean of ``n`` shard means, for the
+    params and the optimizer state together). ``loss_fn(params, batch)`` must be a mean over
+    the batch's rows."""
+    ref = _run(tx, params, loss_fn, batches, jax.grad(loss_fn))
+    others = [_run(tx, params, loss_fn, batches, _reversed_rows(loss_fn))]
+    if all(x.shape[0] % n == 0 for b in batches for x in jax.tree.leaves(b)):
+        others.append(_run(tx, params, loss_fn, batches, _shard_means(loss_fn, n)))
+    atol = derived_atol(ref, *others)
+    moved = max_distance(ref[0], params)
+    if not moved > 1000 * atol / SPREAD_MULTIPLE:
+        raise ValueError(
+            f"the reordered references are {atol / SPREAD_MULTIPLE:.3g} apart, against "
+            f"{moved:.3g} moved by the steps: the loss is not a mean over independent rows "
+            "(a dropout mask drawn per batch shape, a batch statistic), so reordering measures "
+            "more than rounding; compare against models.reference_run with a stated tolerance"
+        )
+    return ref[0], ref[1], atol
