@@ -14,6 +14,7 @@ from jaxzero._tree import leaves_by_keystr
 from jaxzero.ema import placement
 from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.precision import LossScaleState
+from jaxzero.train import pmap_leftovers
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig
 
@@ -277,6 +278,7 @@ def init(
     """:meth:`jaxzero.ZeRO.init`: check the inputs, then place the state on the mesh; an
     adopted ``opt_state`` and ``step`` replace the fresh ones."""
     check_params(params)
+    pmap_leftovers.check_not_replicated(params, jax.local_device_count())
     check_model_state(params, model_state)
     zero.check_layers(params)
     rng = raw_key(rng)

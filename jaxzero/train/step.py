@@ -18,6 +18,7 @@ from jaxzero._tree import batch_rows
 from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.mesh import mesh_platform
+from jaxzero.train import pmap_leftovers
 from jaxzero.train.grads import gradient_zero, local_gradients
 from jaxzero.train.grads import split_out as split_loss
 from jaxzero.train.optimizer import ZeRO
@@ -156,7 +157,18 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch):
         self.check_state(state)
-        state, metrics = self.jitted(state, self._checked_and_placed(batch))
+        placed = self._checked_and_placed(batch)
+        try:
+            state, metrics = self.jitted(state, placed)
+        except Exception as e:
+            # A failure while tracing, on shapes a pmap program leaves: say so (the cause is
+            # chained). Errors of the running program, and other shapes, pass unchanged.
+            if isinstance(e, jax.errors.JaxRuntimeError):
+                raise
+            why = pmap_leftovers.explain(state.params, placed, jax.local_device_count())
+            if why is None:
+                raise
+            raise ValueError(why) from e
         self._pace(metrics)
         if "loss_scale_at_min" in metrics and self.zero.loss_scale.on_min != "ignore":
             self._check_min_scale(state, metrics)
