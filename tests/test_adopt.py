@@ -141,3 +141,30 @@ def test_adopt_needs_a_step_counter(problem):
         ck.adopt(tree, step)
     state = ck.adopt(tree, step, train_step=np.int64(K))
     assert int(state.step) == K and state.step.dtype == jnp.int32
+
+
+class _BNState(train_state.TrainState):
+    """A TrainState with BatchNorm statistics and a dropout key, as Flax examples define."""
+
+    batch_stats: dict
+    dropout_rng: jax.Array
+
+
+def test_adopt_reads_model_state_collections(problem, tmp_path):
+    done, _, step, _ = problem
+    stats = {"bn": {"mean": jnp.arange(8.0), "var": jnp.ones((8,))}}
+    ts = _BNState.create(
+        apply_fn=None,
+        params=done.params,
+        tx=TX,
+        batch_stats=stats,
+        dropout_rng=jax.random.PRNGKey(3),
+    ).replace(opt_state=done.opt_state, step=done.step)
+    _save_tree("train_state", tmp_path / "bn", ts)
+    for source in (ts, tmp_path / "bn"):
+        state = ck.adopt(source, step.zero, collections=("batch_stats",))
+        assert int(state.step) == K
+        chex.assert_trees_all_equal(jax.device_get(state.model_state), {"batch_stats": stats})
+        chex.assert_trees_all_equal(jz.gather(state.opt_state), done.opt_state)
+    with pytest.raises(ValueError, match=r"no \['ema'\] to read as the model state"):
+        ck.adopt(tmp_path / "bn", step.zero, collections=("ema",))

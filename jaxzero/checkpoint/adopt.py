@@ -103,9 +103,10 @@ def _abstract(tree):
     return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
 
 
-def _read_plain(path: str, zero: ZeRO) -> dict:
-    """``{"params", "opt_state"[, "step"]}`` of a plain orbax PyTree checkpoint, the optax
-    state in ``zero.tx.init``'s structure, each array read straight into its ZeRO shards."""
+def _read_plain(path: str, zero: ZeRO, collections: tuple[str, ...]) -> dict:
+    """``{"params", "opt_state"[, "step"], *collections}`` of a plain orbax PyTree checkpoint
+    (its other entries are not read), the optax state in ``zero.tx.init``'s structure, each
+    array read straight into its ZeRO shards (``collections`` replicated)."""
     with ocp.StandardCheckpointer() as ckptr:
         meta = ckptr.metadata(path).item_metadata
         stored = getattr(meta, "tree", meta)
@@ -134,16 +135,38 @@ def _read_plain(path: str, zero: ZeRO) -> dict:
             sh.named(mesh, zero.shard_specs(t)),
         )
         target = {PARAMS: shards(params), OPT_STATE: shards(opt)}
+        replicated = NamedSharding(mesh, P())
         if STEP in stored:
-            target[STEP] = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-        return ckptr.restore(path, target)
+            target[STEP] = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+        missing = [c for c in collections if c not in stored]
+        if missing:
+            raise ValueError(
+                f"the orbax checkpoint {path} has no {missing} to read as the model state; "
+                f"it holds {sorted(stored)}."
+            )
+        for c in collections:
+            target[c] = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                _abstract(stored[c]),
+            )
+    restore = ocp.args.PyTreeRestore(
+        item=target,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True,  # a dropout_rng or other entries of the tree stay unread
+    )
+    with ocp.PyTreeCheckpointer() as reader:
+        return reader.restore(path, args=restore)
 
 
-def _from_memory(source) -> dict:
+def _from_memory(source, collections: tuple[str, ...]) -> dict:
     if isinstance(source, dict):
         tree = source
     else:  # a Flax TrainState (or any object with these attributes)
-        tree = {k: getattr(source, k) for k in (PARAMS, OPT_STATE, STEP) if hasattr(source, k)}
+        names = (PARAMS, OPT_STATE, STEP, *collections)
+        tree = {k: getattr(source, k) for k in names if hasattr(source, k)}
+    missing = [c for c in collections if c not in tree]
+    if missing:
+        raise ValueError(f"the adopted run has no {missing} to read as the model state.")
     if PARAMS not in tree or OPT_STATE not in tree:
         raise TypeError(
             f"adopt takes a directory, a flax.training.train_state.TrainState, or a dict with "
@@ -161,7 +184,7 @@ def adopt(
     step: int | None = None,
     item: str | None = None,
     train_step: int | None = None,
-    model_state=None,
+    collections: tuple[str, ...] = (),
     rng=None,
 ) -> TrainState:
     """Continue a plain Flax/optax run under jaxzero: its params, optax state and step counter
@@ -180,7 +203,11 @@ def adopt(
       item: the manager step's item holding the tree (default: its only one).
       train_step: the step counter when the source holds none (default: the manager step
         for a manager directory), or to override it.
-      model_state, rng: as for ``init`` (e.g. ``rng=jax.random.key(0)`` for dropout).
+      collections: entries of the tree that are the model's non-trainable state, read as
+        ``model_state={name: tree[name]}`` (e.g. ``("batch_stats",)`` from a ``TrainState``
+        subclass with a ``batch_stats`` field, for a ``stateful=True`` step). Other entries
+        (a ``dropout_rng``, ...) are not read.
+      rng: the key of jaxzero's dropout stream, as for ``init`` (``rng=jax.random.key(0)``).
 
     Raises:
       ValueError: the optax state does not match the ZeRO's ``tx`` (the paths are named),
@@ -195,11 +222,12 @@ def adopt(
         )
     zero = step_fn if isinstance(step_fn, ZeRO) else step_fn.zero
     manager_step = None
+    collections = (collections,) if isinstance(collections, str) else tuple(collections)
     if isinstance(source, str | os.PathLike | epath.Path):
         path, manager_step = find_tree(source, step, item)
-        tree = _read_plain(path, zero)
+        tree = _read_plain(path, zero, collections)
     else:
-        tree = _from_memory(source)
+        tree = _from_memory(source, collections)
     counter = train_step if train_step is not None else tree.get(STEP, manager_step)
     if counter is None:
         raise ValueError(
@@ -207,6 +235,7 @@ def adopt(
             "train_step=<optimizer steps taken> so the schedule, the EMA and the dropout keys "
             "go on from there (train_step=0 starts them afresh)."
         )
+    model_state = {c: tree[c] for c in collections} or None
     return step_fn.init(
         tree[PARAMS], opt_state=tree[OPT_STATE], step=counter, model_state=model_state, rng=rng
     )
