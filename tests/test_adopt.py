@@ -3,6 +3,8 @@
 continues; the errors for a mismatching optax state and for a plain directory given to
 ``restore`` / ``inspect``."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from models import decay_mask, make_problem
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
+from jaxzero import cli
 
 K = 3  # steps before the switch, and after it
 
@@ -114,7 +117,7 @@ def test_adopt_refuses_another_optimizer_state(problem, tmp_path):
         ck.adopt({"params": done.params}, step)
 
 
-def test_plain_directory_is_named_by_restore_and_inspect(problem, tmp_path):
+def test_plain_directory_is_named_by_restore_and_inspect(problem, tmp_path, capsys):
     done, _, step, _ = problem
     _save_tree("standard", tmp_path / "plain", done)
     _save_tree("manager", tmp_path / "mngr", done)
@@ -126,6 +129,9 @@ def test_plain_directory_is_named_by_restore_and_inspect(problem, tmp_path):
             ck.inspect(tmp_path / where)
     with pytest.raises(ValueError, match=r"no 'state' item.*jaxzero\.checkpoint\.adopt"):
         ck.restore(tmp_path / "mngr", step.zero, done.params)
+    with pytest.raises(SystemExit):  # `jaxzero inspect DIR`: the same sentence, one line
+        cli.main(["inspect", str(tmp_path / "plain")])
+    assert re.search(adopt_hint, capsys.readouterr().err)
     # and a jaxzero checkpoint given to adopt points to restore
     state = step.init(done.params)
     with ck.manager(tmp_path / "jz") as m:
@@ -168,3 +174,14 @@ def test_adopt_reads_model_state_collections(problem, tmp_path):
         chex.assert_trees_all_equal(jz.gather(state.opt_state), done.opt_state)
     with pytest.raises(ValueError, match=r"no \['ema'\] to read as the model state"):
         ck.adopt(tmp_path / "bn", step.zero, collections=("ema",))
+
+
+def test_adopted_optimizer_state_lands_where_the_placement_keeps_it(problem):
+    # offload: the optax state lives in pinned host memory, the adopted one as the fresh one
+    done, _, step, _ = problem
+    zero = jz.ZeRO(TX, jz.data_parallel_mesh(), stage=2, offload="optimizer")
+    state = zero.init(done.params, opt_state=done.opt_state, step=done.step)
+    fresh = zero.init(done.params)
+    assert jax.tree.map(lambda x: x.sharding, state) == jax.tree.map(lambda x: x.sharding, fresh)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {"pinned_host"}
+    chex.assert_trees_all_equal(jz.gather(state.opt_state), done.opt_state)
