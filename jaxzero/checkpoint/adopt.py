@@ -79,7 +79,11 @@ def find_tree(directory, step: int | None = None, item: str | None = None) -> tu
 
 def describe_plain(directory) -> str | None:
     """The sentence that names ``directory`` as a plain orbax checkpoint and points to
-    :func:`adopt`; None when it is not one (or is a jaxzero checkpoint)."""
+    :func:`adopt`; None when it is not one (or is a jaxzero checkpoint, or a manager)."""
+    if isinstance(directory, ocp.CheckpointManager):
+        directory = directory.directory
+    if not isinstance(directory, str | os.PathLike):
+        return None
     root = epath.Path(os.fspath(directory))
     if not root.is_dir():
         return None
