@@ -4,6 +4,7 @@ jaxzero equals the same recipe under ``jax.pmap``, written here as the recipe wr
 devices, dropout on. The pmap step draws each device's dropout key by jaxzero's documented
 rule, ``fold_in(fold_in(rng, step), device index)``, so both runs draw the same masks."""
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -16,13 +17,20 @@ from flax.training.common_utils import shard
 
 import jaxzero as jz
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-import hf_clm  # noqa: E402
-
 STEPS, WARMUP, BATCH, SEED = 4, 2, 16, 0
 
 
-def pmap_reference():
+def _example():
+    """examples/hf_clm.py as a module, imported when the test runs (it imports transformers,
+    seconds that collection should not pay)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    try:
+        return importlib.import_module("hf_clm")
+    finally:
+        sys.path.pop(0)
+
+
+def pmap_reference(hf_clm):
     model, params = hf_clm.gpt2(seed=SEED)
     tx, _ = hf_clm.optimizer(STEPS, WARMUP)
     rng = jax.random.PRNGKey(SEED)
@@ -55,10 +63,11 @@ def pmap_reference():
 
 def test_hf_clm_port_equals_pmap():
     assert jax.local_device_count() == 8
+    hf_clm = _example()
     state, losses = hf_clm.train(
         stage=3, steps=STEPS, warmup=WARMUP, batch_size=BATCH, seed=SEED, log=lambda _: None
     )
-    ref, ref_losses = pmap_reference()
+    ref, ref_losses = pmap_reference(hf_clm)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert int(state.step) == int(ref.step) == STEPS
     chex.assert_trees_all_close(jz.gather(state.params), ref.params, atol=1e-6)
