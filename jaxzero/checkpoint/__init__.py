@@ -14,6 +14,8 @@ configures it for jaxzero and adds the jaxzero-specific parts:
   on N devices at one stage restores on any N / stage / mesh (``ZeRO.abstract_state``
   supplies the shardings).
 * :func:`export` writes a gathered, unsharded tree (EMA or params) for inference.
+* :func:`adopt` continues a plain Flax/optax run (a Flax ``TrainState``, or a plain orbax
+  checkpoint of its params, optax state and step) as a jaxzero ``TrainState``.
 * :func:`inspect` renders a checkpoint directory as text (for ``jaxzero inspect``).
 
 Every array's checksum is saved in the step's metadata and checked when it is read back
@@ -38,6 +40,7 @@ Example::
     state = jz.checkpoint.restore("/ckpt", zero, params, ema=ema)   # latest complete step
 """
 
+from jaxzero.checkpoint.adopt import adopt
 from jaxzero.checkpoint.export import export, load_export
 from jaxzero.checkpoint.inspect import inspect
 from jaxzero.checkpoint.integrity import CheckpointDamagedError
@@ -53,6 +56,7 @@ from jaxzero.checkpoint.structure import leaf_table as leaf_table
 from jaxzero.checkpoint.verify import StepReport, VerifyReport, verify
 
 __all__ = [
+    "adopt",
     "CheckpointDamagedError",
     "DamagedStepWarning",
     "StepReport",

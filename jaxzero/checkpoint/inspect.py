@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero import _tree
+from jaxzero.checkpoint.adopt import describe_plain
 from jaxzero.checkpoint.io import (
     _has_item,
     _opened,
@@ -117,6 +118,9 @@ def inspect(directory, *, step: int | None = None) -> str:
     ``layers=``, ``units=`` and ``offload=`` where saved, user metadata) and every leaf's
     path, shape, dtype, bytes and partition spec. Reads metadata only (no arrays).
     """
+    plain = describe_plain(directory)
+    if plain:
+        raise ValueError(f"not a jaxzero checkpoint:{plain}")
     with _opened(directory) as mngr:
         lines = [f"checkpoint directory: {os.fspath(mngr.directory)}"]
         steps = sorted(mngr.all_steps())

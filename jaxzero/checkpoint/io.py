@@ -15,6 +15,7 @@ from etils import epath
 
 import jaxzero.checkpoint.guards as guards
 import jaxzero.checkpoint.integrity as integrity
+from jaxzero.checkpoint.adopt import describe_plain
 from jaxzero.checkpoint.structure import EXTRA, METADATA, STATE, _flat, _name, describe
 from jaxzero.checkpoint.trust import check_metadata
 from jaxzero.ema import storage
@@ -140,7 +141,7 @@ def _resolve_step(mngr: ocp.CheckpointManager, step) -> int:
         hint = f" (only interrupted/in-progress saves: {', '.join(partial)})" if partial else ""
         raise FileNotFoundError(
             f"no complete checkpoint step in {os.fspath(mngr.directory)}{hint}."
-            + guards.step_directory_hint(mngr.directory)
+            + (describe_plain(mngr.directory) or guards.step_directory_hint(mngr.directory))
         )
     if step is None:
         return steps[-1]

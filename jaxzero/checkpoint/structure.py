@@ -129,10 +129,12 @@ def describe(
 # --------------------------------------------------------------------------------- restore
 def _stored_tree(mngr: ocp.CheckpointManager, step: int) -> dict:
     md = mngr.item_metadata(step)
-    if STATE not in md or md[STATE] is None:
+    if md is None or STATE not in md or md[STATE] is None:
         raise ValueError(
             f"step {step} in {os.fspath(mngr.directory)} has no {STATE!r} item; it was not "
-            f"written by jaxzero.checkpoint.save."
+            f"written by jaxzero.checkpoint.save. A plain orbax checkpoint of a Flax run "
+            f"(params, opt_state, step) continues under jaxzero with "
+            f"jaxzero.checkpoint.adopt(directory, step)."
         )
     tree = md[STATE]
     return _flat(getattr(tree, "tree", tree))

@@ -34,7 +34,7 @@ def _axis_hint(zero, e: Exception) -> str:
     )
 
 
-def _split_out(out):
+def split_out(out):
     if isinstance(out, tuple):
         if len(out) != 2:
             raise ValueError(
@@ -63,7 +63,7 @@ def _call_loss(loss_fn, stateful, params, model_state, batch, rng):
         loss, (new_state, aux) = out
         check_same_structure(model_state, new_state, "model_state")
         return loss, aux, new_state
-    loss, aux = _split_out(loss_fn(params, batch))
+    loss, aux = split_out(loss_fn(params, batch))
     return loss, aux, None
 
 

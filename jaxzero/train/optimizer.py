@@ -92,16 +92,36 @@ class ZeRO(ZeROConfig):
     """
 
     # -- state (jaxzero.train.state) ---------------------------------------------------------
-    def init(self, params, *, ema: ShardedEMA | None = None, model_state=None, rng=None):
+    def init(
+        self,
+        params,
+        *,
+        ema: ShardedEMA | None = None,
+        model_state=None,
+        rng=None,
+        opt_state=None,
+        step=None,
+    ):
         """Place the training state on the mesh (works under ``jax.eval_shape``).
 
         ``ema`` adds an :class:`EmaState` in the master's shards; ``model_state``
         (non-trainable collections) and ``rng`` (a PRNG key) are stored replicated.
 
+        To continue a plain optax run (adopt it), pass its optimizer state as ``opt_state``
+        (the state of the same ``tx``, e.g. ``flax_state.opt_state``; placed into its shards)
+        and the steps it has taken as ``step`` (the step counter goes on from there, and with
+        it the dropout keys and the EMA's ``start_step``); :func:`jaxzero.checkpoint.adopt`
+        reads both from a plain orbax checkpoint or a Flax ``TrainState``. An EMA starts at
+        ``params``.
+
         Raises:
           TypeError: a params leaf is not a floating array (every offending path is listed).
+          ValueError: ``opt_state`` does not match ``tx.init(params)`` (the paths are named),
+            or ``step`` is not an int >= 0.
         """
-        return train_state.init(self, params, ema=ema, model_state=model_state, rng=rng)
+        return train_state.init(
+            self, params, ema=ema, model_state=model_state, rng=rng, opt_state=opt_state, step=step
+        )
 
     def abstract_state(self, params, *, ema=None, model_state=None, rng=None) -> TrainState:
         """The state's ShapeDtypeStructs, with shardings, without allocating anything."""

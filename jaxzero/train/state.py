@@ -14,6 +14,7 @@ from jaxzero._tree import leaves_by_keystr
 from jaxzero.ema import placement
 from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.precision import LossScaleState
+from jaxzero.train import pmap_leftovers
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig
 
@@ -219,9 +220,65 @@ def abstract_state(zero: ZeROConfig, params, *, ema=None, model_state=None, rng=
     )
 
 
-def init(zero: ZeROConfig, params, *, ema=None, model_state=None, rng=None) -> TrainState:
-    """:meth:`jaxzero.ZeRO.init`: check the inputs, then place the state on the mesh."""
+def tree_mismatch(want: dict, have: dict, prefix: str = "") -> list[str]:
+    """What differs between two ``{path: shape}`` maps: the paths missing from ``have``, those
+    it adds, and those shaped otherwise (at most four of each, with a count of the rest)."""
+
+    def some(what: str, items: list[str]) -> list[str]:
+        more = f" and {len(items) - 4} more" if len(items) > 4 else ""
+        return [f"{what} {', '.join(prefix + k for k in items[:4])}{more}"] if items else []
+
+    shaped = [
+        f"{k} {have[k]} (expected {want[k]})" for k in want if k in have and have[k] != want[k]
+    ]
+    return (
+        some("missing", [k for k in want if k not in have])
+        + some("unexpected", [k for k in have if k not in want])
+        + some("shaped otherwise:", shaped)
+    )
+
+
+def check_opt_state(expected, given) -> None:
+    """Raise ValueError naming the paths where ``given`` (an optax state to adopt) differs
+    from ``expected`` (``zero.tx.init(params)``'s shapes): missing, unexpected, mis-shaped."""
+    shapes = lambda t: {k: tuple(int(d) for d in jnp.shape(x)) for k, x in leaves_by_keystr(t)}
+    bad = tree_mismatch(shapes(expected), shapes(given))
+    if not bad and jax.tree.structure(expected) != jax.tree.structure(given):
+        bad.append(
+            f"the same leaves in other containers: {jax.tree.structure(given)} against "
+            f"{jax.tree.structure(expected)}"
+        )
+    if bad:
+        raise ValueError(
+            f"opt_state does not match the ZeRO's optimizer state for these params "
+            f"(zero.tx.init(params)): {'; '.join(bad)}. Pass the state of the same optax "
+            f"transformation, built for the same params, as the one given to "
+            f"jz.ZeRO(tx, ...); nothing was placed."
+        )
+
+
+def step_count(step) -> int:
+    """A step counter to adopt (an int, or a 0-d integer array) as a Python int >= 0."""
+    value = getattr(step, "dtype", None)
+    integral = isinstance(step, int) and not isinstance(step, bool)
+    if value is not None and jnp.ndim(step) == 0 and jnp.issubdtype(value, jnp.integer):
+        integral, step = True, int(step)
+    if not integral or step < 0:
+        raise ValueError(
+            f"step={step!r} must be the optimizer steps already taken: an int >= 0 (e.g. "
+            f"int(flax_state.step)), so the step counter, the schedule, the EMA and the "
+            f"dropout keys go on from there."
+        )
+    return step
+
+
+def init(
+    zero: ZeROConfig, params, *, ema=None, model_state=None, rng=None, opt_state=None, step=None
+) -> TrainState:
+    """:meth:`jaxzero.ZeRO.init`: check the inputs, then place the state on the mesh; an
+    adopted ``opt_state`` and ``step`` replace the fresh ones."""
     check_params(params)
+    pmap_leftovers.check_not_replicated(params, jax.local_device_count())
     check_model_state(params, model_state)
     zero.check_layers(params)
     rng = raw_key(rng)
@@ -234,14 +291,27 @@ def init(zero: ZeROConfig, params, *, ema=None, model_state=None, rng=None) -> T
     if ema is not None and not isinstance(ema, ShardedEMA):
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
     abstract = abstract_state(zero, params, ema=ema, model_state=model_state, rng=rng)
+    if opt_state is not None:
+        check_opt_state(abstract.opt_state, opt_state)
+    if step is not None:
+        step = jnp.asarray(step_count(step), jnp.int32)
     out = jax.tree.map(lambda x: x.sharding, abstract)
-    fn = jax.jit(lambda p, m, r: _init_raw(zero, p, ema, m, r), out_shardings=out)
+
+    def build(p, m, r, o, s):
+        state = _init_raw(zero, p, ema, m, r)
+        if o is not None:  # adopted: placed by out_shardings, never by state.replace
+            o = jax.tree.map(lambda x, a: x.astype(a.dtype), o, state.opt_state)
+            state = state.replace(opt_state=o)
+        return state if s is None else state.replace(step=s)
+
+    fn = jax.jit(build, out_shardings=out)
     # Inputs may live anywhere (numpy, one device, another mesh): move what is committed
     # elsewhere onto this mesh, in the placement the state will have.
     params = _onto(params, out.params)
     model_state = _onto(model_state, out.model_state)
     rng = _onto(rng, out.rng)
-    return fn(params, model_state, rng)
+    opt_state = _onto(opt_state, out.opt_state)
+    return fn(params, model_state, rng, opt_state, step)
 
 
 def _onto(tree, shardings):

@@ -18,7 +18,9 @@ from jaxzero._tree import batch_rows
 from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.mesh import mesh_platform
+from jaxzero.train import pmap_leftovers
 from jaxzero.train.grads import gradient_zero, local_gradients
+from jaxzero.train.grads import split_out as split_loss
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh
 from jaxzero.train.update import apply_gradients
@@ -71,12 +73,14 @@ class TrainStep:
     accum_steps: int
     jitted: Any
     stateful: bool = False
+    rng: bool = False
     _in_flight: collections.deque = dataclasses.field(
         default_factory=collections.deque, repr=False, compare=False
     )
 
     def init(self, params, **kwargs) -> TrainState:
-        """``zero.init(params, ema=self.ema, ...)``."""
+        """``zero.init(params, ema=self.ema, ...)``: ``rng=`` for a step that hands the loss
+        a key, ``opt_state=`` and ``step=`` to continue a plain optax run (adopt it)."""
         return self.zero.init(params, ema=self.ema, **kwargs)
 
     def check_batch(self, batch) -> None:
@@ -107,6 +111,12 @@ class TrainStep:
             raise ValueError(
                 "state carries a model_state but the step is not stateful; build it with "
                 "make_train_step(..., stateful=True) and a loss_fn(params, model_state, batch, rng)."
+            )
+        if self.rng and state.rng is None:
+            raise ValueError(
+                "this step hands loss_fn(params, batch, rng) a key (make_train_step(..., "
+                "rng=True)) but the state has no rng; create it with "
+                "step.init(params, rng=jax.random.key(seed))."
             )
         if self.ema is None and state.ema is not None:
             raise ValueError(
@@ -146,7 +156,18 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch):
         self.check_state(state)
-        state, metrics = self.jitted(state, self._checked_and_placed(batch))
+        placed = self._checked_and_placed(batch)
+        try:
+            state, metrics = self.jitted(state, placed)
+        except Exception as e:
+            # A failure while tracing, on shapes a pmap program leaves: say so (the cause is
+            # chained). Errors of the running program, and other shapes, pass unchanged.
+            if isinstance(e, jax.errors.JaxRuntimeError):
+                raise
+            why = pmap_leftovers.explain(state.params, placed, jax.local_device_count())
+            if why is None:
+                raise
+            raise ValueError(why) from e
         self._pace(metrics)
         if "loss_scale_at_min" in metrics and self.zero.loss_scale.on_min != "ignore":
             self._check_min_scale(state, metrics)
@@ -194,6 +215,7 @@ def make_train_step(
     ema: ShardedEMA | None = None,
     accum_steps: int = 1,
     stateful: bool = False,
+    rng: bool = False,
     donate: bool = True,
 ) -> TrainStep:
     """Build the jitted ZeRO train step.
@@ -232,6 +254,12 @@ def make_train_step(
         raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
     if ema is not None and not isinstance(ema, ShardedEMA):
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
+    if rng and stateful:
+        raise ValueError(
+            "rng=True is for a loss without model state, loss_fn(params, batch, rng); a "
+            "stateful loss_fn(params, model_state, batch, rng) already gets the key. Drop "
+            "rng=True."
+        )
     if accum_steps > 1 and zero.placement.params_on_host:
         raise ValueError(
             f"accum_steps={accum_steps} with ZeRO(offload={zero.offload!r}): the backward "
@@ -249,10 +277,22 @@ def make_train_step(
             stacklevel=2,
         )
     reducing = gradient_zero(zero, accum_steps)
-    grads_fn = local_gradients(reducing, loss_fn, accum_steps, stateful=stateful)
+    inner = _keyed_loss(loss_fn) if rng else loss_fn
+    grads_fn = local_gradients(reducing, inner, accum_steps, stateful=stateful or bool(rng))
     step_fn = _step_fn(zero, reducing, grads_fn, ema)
     jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else ())
-    return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful)
+    return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful, bool(rng))
+
+
+def _keyed_loss(loss_fn):
+    """``loss_fn(params, batch, rng)`` as a stateful loss (``make_train_step(..., rng=True)``):
+    the same per-device key, no model state (None in, None out)."""
+
+    def stateful(params, model_state, batch, rng):
+        loss, aux = split_loss(loss_fn(params, batch, rng))
+        return loss, (model_state, aux)
+
+    return stateful
 
 
 def loss_shards(zero: ZeROConfig, state: TrainState):
