@@ -81,7 +81,7 @@ class OffloadCost:
 
     @property
     def formula_bytes(self) -> int:
-        """ZeRO-Infinity's bytes: the offloaded state read and written once (2 x state)."""
+        """The bytes ZeRO-Infinity's formula moves, the offloaded state read and written once."""
         return 2 * self.state_bytes
 
     @property

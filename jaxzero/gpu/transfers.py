@@ -145,11 +145,10 @@ def _sources_and_result(opcode: str, line: str, types: dict[str, str]):
 
 def _direction(opcode: str, sources, result) -> tuple[str, int] | None:
     """``("h2d" | "d2h", bytes)`` of an instruction between the memories, else None."""
-    to_host = any(host for _, host, _ in result)
-    if to_host:
-        moved = [t for t, host, rank in sources if not host and (rank or opcode == "copy")]
-        if opcode == "copy-start":
-            moved = [t for t, host, _ in sources if not host]
+    if any(host for _, host, _ in result):
+        # a copy moves its operand, a scalar too; elsewhere a scalar operand is an index
+        copy = opcode in ("copy", "copy-start")
+        moved = [t for t, host, rank in sources if not host and (rank or copy)]
         return ("d2h", _nbytes(moved)) if moved else None
     if any(host for _, host, _ in sources):
         return "h2d", _nbytes(t for t, _, _ in result)
