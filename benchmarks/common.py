@@ -312,16 +312,18 @@ def md_table(header, rows) -> str:
     return "\n".join(lines)
 
 
-def time_train_step(loss_fn, zero, abstract, batch, rounds: int = 5, steps: int = 10) -> float:
-    """Median milliseconds per step of ``jz.make_train_step(loss_fn, zero)`` on real devices:
-    params drawn N(0, 0.02) in the shapes and dtypes of ``abstract``, 3 warm-up steps, then
-    ``rounds`` rounds of ``steps`` steps (state donated, ``block_until_ready`` at the end of
-    a round)."""
+def time_train_step(
+    loss_fn, zero, abstract, batch, rounds: int = 5, steps: int = 10, accum_steps: int = 1
+) -> float:
+    """Median milliseconds per step of ``jz.make_train_step(loss_fn, zero, accum_steps=)`` on
+    real devices: params drawn N(0, 0.02) in the shapes and dtypes of ``abstract``, 3 warm-up
+    steps, then ``rounds`` rounds of ``steps`` steps (state donated, ``block_until_ready`` at
+    the end of a round)."""
     import jaxzero as jz
 
     key = jax.random.key(0)
     params = jax.tree.map(lambda s: 0.02 * jax.random.normal(key, s.shape, s.dtype), abstract)
-    step = jz.make_train_step(loss_fn, zero)
+    step = jz.make_train_step(loss_fn, zero, accum_steps=accum_steps)
     state = step.init(params)
     for _ in range(3):
         state, _ = step(state, batch)

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from jaxzero.cli.command import Command, param_count, pick, positive_int
-from jaxzero.cli.plan_output import fallback_note, network, progress, table
+from jaxzero.cli.plan_output import fallback_note, network, offload_note, progress, table
 
 DESCRIPTION = """\
 Compile jaxzero's Adam train step of a GPT/LLaMA-shaped model for a GPU cluster with XLA's GPU
@@ -95,6 +95,19 @@ def _add_state_layout(group) -> None:
         "through the GPU by the update (jaxzero.ZeRO(offload='optimizer'); stages 1-3, the "
         "default then); optimizer,params: the bf16 params too, fetched a layer at a time, "
         "and their gradients (offload=('optimizer', 'params'); stage 3 per layer)",
+    )
+
+
+def _add_pcie(group) -> None:
+    """``--pcie-gbps``: the host <-> device rate the offload columns assume."""
+    group.add_argument(
+        "--pcie-gbps",
+        type=float,
+        metavar="GB/S",
+        help="with --offload, the pinned host <-> device copy rate per GPU in GB/s (1e9 "
+        "bytes/s, not Gbit/s) for the predicted step time (default per --gpu: h100 and h200 "
+        "55, measured on an H100 PCIe Gen5 host; a100 25, PCIe Gen4; sources in "
+        "jaxzero.gpu.targets.PCIE_SOURCES)",
     )
 
 
@@ -190,6 +203,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     train.add_argument("--ema", action="store_true", help="add a sharded fp32 parameter EMA")
     _add_state_layout(train)
+    _add_pcie(train)
     train.add_argument(
         "--vocab-parallel",
         action="store_true",
@@ -298,6 +312,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             file=sys.stderr,
         )
     print(_describe(args, shape, recommended_xla_flags), flush=True)
+    if args.pcie_gbps is not None and (args.pcie_gbps <= 0 or not args.offload):
+        why = "must be a positive GB/s figure" if args.pcie_gbps <= 0 else "needs --offload"
+        parser.error(f"--pcie-gbps {args.pcie_gbps:g} {why}")
     if args.network_gbps and min(args.network_gbps) <= 0:
         parser.error(f"--network-gbps: {args.network_gbps} must be two positive Gbit/s figures")
     try:
@@ -324,6 +341,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             "prefetch",
             "quantize",
             "hpz",
+            "pcie_gbps",
         )
         flags = xla_options(quantized_grads=_qgz(args)) if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
@@ -335,7 +353,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     print(table(rows))
     if args.network_gbps or args.hpz:
         print(network(rows, args))
-    for note in (fallback_note(rows), prefetch_advice(rows)):
+    for note in (fallback_note(rows), prefetch_advice(rows), offload_note(rows)):
         if note:
             print(note)
     print(

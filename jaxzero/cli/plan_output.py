@@ -41,12 +41,65 @@ def hidden(report) -> str:
     return f"{report.hidden_share(*kinds):.0%} of max {report.hideable_share(*kinds):.0%}"
 
 
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
+
+
+def _cost_cells(cost) -> list[str]:
+    """The offload columns of one row: host->device and device->host bytes per step, their
+    hidden share, the predicted step (compute + exposed transfer), its ratio to the compute
+    alone, and ZeRO-Infinity's efficiency (:mod:`jaxzero.gpu.offload_cost`)."""
+    from jaxzero.memory import format_bytes
+
+    if cost is None:
+        return ["-"] * 6
+    return [
+        format_bytes(cost.h2d_bytes),
+        format_bytes(cost.d2h_bytes),
+        f"{cost.hidden_share:.0%}",
+        _ms(cost.step_seconds),
+        f"{cost.slowdown:.2f}x",
+        f"{cost.formula_efficiency:.0%}",
+    ]
+
+
+def offload_note(rows) -> str | None:
+    """What the offload columns assume, or None without them."""
+    from jaxzero.gpu.offload_cost import MFU
+
+    cost = next((r.cost for r in rows if r.cost is not None), None)
+    if cost is None:
+        return None
+    return (
+        f"PCIe: host->device (h2d) and device->host (d2h) bytes per GPU per step read from "
+        f"the compiled HLO (copy-start/done and async slices to or from host memory, loop trip "
+        f"counts applied; jaxzero.gpu.transfers); hidden: the share a compute kernel overlaps "
+        f"in the schedule; step: compute ({cost.flops:.3g} FLOP = 8 x params x tokens per GPU "
+        f"at {MFU:.0%} of the bf16 peak: {_ms(cost.compute_seconds)}) + the exposed "
+        f"bytes at {cost.gbps:g} GB/s (--pcie-gbps); x compute: step over the compute alone, "
+        f"the step without offload in this model; ZI eff.: ZeRO-Infinity's "
+        f"ait*bw/(ait*bw+peak), ait = FLOP per byte of the offloaded state moved twice "
+        f"({cost.ait:.0f} FLOP/B), nothing overlapped."
+    )
+
+
 def table(rows) -> str:
     from jaxzero.memory import format_bytes
 
     header = ["stage", "GPU-compiled", "estimate", "state", "verdict", "hidden AG+RS", "kernels"]
     host = any(r.report.host_bytes or r.estimate.host for r in rows)
     header[4:4] = ["host", "host est."] if host else []
+    cost = [r.cost for r in rows if r.cost is not None]
+    if cost:
+        header += [
+            "PCIe h2d",
+            "PCIe d2h",
+            "PCIe hidden",
+            f"step @{cost[0].gbps:g} GB/s",
+            "x compute",
+            "ZI eff.",
+        ]
     header.append("collectives per step (hidden share)")
     body = [
         [
@@ -58,6 +111,7 @@ def table(rows) -> str:
             r.verdict,
             hidden(r.report),
             str(r.report.kernels_per_step),
+            *(_cost_cells(r.cost) if cost else []),
             f"{r.report.collective_summary()} ({r.report.overlap_summary()})",
         ]
         for r in rows

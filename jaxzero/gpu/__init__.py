@@ -7,6 +7,7 @@ collectives and kernels per device.
     step = jz.make_train_step(loss_fn, zero)
     report = jaxzero.gpu.compile_report(step, param_shapes, batch_shapes)
     report.peak_bytes, report.verdict(), report.payload("all-gather", "bf16")
+    report.host_transfers.h2d_bytes, report.transfer_summary()    # with ZeRO(offload=...)
 """
 
 from jaxzero.gpu.hlo import (
@@ -17,6 +18,7 @@ from jaxzero.gpu.hlo import (
     kernels_per_step,
 )
 from jaxzero.gpu.models import ModelShape, model_shape
+from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
 from jaxzero.gpu.overlap import OverlapTotal, overlap_per_step
 from jaxzero.gpu.plan import PlanRow, WireTime, plan, plan_cases, wire_time
 from jaxzero.gpu.report import CompileReport, compile_report
@@ -29,6 +31,7 @@ from jaxzero.gpu.topology import (
     topology_string,
     xla_options,
 )
+from jaxzero.gpu.transfers import HostTransfers, host_transfers_per_step
 
 __all__ = [
     "GPU_KINDS",
@@ -36,7 +39,9 @@ __all__ = [
     "CollectiveTotal",
     "CompileReport",
     "GpuSpec",
+    "HostTransfers",
     "ModelShape",
+    "OffloadCost",
     "OverlapTotal",
     "PlanRow",
     "PluginMissingError",
@@ -47,8 +52,10 @@ __all__ = [
     "computation_multipliers",
     "gpu_spec",
     "kernel_bytes_per_step",
+    "host_transfers_per_step",
     "kernels_per_step",
     "model_shape",
+    "offload_cost",
     "overlap_per_step",
     "plan",
     "plan_cases",

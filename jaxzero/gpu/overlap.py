@@ -43,7 +43,7 @@ import re
 from jaxzero.gpu.hlo import collective_payloads, computation_multipliers, parse_computations
 from jaxzero.memory.hlo import COLLECTIVE_KINDS
 
-__all__ = ["OverlapTotal", "compute_computations", "overlap_per_step"]
+__all__ = ["OverlapTotal", "compute_computations", "hidden_pairs", "overlap_per_step"]
 
 _LIBRARY = re.compile(r'custom_call_target="__(?:cublas|cudnn)')
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
@@ -132,6 +132,14 @@ def _hidden(comps) -> set[str]:
             elif started and _is_compute(opcode, line, computing):
                 started = dict.fromkeys(started, True)
     return hidden
+
+
+def hidden_pairs(comps) -> set[str]:
+    """Names of the ``*-done`` instructions of ``comps`` (of
+    :func:`~jaxzero.gpu.hlo.parse_computations`) whose async pair has a compute kernel
+    scheduled in between (the module docstring's reading; any async pair: collectives, host
+    copies, async fusions), and of the computations wrapped by such an ``async-start``."""
+    return _hidden(comps)
 
 
 def _closure(start: str, edges: dict[str, set[str]]) -> set[str]:

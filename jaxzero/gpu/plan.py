@@ -18,6 +18,7 @@ from jaxzero.gpu.models import (
     make_loss,
 )
 from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_time
+from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.topology import compile_only_mesh
 from jaxzero.memory import MemoryEstimate, estimate_memory, format_bytes
@@ -57,7 +58,9 @@ class PlanRow:
     ``per``: what ``per_layer`` goes by, ``"layer"`` (a scanned stack, ``ZeRO(layers=)``) or
     ``"unit"`` (a Python loop of blocks, ``ZeRO(units=)``); ``prefetch``: a per-unit row's
     ``ZeRO(prefetch=...)`` (None on the other rows); ``hpz``: the per-layer stage-3 row's
-    ``ZeRO(hpz_partition_size=...)`` (None on the other rows).
+    ``ZeRO(hpz_partition_size=...)`` (None on the other rows). ``cost``: with offload, the
+    host <-> device bytes of the compiled step and the step time they predict
+    (:func:`jaxzero.gpu.offload_cost.offload_cost`; None without offload).
     """
 
     stage: int
@@ -69,6 +72,7 @@ class PlanRow:
     per: str = "layer"
     prefetch: bool | None = None
     hpz: int | None = None
+    cost: OffloadCost | None = None
 
     @property
     def label(self) -> str:
@@ -313,6 +317,7 @@ def plan(
     prefetch: str = "on",
     quantize: str | None = None,
     hpz: int | None = None,
+    pcie_gbps: float | None = None,
 ) -> list[PlanRow]:
     """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
 
@@ -334,6 +339,9 @@ def plan(
     (``"both"``; :func:`prefetch_advice` then says which to pick). ``quantize`` (``"weights"``,
     ``"grads"``, ``"both"``): ZeRO++'s int8 collectives, ``ZeRO(quantize=...)``, where each
     acts (:func:`stage_quantize`); ``hpz``: ZeRO++'s hpZ on the per-layer stage-3 row.
+    With ``offload``, each row's ``cost`` is the compiled step's host <-> device bytes and
+    the step time at ``pcie_gbps`` GB/s (default: the GPU kind's,
+    ``GpuSpec.pcie_bytes_per_s``) for ``shape.batch x shape.seq x accum`` tokens per GPU.
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -342,6 +350,10 @@ def plan(
       ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
     """
     _check_plan_args(precision, accum, devices, replicas, quantize)
+    if pcie_gbps is not None and (
+        isinstance(pcie_gbps, bool) or not isinstance(pcie_gbps, int | float) or pcie_gbps <= 0
+    ):
+        raise ValueError(f"pcie_gbps={pcie_gbps!r} must be a positive number of GB/s.")
     check_loop(shape, stage2, stage1)
     check_hpz(hpz, shape, stages, stage3, devices, replicas)
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
@@ -367,9 +379,22 @@ def plan(
             shape, n, stage, per_layer, precision, ema, copy, offload, per, pf is not False
         )
         state = report.argument_bytes - batch_bytes
+        cost = None
+        if offload:
+            tokens = shape.batch * shape.seq * accum
+            cost = offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=pcie_gbps)
         rows.append(
             PlanRow(
-                stage, per_layer, shape.num_params, report, est, state, per=per, prefetch=pf, hpz=g
+                stage,
+                per_layer,
+                shape.num_params,
+                report,
+                est,
+                state,
+                per=per,
+                prefetch=pf,
+                hpz=g,
+                cost=cost,
             )
         )
     return rows

@@ -20,6 +20,7 @@ from jaxzero.gpu.hlo import (
 from jaxzero.gpu.overlap import OverlapTotal, overlap_per_step
 from jaxzero.gpu.targets import gpu_spec
 from jaxzero.gpu.topology import gpu_kind_of
+from jaxzero.gpu.transfers import HostTransfers, host_transfers_per_step
 from jaxzero.memory import format_bytes
 from jaxzero.train.state import TrainState
 from jaxzero.zero.offload import placement as host_memory
@@ -57,7 +58,10 @@ class CompileReport:
     ``hlo_text`` is the scheduled HLO. ``triton_gemm_fallback`` is None, or XLA's error when
     the first compile failed in its Triton gemm emitter ("Couldn't find output tile sizes
     ...") and the figures are those of the retry with ``xla_gpu_enable_triton_gemm=False``
-    (:data:`TRITON_GEMM_OFF`: cuBLAS gemms; :meth:`verdict` says so).
+    (:data:`TRITON_GEMM_OFF`: cuBLAS gemms; :meth:`verdict` says so). ``host_transfers``
+    are the bytes the step moves between pinned host memory and the GPU, each direction, and
+    the share the schedule hides behind compute, read from the HLO
+    (:mod:`jaxzero.gpu.transfers`; :meth:`transfer_summary`, :meth:`transfer_seconds`).
 
     The verdict compares with the whole HBM; a JAX process gets 75% of it unless
     ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (e.g. ``.95``) or ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
@@ -83,6 +87,7 @@ class CompileReport:
     host_output_bytes: int = 0
     host_alias_bytes: int = 0
     host_temp_bytes: int = 0
+    host_transfers: HostTransfers = HostTransfers()
 
     @property
     def host_bytes(self) -> int:
@@ -132,6 +137,30 @@ class CompileReport:
             f"{o.kind} {o.share:.0%} of max {o.bound:.0%}" for o in self.overlap if o.bytes >= 1024
         ]
         return ", ".join(parts) or "none"
+
+    def transfer_seconds(self, gbps: float | None = None) -> tuple[float, float]:
+        """``(all, exposed)`` seconds of the host <-> device bytes at ``gbps`` GB/s (1e9
+        bytes/s; default the GPU kind's pinned copy rate, ``GpuSpec.pcie_bytes_per_s``), both
+        directions one after the other; exposed: those no compute kernel overlaps."""
+        if gbps is None:
+            if self.kind is None:
+                raise ValueError("no GPU kind to take a PCIe rate from: pass gbps=.")
+            gbps = gpu_spec(self.kind).pcie_bytes_per_s / 1e9
+        if isinstance(gbps, bool) or not isinstance(gbps, int | float) or not gbps > 0:
+            raise ValueError(f"gbps={gbps!r} must be a positive number of GB/s.")
+        t, rate = self.host_transfers, gbps * 1e9
+        return t.bytes / rate, t.exposed_bytes / rate
+
+    def transfer_summary(self) -> str:
+        """``"host->device 2.95 MB, device->host 2.95 MB, 0% hidden"`` per step (``"none"``
+        when nothing crosses)."""
+        t = self.host_transfers
+        if not t.bytes:
+            return "none"
+        return (
+            f"host->device {format_bytes(t.h2d_bytes)}, device->host "
+            f"{format_bytes(t.d2h_bytes)}, {t.share:.0%} hidden"
+        )
 
     def dtypes(self, kind: str) -> set[str]:
         """The element types the collectives of ``kind`` move."""
@@ -297,5 +326,6 @@ def compile_report(
         overlap=overlap_per_step(hlo, step.zero.num_shards),
         compiler_options=tuple(sorted((k, str(v)) for k, v in options.items())),
         triton_gemm_fallback=fallback,
+        host_transfers=host_transfers_per_step(hlo),
         **{f"{k}_bytes": mem[k] for k in mem if k.startswith("host_")},
     )

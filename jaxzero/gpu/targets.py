@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["GPU_KINDS", "GpuSpec", "gpu_spec", "target_config"]
+__all__ = ["GPU_KINDS", "PCIE_SOURCES", "GpuSpec", "gpu_spec", "target_config"]
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -25,7 +25,9 @@ class GpuSpec:
     """The figures of one GPU part that XLA's cost models and the memory verdict use.
 
     ``memory_bytes`` is the device memory the planner budgets against (HBM total as the
-    driver reports it); bandwidth is in bytes/s and the clock in GHz.
+    driver reports it); bandwidth is in bytes/s and the clock in GHz. ``bf16_flops`` is the
+    dense bf16 tensor-core peak (FLOP/s, no sparsity) and ``pcie_bytes_per_s`` the pinned
+    host <-> device copy rate per GPU that the offload cost assumes (:data:`PCIE_SOURCES`).
     """
 
     kind: str
@@ -39,6 +41,8 @@ class GpuSpec:
     shared_memory_per_core: int
     shared_memory_per_block_optin: int
     fpus_per_core: int
+    bf16_flops: float = 0.0
+    pcie_bytes_per_s: float = 0.0
 
 
 # One row per part: kind, name, SMs, compute capability, memory bandwidth (B/s), L2, clock (GHz),
@@ -49,6 +53,21 @@ _SPECS = {spec.kind: spec for spec in (
     GpuSpec("a100", "NVIDIA A100-SXM4-80GB", 108, (8, 0), 2.039e12, 40 * MIB, 1.41, 80 * GIB, 164 * KIB, 163 * KIB, 64),  # noqa: E501
 )}
 # fmt: on
+
+# Dense bf16 tensor-core peaks (NVIDIA's H100 SXM5 and A100 datasheets: 989.4 and 312 TFLOPS
+# without sparsity) and the pinned host <-> device copy rate the offload cost assumes.
+_SPECS["h100"] = dataclasses.replace(_SPECS["h100"], bf16_flops=989.4e12, pcie_bytes_per_s=55e9)
+_SPECS["a100"] = dataclasses.replace(_SPECS["a100"], bf16_flops=312e12, pcie_bytes_per_s=25e9)
+
+#: Where each ``pcie_bytes_per_s`` default comes from (none measured on this project's
+#: machines, which have no GPU).
+PCIE_SOURCES = {
+    "h100": "55 GB/s: pinned device-to-host copies measured on an H100 host with PCIe Gen5 "
+    "x16 (64 GB/s nominal), as reported in NVIDIA-NeMo/RL issue 3976",
+    "h200": "55 GB/s: the H100's PCIe Gen5 x16 link and measured pinned rate (same host interface)",
+    "a100": "25 GB/s: PCIe Gen4 x16 (32 GB/s nominal) at the ~80% a pinned copy reaches on "
+    "Gen4 hosts (jax-ml/jax#21438 quotes 25 GB/s for a CUDA pinned copy); not measured here",
+}
 
 # The H200 is the H100's chip (same SMs, clocks, caches) with more, faster memory.
 _SPECS["h200"] = dataclasses.replace(

@@ -1,0 +1,139 @@
+"""What offload costs in step time: the host <-> device bytes the compiled step moves
+(:mod:`jaxzero.gpu.transfers`), the share the schedule hides, and the step time predicted at a
+PCIe bandwidth, beside ZeRO-Infinity's efficiency formula.
+
+The model, per GPU per step:
+
+* **compute**: ``8 x params x tokens`` FLOP (the forward, the rematerialised forward and the
+  backward of a decoder that remats every layer; attention's ``seq^2`` terms left out) at
+  :data:`MFU` of the GPU's dense bf16 peak;
+* **transfer**: the HLO's host->device plus device->host bytes at the link's rate, the two
+  directions one after the other (PCIe is full duplex: where a fetch and a write-back run
+  at once this overstates the time); the **exposed** part is the bytes no compute kernel overlaps in the schedule;
+* **step** = compute + exposed transfer (the collectives' time is not in it: the plan shows
+  their hidden share apart);
+* **ZeRO-Infinity** (Rajbhandari et al. 2021, section 4): efficiency = ait x bw / (ait x bw +
+  peak), with ``ait`` the FLOP per byte of offloaded state moved, the state read and written
+  once per step (2 x its bytes), ``bw`` the link's bytes/s and ``peak`` the achieved FLOP/s.
+  With 16 bytes of state per parameter sharded over N GPUs and the compute above, ait =
+  seq x bsz x N / 4, the paper's figure. It assumes nothing overlaps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxzero.gpu.report import CompileReport
+from jaxzero.gpu.targets import gpu_spec
+
+__all__ = ["MFU", "OffloadCost", "offload_cost", "step_flops"]
+
+#: The share of the dense bf16 peak the compute is assumed to reach (the issue's and
+#: ZeRO-Infinity's worked examples use about half of peak).
+MFU = 0.5
+
+
+def step_flops(num_params: int, tokens: int) -> float:
+    """``8 x num_params x tokens``: a rematerialised decoder's forward, recomputed forward
+    and backward over ``tokens`` tokens (per GPU per step)."""
+    return 8.0 * num_params * tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadCost:
+    """One compiled step's offload cost per GPU (module docstring). Bytes are the HLO's;
+    ``state_bytes`` the offloaded state per GPU (the compiled host arguments); ``gbps`` the
+    link in GB/s (1e9 bytes/s)."""
+
+    h2d_bytes: int
+    d2h_bytes: int
+    hidden_bytes: int
+    state_bytes: int
+    flops: float
+    compute_seconds: float
+    gbps: float
+
+    @property
+    def bytes(self) -> int:
+        return self.h2d_bytes + self.d2h_bytes
+
+    @property
+    def hidden_share(self) -> float:
+        return self.hidden_bytes / self.bytes if self.bytes else 1.0
+
+    @property
+    def transfer_seconds(self) -> float:
+        return self.bytes / (self.gbps * 1e9)
+
+    @property
+    def exposed_seconds(self) -> float:
+        return (self.bytes - self.hidden_bytes) / (self.gbps * 1e9)
+
+    @property
+    def step_seconds(self) -> float:
+        """Compute plus the exposed transfer."""
+        return self.compute_seconds + self.exposed_seconds
+
+    @property
+    def slowdown(self) -> float:
+        """``step_seconds`` over the compute alone (the step without offload's transfers)."""
+        return self.step_seconds / self.compute_seconds
+
+    @property
+    def formula_bytes(self) -> int:
+        """The bytes ZeRO-Infinity's formula moves, the offloaded state read and written once."""
+        return 2 * self.state_bytes
+
+    @property
+    def ait(self) -> float:
+        """FLOP per byte of state moved (ZeRO-Infinity's arithmetic intensity)."""
+        return self.flops / self.formula_bytes if self.formula_bytes else float("inf")
+
+    @property
+    def formula_efficiency(self) -> float:
+        """ZeRO-Infinity's ``ait x bw / (ait x bw + peak)``, peak the achieved FLOP/s."""
+        if not self.formula_bytes:
+            return 1.0
+        bw, peak = self.gbps * 1e9, self.flops / self.compute_seconds
+        return self.ait * bw / (self.ait * bw + peak)
+
+
+def offload_cost(
+    report: CompileReport,
+    num_params: int,
+    tokens: int,
+    *,
+    kind: str | None = None,
+    gbps: float | None = None,
+    mfu: float = MFU,
+) -> OffloadCost:
+    """The :class:`OffloadCost` of ``report`` for a model of ``num_params`` trained on
+    ``tokens`` tokens per GPU per step, on ``kind`` (default the report's) at ``gbps`` GB/s
+    (default the kind's ``pcie_bytes_per_s``, :data:`jaxzero.gpu.targets.PCIE_SOURCES`)."""
+    kind = kind or report.kind
+    if kind is None:
+        raise ValueError(
+            "the report has no GPU kind (a mesh of no bundled GPU): pass kind='h100', 'h200' "
+            "or 'a100'."
+        )
+    spec = gpu_spec(kind)
+    if gbps is None:
+        gbps = spec.pcie_bytes_per_s / 1e9
+    if isinstance(gbps, bool) or not isinstance(gbps, int | float) or not gbps > 0:
+        raise ValueError(f"gbps={gbps!r} must be a positive number of GB/s (1e9 bytes/s).")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu={mfu!r} must be in (0, 1]: the share of the bf16 peak reached.")
+    for name, v in (("num_params", num_params), ("tokens", tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive int.")
+    flops = step_flops(num_params, tokens)
+    t = report.host_transfers
+    return OffloadCost(
+        h2d_bytes=t.h2d_bytes,
+        d2h_bytes=t.d2h_bytes,
+        hidden_bytes=t.hidden_bytes,
+        state_bytes=report.host_argument_bytes,
+        flops=flops,
+        compute_seconds=flops / (mfu * spec.bf16_flops),
+        gbps=float(gbps),
+    )
