@@ -35,10 +35,11 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jaxzero.zero.collectives import reduce_leaves, varying_axes
+from jaxzero.zero.collectives import reduce_leaves, to_varying, varying_axes
 from jaxzero.zero.jaxpr_eval import bind, bind_unrematted
 from jaxzero.zero.jaxpr_eval import reads as read_vars
 from jaxzero.zero.layers import gather_shard
+from jaxzero.zero.wire import Exact
 
 
 def token(values):
@@ -74,6 +75,34 @@ def barrier(values: list, ties: list) -> list:
     out = list(values)
     for k, x in zip(idx, tied, strict=True):
         out[k] = x
+    return out
+
+
+def gather_flat(comm, shards: list, dims: list, tok=None) -> list:
+    """``shards`` (a unit's leaves) gathered as :func:`~jaxzero.zero.layers.gather_shard`
+    gathers each along its ``dims`` entry (None: replicated, only cast), with ONE all-gather
+    (FSDP2's copy-in): the sharded ones cast to the compute dtype, flattened and concatenated,
+    all-gathered into [N, total], and each leaf's columns put back along its dimension
+    (exact: only copies). XLA's all-gather combiner would otherwise split a unit larger than
+    its threshold (30 MiB by default) into several gathers, of which the scheduler hides only
+    those it can start early (docs/decisions/39-flags-for-a-plain-script.md)."""
+    out: list = [None] * len(dims)
+    split = [k for k, d in enumerate(dims) if d is not None]
+    for k, d in enumerate(dims):
+        if d is None:
+            out[k] = gather_shard(comm, shards[k], None)
+    if not split:
+        return out
+    parts = [shards[k].astype(comm.param_dtype).reshape(-1) for k in split]
+    flat = after(jnp.concatenate(parts) if len(parts) > 1 else parts[0], tok)
+    every = jax.lax.all_gather(flat, comm.axis, axis=0, tiled=False)  # [N, total]
+    n, at = every.shape[0], 0
+    for k, part in zip(split, parts, strict=True):
+        x, d = shards[k], dims[k]
+        y = every[:, at : at + part.size].reshape((n,) + x.shape)
+        at += part.size
+        y = jnp.moveaxis(y, 0, d).reshape(x.shape[:d] + (n * x.shape[d],) + x.shape[d + 1 :])
+        out[k] = to_varying(y, comm.batch_axes)
     return out
 
 
@@ -145,7 +174,15 @@ class Chain:
 
     # -- gathers ---------------------------------------------------------------------------
     def _gather(self, i, shard_of, tok):
-        """Piece ``i``'s weights gathered, not before ``tok``."""
+        """Piece ``i``'s weights gathered, not before ``tok``: on an exact wire its sharded
+        leaves in one flat all-gather (:func:`gather_flat`), else one gather per leaf."""
+        if not isinstance(self.comm.wire.weights, Exact):
+            return self._gather_per_leaf(i, shard_of, tok)
+        vs = self.pieces[i].gathered
+        return gather_flat(self.comm, [shard_of[v] for v in vs], [self.dim_of(v) for v in vs], tok)
+
+    def _gather_per_leaf(self, i, shard_of, tok):
+        """Piece ``i``'s weights gathered one all-gather per leaf, not before ``tok``."""
         out = []
         for v in self.pieces[i].gathered:
             d = self.dim_of(v)
