@@ -49,13 +49,13 @@ def row(shape, mesh, options, flat: bool) -> dict:
     )
     step = jz.make_train_step(loss_fn, zero)
     n = mesh.shape["data"]
-    gather = unit_chain.Chain._gather
-    if not flat:  # the gather before the flat one: one all-gather per leaf
-        unit_chain.Chain._gather = unit_chain.Chain._gather_per_leaf
+    combined = unit_chain.COMBINED
+    if not flat:  # the gather before the flat one: one all-gather per leaf at any size
+        unit_chain.COMBINED = float("inf")
     try:
         rep = gpu.compile_report(step, params, batch_shapes(shape, n), compiler_options=options)
     finally:
-        unit_chain.Chain._gather = gather
+        unit_chain.COMBINED = combined
     kinds = ("all-gather", "reduce-scatter")
     return {
         "peak": rep.argument_bytes + rep.temp_bytes,

@@ -1,8 +1,10 @@
-"""``units=`` with prefetch gathers each unit's leaves in one flat all-gather (FSDP2's
-copy-in, :func:`jaxzero.zero.unit_chain.gather_flat`), so a plain single-process script, which
-runs with XLA's default flags, hides the gathers as the recommended flags do
-(docs/decisions/39-flags-for-a-plain-script.md): XLA's default all-gather combine threshold
-(30 MiB) would otherwise split each 100 MB unit of a width-2048 GPT into several gathers."""
+"""``units=`` with prefetch gathers each unit larger than XLA's default all-gather combine
+threshold (30 MiB) in one flat all-gather (FSDP2's copy-in,
+:func:`jaxzero.zero.unit_chain.gather_flat`), so a plain single-process script, which runs
+with XLA's default flags, hides the gathers as the recommended flags do
+(docs/decisions/39-flags-for-a-plain-script.md): that threshold would otherwise split each
+100 MB unit of a width-2048 GPT into several gathers. Smaller units keep one gather per leaf,
+which XLA combines itself."""
 
 from __future__ import annotations
 
@@ -15,11 +17,17 @@ from models import make_problem
 import jaxzero as jz
 from jaxzero import gpu
 from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
+from jaxzero.zero import unit_chain
 
 
-def test_flat_unit_gathers_train_like_single_device_optax():
+def test_flat_unit_gathers_train_like_single_device_optax(monkeypatch):
     """The flat gather only moves and copies values: a few Adam steps on the 8 simulated
-    devices equal plain single-device optax on the global batch."""
+    devices equal plain single-device optax on the global batch (every unit gathered flat:
+    the threshold set to 0; it is 30 MiB, larger than this model)."""
+    monkeypatch.setattr(unit_chain, "COMBINED", 0)
+    calls = []
+    real = unit_chain.gather_flat
+    monkeypatch.setattr(unit_chain, "gather_flat", lambda *a: calls.append(1) or real(*a))
     params, loss_fn, batches = make_problem("transformer", batch=16, steps=3)
     tx = optax.adam(1e-2)
     zero = jz.ZeRO(tx, jz.data_parallel_mesh(8), stage=3, units=r"layer\d+")
@@ -32,6 +40,7 @@ def test_flat_unit_gathers_train_like_single_device_optax():
         updates, opt = tx.update(grads, opt, ref)
         ref = optax.apply_updates(ref, updates)
     chex.assert_trees_all_close(jz.gather(state.params), ref, atol=1e-5, rtol=1e-5)
+    assert calls  # the flat gather ran
 
 
 def test_gpu_units_gather_once_per_unit_and_hide_it_with_xlas_default_flags():
