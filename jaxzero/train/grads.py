@@ -53,8 +53,8 @@ def _mean_over(x, axes):
 
 
 def _structure(out, depth: int = 0) -> str:
-    """What a loss returned, by structure, never a tracer's class: ``"(array of shape (),
-    dict)"``, ``"array of shape ()"``."""
+    """What a loss returned, by structure, never a tracer's class: ``"an array of shape ()"``,
+    ``"(array (), dict)"``."""
     if isinstance(out, tuple | list) and depth < 2:
         inner = ", ".join(_structure(x, depth + 1) for x in out)
         return f"({inner},)" if len(out) == 1 else f"({inner})"
