@@ -336,9 +336,8 @@ def plan(
     read "3 per unit"; stages 1-2 then reduce the whole gradient. ``prefetch``: that row with
     ``ZeRO(prefetch=True)`` (``"on"``), ``prefetch=False`` (``"off"``) or both rows
     (``"both"``; :func:`prefetch_advice` then says which to pick). ``quantize`` (``"weights"``,
-    ``"grads"``, ``"both"``: int8; or a :class:`~jaxzero.Wire`, e.g.
-    ``Wire.create(weights=8, grads=4)``): ZeRO++'s collectives, ``ZeRO(quantize=...)``, where
-    each acts (:func:`stage_quantize`); ``hpz``: ZeRO++'s hpZ on the per-layer stage-3 row.
+    ``"grads"``, ``"both"``: int8; or a ``Wire``, e.g. ``Wire.create(weights=8, grads=4)``):
+    ZeRO++'s collectives where each acts (:func:`stage_quantize`); ``hpz``: its hpZ.
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
