@@ -1,6 +1,7 @@
 """Tests for the jaxzero command line (jaxzero.cli.main)."""
 
 import argparse
+import re
 
 import pytest
 
@@ -264,3 +265,48 @@ def test_estimate_from_checkpoint(tmp_path, capsys):
     assert "2,080 params" in out and "stage 2" in out
     want = memory.estimate_memory(2080, 8, stage=2, precision="fp32")
     assert memory.format_bytes(want.total) in out
+
+
+PLAN_TINY = ["plan", "--devices", "8", "--layers", "2", "--hidden", "128", "--heads", "1"]
+PLAN_TINY += ["--vocab", "128", "--seq", "16", "--stage", "3", "--stage3", "per-layer"]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--grad-bits", "4"], r"--grad-bits 4 sets the width of quantized gradients; add "),
+        (["--quantize", "weights", "--grad-bits", "4"], r"add --quantize both"),
+        (["--quantize", "both", "--grad-bits", "2"], r"argument --grad-bits: invalid choice"),
+    ],
+)
+def test_plan_grad_bits_without_quantized_gradients_is_refused_before_compiling(
+    extra, message, capsys
+):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*PLAN_TINY, *extra])
+    assert exc.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_plan_grad_bits_4_plans_deepspeeds_zero_plus_plus_widths(capsys, monkeypatch):
+    """`jaxzero plan --quantize both --grad-bits 4` compiles the step with
+    Wire.create(weights=8, grads=4) (DeepSpeed's default ZeRO++: int8 weights, int4
+    gradients) and says so; its gradients move in one s8 all-to-all per layer."""
+    import jaxzero as jz
+    from jaxzero import gpu
+
+    seen, real = [], gpu.plan
+
+    def spy(*a, **kw):
+        seen.append(kw["quantize"])
+        rows = real(*a, **kw)
+        seen.append(rows)
+        return rows
+
+    monkeypatch.setattr(gpu, "plan", spy)
+    assert cli.main([*PLAN_TINY, "--quantize", "both", "--grad-bits", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "int8 weights and int4 grads on the wire" in out
+    wire, (row,) = seen
+    assert wire == jz.Wire.create(weights=8, grads=4)
+    assert row.report.payload("all-to-all") > 0 and row.report.payload("reduce-scatter") == 0

@@ -7,6 +7,7 @@ one step's directory as the checkpoint, a step saved twice, a directory of other
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -297,3 +298,35 @@ def test_restoring_with_another_ema_decay_warns_naming_both(trained, tmp_path):
         warnings.simplefilter("always")
         ck.restore(root, trained["zero"], trained["params"], ema=trained["ema"])
     assert not [w for w in seen if "EMA settings" in str(w.message)]
+
+
+def test_hpz_size_that_does_not_divide_the_devices_says_so_and_lists_the_sizes():
+    with pytest.raises(ValueError) as got:
+        jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=3, hpz_partition_size=3)
+    message = str(got.value)
+    assert "N=8 devices, which G=3 does not divide" in message
+    assert "one of 2, 4" in message
+    assert "at stage 3 without layers= nothing is gathered again" in message
+    assert "but at without" not in message
+
+
+@pytest.mark.parametrize(
+    "returned,described",
+    [
+        (lambda loss, state: loss, r"it returned an array of shape \(\)"),
+        (lambda loss, state: (loss, state), r"it returned \(array \(\), dict\)"),
+    ],
+)
+def test_a_stateful_loss_of_the_wrong_structure_names_the_expected_one(returned, described):
+    params, loss_fn, batches = make_problem("mlp", batch=8, steps=1)
+
+    def stateful(p, model_state, batch, rng):
+        return returned(loss_fn(p, batch), model_state)
+
+    zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=1)
+    step = jz.make_train_step(stateful, zero, stateful=True)
+    state = step.init(params, model_state={"count": jnp.zeros(())}, rng=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"must return \(loss, \(new_model_state, aux\)\)") as e:
+        step(state, batches[0])
+    assert re.search(described, str(e.value)), str(e.value)
+    assert "Tracer" not in str(e.value)

@@ -33,7 +33,8 @@ examples:
   jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
       --batch 1 --gpu h100 --devices 8 --stage 3 --stage3 per-layer --offload optimizer
   jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
-      --devices 64 --stage 3 --stage3 per-layer --quantize both --hpz 8 --network-gbps 900 400
+      --devices 64 --stage 3 --stage3 per-layer --quantize both --grad-bits 4 --hpz 8 \\
+      --network-gbps 900 400
 """
 
 
@@ -123,6 +124,13 @@ def _add_wire(group) -> None:
         choices=["weights", "grads", "both"],
         help="ZeRO++'s int8 collectives (jaxzero.ZeRO(quantize=...)): weights: stage 3's "
         "all-gathers; grads: the reduce-scatters of stages 2-3; both",
+    )
+    group.add_argument(
+        "--grad-bits",
+        type=int,
+        choices=[8, 4],
+        help="the width of --quantize grads/both's gradients: 4 is DeepSpeed's ZeRO++ default "
+        "(qgZ), as jaxzero.Wire.create(weights=8, grads=4) (default: 8)",
     )
     group.add_argument(
         "--network-gbps",
@@ -251,6 +259,11 @@ def _shape(args, parser):
         check_hpz(args.hpz, shape, args.stage, args.stage3, args.devices, args.replicas)
     except ValueError as e:
         parser.error(f"--{e}")
+    if args.grad_bits is not None and args.quantize not in ("grads", "both"):
+        parser.error(
+            f"--grad-bits {args.grad_bits} sets the width of quantized gradients; add "
+            f"--quantize both (int8 weights, DeepSpeed's ZeRO++) or --quantize grads"
+        )
     per_unit = args.loop == "python" and args.stage3 != "whole" and 3 in (args.stage or [3])
     if args.prefetch not in (None, "on") and not per_unit:
         parser.error(
@@ -281,7 +294,7 @@ def _describe(args, shape, recommended_xla_flags) -> str:
             if args.offload
             else ""
         )
-        + (f", int8 {args.quantize} on the wire" if args.quantize else "")
+        + (f", {_wire_words(args)} on the wire" if args.quantize else "")
         + (f", hpZ in groups of {args.hpz}" if args.hpz else "")
         + (
             f"; XLA flags {' '.join(recommended_xla_flags(quantized_grads=_qgz(args)))}"
@@ -291,12 +304,29 @@ def _describe(args, shape, recommended_xla_flags) -> str:
     )
 
 
+def _wire_words(args) -> str:
+    """``--quantize`` (and ``--grad-bits``) as the description line says it."""
+    if args.grad_bits != 4:
+        return f"int8 {args.quantize}"
+    return "int8 weights and int4 grads" if args.quantize == "both" else "int4 grads"
+
+
+def _quantize(args):
+    """What ``plan(quantize=)`` gets: ``--quantize``'s name, or with ``--grad-bits 4`` the
+    :class:`~jaxzero.Wire` of those widths."""
+    if args.grad_bits != 4:
+        return args.quantize
+    from jaxzero.zero.wire import Wire
+
+    return Wire.create(weights=8 if args.quantize == "both" else None, grads=4)
+
+
 def _qgz(args) -> bool:
     """Whether the plan's wire defers the gradient reduction (quantized gradients: the
     recommended flags then add one)."""
     from jaxzero.zero.wire import wire
 
-    return wire(args.quantize).defers_reduce
+    return wire(_quantize(args)).defers_reduce
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
@@ -339,10 +369,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             "compute_copy",
             "offload",
             "prefetch",
-            "quantize",
             "hpz",
             "pcie_gbps",
         )
+        options["quantize"] = _quantize(args)
         flags = xla_options(quantized_grads=_qgz(args)) if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
     except PluginMissingError as e:

@@ -7,6 +7,7 @@ import dataclasses
 
 from jaxzero.gpu.hlo import cross_node_bytes
 from jaxzero.gpu.report import CompileReport
+from jaxzero.zero.wire import Exact, Wire
 
 __all__ = ["COLLECTIVES", "WireTime", "cross_node_time", "stage_quantize", "wire_time"]
 
@@ -41,9 +42,16 @@ def wire_time(
     return WireTime(nbytes, seconds, link, float(gbps))
 
 
-def stage_quantize(quantize: str | None, stage: int) -> str | None:
-    """The part of ``quantize`` (``"weights"``, ``"grads"``, ``"both"``) that acts at
+def stage_quantize(quantize, stage: int):
+    """The part of ``quantize`` (``"weights"``, ``"grads"``, ``"both"``, or a
+    :class:`~jaxzero.Wire` such as ``Wire.create(weights=8, grads=4)``) that acts at
     ``stage``: weights at stage 3, gradients at stages 2-3 (``ZeRO`` refuses the rest)."""
+    if isinstance(quantize, Wire):
+        weights = quantize.weights if stage == 3 else Exact()
+        grads = quantize.grads if stage >= 2 else Exact()
+        if isinstance(weights, Exact) and isinstance(grads, Exact):
+            return None
+        return Wire(weights, grads, quantize.hpz)
     weights = quantize in ("weights", "both") and stage == 3
     grads = quantize in ("grads", "both") and stage >= 2
     return {(True, True): "both", (True, False): "weights", (False, True): "grads"}.get(

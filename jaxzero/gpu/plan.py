@@ -27,6 +27,7 @@ from jaxzero.precision import Precision
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.offload import check_offload, params_offloaded
+from jaxzero.zero.wire import Wire
 
 __all__ = [
     "PlanRow",
@@ -250,8 +251,11 @@ def _check_plan_args(precision, accum, devices, replicas, quantize=None):
             raise ValueError(f"{name}={v!r} must be a positive int.")
     if devices % replicas:
         raise ValueError(f"replicas={replicas} must divide devices={devices}.")
-    if quantize not in (None, "weights", "grads", "both"):
-        raise ValueError(f"quantize={quantize!r} must be None, 'weights', 'grads' or 'both'.")
+    if not isinstance(quantize, Wire) and quantize not in (None, "weights", "grads", "both"):
+        raise ValueError(
+            f"quantize={quantize!r} must be None, 'weights', 'grads', 'both' or a "
+            f"jaxzero.Wire (e.g. Wire.create(weights=8, grads=4): DeepSpeed's ZeRO++ widths)."
+        )
 
 
 def _unit_cases(cases, per: str, prefetch: str) -> list[tuple[int, bool, bool | None]]:
@@ -315,7 +319,7 @@ def plan(
     compute_copy: bool = True,
     offload: str | None = None,
     prefetch: str = "on",
-    quantize: str | None = None,
+    quantize: str | Wire | None = None,
     hpz: int | None = None,
     pcie_gbps: float | None = None,
 ) -> list[PlanRow]:
@@ -337,8 +341,8 @@ def plan(
     read "3 per unit"; stages 1-2 then reduce the whole gradient. ``prefetch``: that row with
     ``ZeRO(prefetch=True)`` (``"on"``), ``prefetch=False`` (``"off"``) or both rows
     (``"both"``; :func:`prefetch_advice` then says which to pick). ``quantize`` (``"weights"``,
-    ``"grads"``, ``"both"``): ZeRO++'s int8 collectives, ``ZeRO(quantize=...)``, where each
-    acts (:func:`stage_quantize`); ``hpz``: ZeRO++'s hpZ on the per-layer stage-3 row.
+    ``"grads"``, ``"both"``: int8; or a ``Wire``, e.g. ``Wire.create(weights=8, grads=4)``):
+    ZeRO++'s collectives where each acts (:func:`stage_quantize`); ``hpz``: its hpZ.
     With ``offload``, each row's ``cost`` is the compiled step's host <-> device bytes and
     the step time at ``pcie_gbps`` GB/s (default: the GPU kind's,
     ``GpuSpec.pcie_bytes_per_s``) for ``shape.batch x shape.seq x accum`` tokens per GPU.

@@ -51,14 +51,27 @@ def _mean_over(x, axes):
     return jax.lax.pmax(x, axes)
 
 
+def _structure(out, depth: int = 0) -> str:
+    """What a loss returned, by structure, never a tracer's class: ``"an array of shape ()"``,
+    ``"(array (), dict)"``."""
+    if isinstance(out, tuple | list) and depth < 2:
+        inner = ", ".join(_structure(x, depth + 1) for x in out)
+        return f"({inner},)" if len(out) == 1 else f"({inner})"
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+        return (
+            f"an array of shape {tuple(out.shape)}" if depth == 0 else f"array {tuple(out.shape)}"
+        )
+    return type(out).__name__
+
+
 def _call_loss(loss_fn, stateful, params, model_state, batch, rng):
     if stateful:
         out = loss_fn(params, model_state, batch, rng)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple)):
             raise ValueError(
                 "a stateful loss_fn(params, model_state, batch, rng) must return "
-                "(loss, (new_model_state, aux)); got "
-                f"{type(out).__name__}. Return aux=None when there is none."
+                f"(loss, (new_model_state, aux)); it returned {_structure(out)}. Return "
+                f"(loss, (model_state, None)) for a model with no state to update and no aux."
             )
         loss, (new_state, aux) = out
         check_same_structure(model_state, new_state, "model_state")

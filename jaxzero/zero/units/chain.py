@@ -35,10 +35,11 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jaxzero.zero.collectives import reduce_leaves, varying_axes
+from jaxzero.zero.collectives import reduce_leaves, to_varying, varying_axes
 from jaxzero.zero.jaxpr_eval import bind, bind_unrematted
 from jaxzero.zero.jaxpr_eval import reads as read_vars
 from jaxzero.zero.layers.plan import gather_shard
+from jaxzero.zero.wire.encodings import Exact
 
 
 def token(values):
@@ -74,6 +75,41 @@ def barrier(values: list, ties: list) -> list:
     out = list(values)
     for k, x in zip(idx, tied, strict=True):
         out[k] = x
+    return out
+
+
+# XLA:GPU's default all-gather combine threshold (xla_gpu_all_gather_combine_threshold_bytes):
+# XLA combines the per-leaf gathers of a unit up to this size into one all-gather itself, so
+# only a larger unit is gathered flat (which costs a copy of it).
+COMBINED = 30 * 1024 * 1024
+
+
+def gather_flat(comm, shards: list, dims: list, tok=None) -> list:
+    """``shards`` (a unit's leaves) gathered as :func:`~jaxzero.zero.layers.gather_shard`
+    gathers each along its ``dims`` entry (None: replicated, only cast), with ONE all-gather
+    (FSDP2's copy-in): the sharded ones cast to the compute dtype, flattened and concatenated,
+    all-gathered into [N, total], and each leaf's columns put back along its dimension
+    (exact: only copies; the gathered buffer and its copies are alive together, one unit more
+    than one gather per leaf holds). XLA's all-gather combiner would otherwise split a unit
+    larger than its threshold (30 MiB by default) into several gathers, of which the scheduler
+    hides only those it can start early (docs/decisions/39-flags-for-a-plain-script.md)."""
+    out: list = [None] * len(dims)
+    split = [k for k, d in enumerate(dims) if d is not None]
+    for k, d in enumerate(dims):
+        if d is None:
+            out[k] = gather_shard(comm, shards[k], None)
+    if not split:
+        return out
+    parts = [shards[k].astype(comm.param_dtype).reshape(-1) for k in split]
+    flat = after(jnp.concatenate(parts) if len(parts) > 1 else parts[0], tok)
+    every = jax.lax.all_gather(flat, comm.axis, axis=0, tiled=False)  # [N, total]
+    n, at = every.shape[0], 0
+    for k, part in zip(split, parts, strict=True):
+        x, d = shards[k], dims[k]
+        y = every[:, at : at + part.size].reshape((n,) + x.shape)
+        at += part.size
+        y = jnp.moveaxis(y, 0, d).reshape(x.shape[:d] + (n * x.shape[d],) + x.shape[d + 1 :])
+        out[k] = to_varying(y, comm.batch_axes)
     return out
 
 
@@ -145,7 +181,21 @@ class Chain:
 
     # -- gathers ---------------------------------------------------------------------------
     def _gather(self, i, shard_of, tok):
-        """Piece ``i``'s weights gathered, not before ``tok``."""
+        """Piece ``i``'s weights gathered, not before ``tok``: on an exact wire, when they
+        are more than XLA's default combine threshold (:data:`COMBINED`), its sharded leaves
+        in one flat all-gather (:func:`gather_flat`), else one gather per leaf."""
+        vs = self.pieces[i].gathered
+        if not isinstance(self.comm.wire.weights, Exact) or self._bytes(vs, shard_of) <= COMBINED:
+            return self._gather_per_leaf(i, shard_of, tok)
+        return gather_flat(self.comm, [shard_of[v] for v in vs], [self.dim_of(v) for v in vs], tok)
+
+    def _bytes(self, vs, shard_of) -> int:
+        """The gathered bytes of the sharded leaves among ``vs``."""
+        n, size = jax.lax.axis_size(self.comm.axis), jnp.dtype(self.comm.param_dtype).itemsize
+        return sum(n * shard_of[v].size * size for v in vs if self.dim_of(v) is not None)
+
+    def _gather_per_leaf(self, i, shard_of, tok):
+        """Piece ``i``'s weights gathered one all-gather per leaf, not before ``tok``."""
         out = []
         for v in self.pieces[i].gathered:
             d = self.dim_of(v)

@@ -274,19 +274,27 @@ def check_hpz(wire: Wire, stage: int, n: int, layers, units) -> None:
     g = wire.hpz
     if g is None:
         return
+    problems = []
     if stage != 3 or not layers or units:
-        where = f"stage {stage}" if stage != 3 else "units=" if units else "without layers="
-        raise ValueError(
-            f"ZeRO(hpz_partition_size={g}) keeps a secondary copy of each layer's gathered "
-            f"weights for the backward's gather within a node, but at {where} nothing is "
-            f"gathered again in the backward from jaxzero.scan_layers' loop; use stage=3 "
-            f"with layers= and jaxzero.scan_layers, or drop hpz_partition_size."
+        where = f"stage {stage}" if stage != 3 else "units=" if units else "stage 3 without layers="
+        problems.append(
+            f"it keeps a secondary copy of each layer's gathered weights for the backward's "
+            f"gather within a node, but at {where} nothing is gathered again in the backward "
+            f"from jaxzero.scan_layers' loop: use stage=3 with layers= and jaxzero.scan_layers"
         )
     if n % g or g >= n:
+        sizes = [k for k in range(2, n) if n % k == 0]
+        use = f"one of {', '.join(map(str, sizes))}" if sizes else "a mesh of more devices"
+        problems.append(
+            f"the data axis has N={n} devices, which G={g} "
+            f"{'does not divide' if n % g else 'does not split into nodes'}: G is the devices "
+            f"per node, a G < N that divides N ({use}: the GPUs per node)"
+        )
+    if problems:
         raise ValueError(
-            f"ZeRO(hpz_partition_size={g}): the data axis has N={n} devices, which G={g} "
-            f"{'does not divide' if n % g else 'does not split into nodes'}; use a G < N "
-            f"that divides N (the devices per node, e.g. 8 on 8-GPU nodes)."
+            f"ZeRO(hpz_partition_size={g}): "
+            + "; and ".join(problems)
+            + ". Or drop hpz_partition_size."
         )
 
 
