@@ -20,6 +20,13 @@ os.environ["XLA_FLAGS"] = cpu_xla_flags(8, os.environ.get("XLA_FLAGS", ""))
 # steps, and codegen time is most of it. Every expected number is computed in the same process.
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# Each simulated device's ops on one thread: XLA:CPU runs the 8 devices' programs on threads of
+# their own, and letting each also split its matmuls over an Eigen pool of the machine's cores
+# oversubscribes a 2-core machine (two pytest workers x 8 devices x the pool). Measured on
+# tests/test_precision.py: 67 s -> 42 s with two workers. Every expected number is computed in
+# the same process, under the same flag.
+if "--xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 
 import jax  # noqa: E402
 
