@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jaxzero.cli.plan_flags as plan_flags
 from jaxzero.cli.command import Command, param_count, pick, positive_int
 from jaxzero.cli.plan_output import fallback_note, network, offload_note, progress, table
 
@@ -38,123 +39,9 @@ examples:
 """
 
 
-def _add_per_layer_choices(group) -> None:
-    """``--stage3``, ``--stage2`` and ``--stage1``: whole, per-layer or both rows."""
-    for stage, what in (
-        (3, "gathers the whole model up front, or one layer at a time"),
-        (
-            2,
-            "reduce-scatters the whole gradient after the backward, or each layer's in the "
-            "backward loop (hidden behind the next layer's backward)",
-        ),
-        (
-            1,
-            "all-reduces the whole gradient after the backward, or (without --accum) "
-            "reduce-scatters each layer's in the backward loop as stage 2",
-        ),
-    ):
-        group.add_argument(
-            f"--stage{stage}",
-            choices=["whole", "per-layer", "both"],
-            default="both" if stage == 3 else "whole",
-            help=f"stage {stage} {what} (per layer: ZeRO(layers=...) + jaxzero.gather_layer), "
-            "or both rows (default: %(default)s)",
-        )
-
-
-def _add_loop(group) -> None:
-    """``--loop``: the layers scanned, or a Python loop of blocks (stage 3 per unit)."""
-    group.add_argument(
-        "--loop",
-        choices=["scan", "python"],
-        default="scan",
-        help="scan: the layers stacked (jaxzero.scan_layers; stage 3 per layer is "
-        "ZeRO(layers=...)); python: a Python loop of nn.remat blocks, stage 3 per layer is "
-        "ZeRO(units=...), stages 1-2 whole only (default: %(default)s)",
-    )
-    group.add_argument(
-        "--prefetch",
-        choices=["on", "off", "both"],
-        help="with --loop python, stage 3 per unit with ZeRO(prefetch=True), prefetch=False, "
-        "or both rows and which to pick (default: both where a per-unit row is compiled)",
-    )
-
-
-def _add_state_layout(group) -> None:
-    """``--no-compute-copy`` and ``--offload``: where the state lives."""
-    group.add_argument(
-        "--no-compute-copy",
-        dest="compute_copy",
-        action="store_false",
-        help="stage 3 in FSDP's layout: no 16-bit params copy beside the fp32 master "
-        "(jaxzero.Precision(compute_copy=False))",
-    )
-    group.add_argument(
-        "--offload",
-        choices=["optimizer", "optimizer,params"],
-        help="keep the fp32 master, Adam's state and the EMA in pinned host memory, streamed "
-        "through the GPU by the update (jaxzero.ZeRO(offload='optimizer'); stages 1-3, the "
-        "default then); optimizer,params: the bf16 params too, fetched a layer at a time, "
-        "and their gradients (offload=('optimizer', 'params'); stage 3 per layer)",
-    )
-
-
-def _add_pcie(group) -> None:
-    """``--pcie-gbps``: the host <-> device rate the offload columns assume."""
-    group.add_argument(
-        "--pcie-gbps",
-        type=float,
-        metavar="GB/S",
-        help="with --offload, the pinned host <-> device copy rate per GPU in GB/s (1e9 "
-        "bytes/s, not Gbit/s) for the predicted step time (default per --gpu: h100 and h200 "
-        "55, measured on an H100 PCIe Gen5 host; a100 25, PCIe Gen4; sources in "
-        "jaxzero.gpu.targets.PCIE_SOURCES)",
-    )
-
-
 def _offload_words(offload) -> str:
     """``--offload``'s choice as the description line says it."""
     return " and ".join(offload.split(",") if isinstance(offload, str) else offload)
-
-
-def _add_wire(group) -> None:
-    """``--quantize``, ``--network-gbps`` and ``--gpus-per-node``: the wire and its cost."""
-    group.add_argument(
-        "--quantize",
-        choices=["weights", "grads", "both"],
-        help="ZeRO++'s int8 collectives (jaxzero.ZeRO(quantize=...)): weights: stage 3's "
-        "all-gathers; grads: the reduce-scatters of stages 2-3; both",
-    )
-    group.add_argument(
-        "--grad-bits",
-        type=int,
-        choices=[8, 4],
-        help="the width of --quantize grads/both's gradients: 4 is DeepSpeed's ZeRO++ default "
-        "(qgZ), as jaxzero.Wire.create(weights=8, grads=4) (default: 8)",
-    )
-    group.add_argument(
-        "--network-gbps",
-        type=float,
-        nargs=2,
-        metavar=("INTRA", "INTER"),
-        help="intra-node and inter-node bandwidth per GPU in Gbit/s: print each row's "
-        "collective bytes per step and the time they take (jaxzero.gpu.plan.wire_time)",
-    )
-    group.add_argument(
-        "--gpus-per-node",
-        type=positive_int,
-        default=8,
-        help="GPUs per node, consecutive device ids: where --network-gbps's rings and the "
-        "cross-node bytes cross nodes (default: %(default)s)",
-    )
-    group.add_argument(
-        "--hpz",
-        type=positive_int,
-        metavar="G",
-        help="ZeRO++'s hpZ, DeepSpeed's zero_hpz_partition_size (usually --gpus-per-node): "
-        "stage 3 per layer with jaxzero.ZeRO(hpz_partition_size=G), the backward gathering "
-        "each layer within groups of G; prints each row's cross-node bytes per step",
-    )
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -180,7 +67,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=1,
         help="sequences per device and micro-batch (default: %(default)s)",
     )
-    _add_loop(size)
+    plan_flags.add_loop(size)
     size.add_argument(
         "--attention",
         choices=["auto", "xla"],
@@ -196,7 +83,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         action="append",
         help="ZeRO stage (repeatable; default: all four)",
     )
-    _add_per_layer_choices(train)
+    plan_flags.add_per_layer_choices(train)
     train.add_argument(
         "--precision",
         choices=["bf16", "fp16", "fp32"],
@@ -210,8 +97,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="gradient accumulation micro-batches (default: 1)",
     )
     train.add_argument("--ema", action="store_true", help="add a sharded fp32 parameter EMA")
-    _add_state_layout(train)
-    _add_pcie(train)
+    plan_flags.add_state_layout(train)
+    plan_flags.add_pcie(train)
     train.add_argument(
         "--vocab-parallel",
         action="store_true",
@@ -227,7 +114,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--replicas", type=positive_int, default=1, help="HSDP replica groups (default: 1)"
     )
-    _add_wire(train)
+    plan_flags.add_wire(train)
     train.add_argument(
         "--xla-flags",
         action="store_true",

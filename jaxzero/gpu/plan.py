@@ -19,6 +19,7 @@ from jaxzero.gpu.models import (
 )
 from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_time
 from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
+from jaxzero.gpu.plan_args import PRECISIONS, check_hpz, check_loop, check_plan_args, plan_stages
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.topology import compile_only_mesh
 from jaxzero.memory import MemoryEstimate, estimate_memory, format_bytes
@@ -26,11 +27,14 @@ from jaxzero.memory.estimate import param_bytes
 from jaxzero.precision import Precision
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
-from jaxzero.zero.offload import check_offload, params_offloaded
 from jaxzero.zero.wire import Wire
 
 __all__ = [
+    "PRECISIONS",
     "PlanRow",
+    "check_hpz",
+    "check_loop",
+    "plan_stages",
     "WireTime",
     "cross_node_time",
     "plan",
@@ -42,7 +46,6 @@ __all__ = [
     "wire_time",
 ]
 
-PRECISIONS = ("bf16", "fp16", "fp32")
 UNITS = r"block_\d+"  # the unscanned decoder's blocks (jaxzero.gpu.models, loop="python")
 PREFETCH = {"on": (True,), "off": (False,), "both": (True, False)}
 
@@ -198,66 +201,6 @@ def _zero(
     )
 
 
-def plan_stages(stages, offload):
-    """The stages to plan: with ``offload`` 1-3 by default (3 with the params offloaded),
-    and stage 0 refused."""
-    if offload and stages is None:
-        return (3,) if params_offloaded(check_offload(offload, 3)) else (1, 2, 3)
-    if stages is not None:
-        check_offload(offload, tuple(stages))
-    return stages
-
-
-def check_loop(shape: ModelShape, stage2: str, stage1: str) -> None:
-    """An unscanned model has no stack for stages 1-2 to reduce layer by layer."""
-    if shape.loop not in PYTHON_LOOPS:
-        return
-    for name, v in (("stage2", stage2), ("stage1", stage1)):
-        if v != "whole":
-            raise ValueError(
-                f"{name}={v!r} needs a scanned layer stack (ZeRO(layers=...)); the shape's "
-                f"loop={shape.loop!r} is a Python loop of blocks, which stage 3 alone runs unit "
-                f"by unit (ZeRO(units=...)). Pass {name}='whole', or a scanned loop."
-            )
-
-
-def check_hpz(hpz, shape: ModelShape, stages, stage3: str, devices: int, replicas: int) -> None:
-    """``hpz`` acts on the per-layer stage-3 row of a scanned stack only; G must split the data
-    axis into nodes (divide it, and be smaller)."""
-    if hpz is None:
-        return
-    n = devices // replicas
-    why = None
-    if stages is not None and 3 not in stages:
-        why = "it acts on stage 3 per layer only (the backward's gathers): include stage 3"
-    elif stage3 == "whole":
-        why = (
-            "it acts on stage 3 per layer only: pass stage3='per-layer' or 'both' "
-            "(jaxzero plan --stage3 per-layer)"
-        )
-    elif shape.loop in PYTHON_LOOPS:
-        why = "it needs a scanned stack (jaxzero.scan_layers), not a Python loop of blocks"
-    elif isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 2 or n % hpz or hpz >= n:
-        why = f"G must be >= 2, divide the data axis of {n} devices and be smaller"
-    if why:
-        raise ValueError(f"hpz={hpz!r}: {why}.")
-
-
-def _check_plan_args(precision, accum, devices, replicas, quantize=None):
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}.")
-    for name, v in (("accum", accum), ("devices", devices), ("replicas", replicas)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive int.")
-    if devices % replicas:
-        raise ValueError(f"replicas={replicas} must divide devices={devices}.")
-    if not isinstance(quantize, Wire) and quantize not in (None, "weights", "grads", "both"):
-        raise ValueError(
-            f"quantize={quantize!r} must be None, 'weights', 'grads', 'both' or a "
-            f"jaxzero.Wire (e.g. Wire.create(weights=8, grads=4): DeepSpeed's ZeRO++ widths)."
-        )
-
-
 def _unit_cases(cases, per: str, prefetch: str) -> list[tuple[int, bool, bool | None]]:
     """``cases`` with each per-unit stage-3 case once per ``prefetch`` choice (``"on"``,
     ``"off"`` or ``"both"``); refused where no per-unit case exists, as it would change
@@ -342,22 +285,14 @@ def plan(
     ``ZeRO(prefetch=True)`` (``"on"``), ``prefetch=False`` (``"off"``) or both rows
     (``"both"``; :func:`prefetch_advice` then says which to pick). ``quantize`` (``"weights"``,
     ``"grads"``, ``"both"``: int8; or a ``Wire``, e.g. ``Wire.create(weights=8, grads=4)``):
-    ZeRO++'s collectives where each acts (:func:`stage_quantize`); ``hpz``: its hpZ.
-    With ``offload``, each row's ``cost`` is the compiled step's host <-> device bytes and
-    the step time at ``pcie_gbps`` GB/s (default: the GPU kind's,
-    ``GpuSpec.pcie_bytes_per_s``) for ``shape.batch x shape.seq x accum`` tokens per GPU.
+    ZeRO++'s collectives where each acts (:func:`stage_quantize`); ``hpz``: its hpZ. With
+    ``offload``, each row's ``cost``: the host <-> device bytes and the step time at
+    ``pcie_gbps`` GB/s (default: the GPU kind's) for ``batch x seq x accum`` tokens per GPU.
 
-    Returns:
-      One :class:`PlanRow` per case of :func:`plan_cases`.
-
-    Raises:
-      ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
+    Returns one :class:`PlanRow` per case of :func:`plan_cases`. Raises ValueError (a bad
+    argument) or PluginMissingError (jax's CUDA plugin is not installed).
     """
-    _check_plan_args(precision, accum, devices, replicas, quantize)
-    if pcie_gbps is not None and (
-        isinstance(pcie_gbps, bool) or not isinstance(pcie_gbps, int | float) or pcie_gbps <= 0
-    ):
-        raise ValueError(f"pcie_gbps={pcie_gbps!r} must be a positive number of GB/s.")
+    check_plan_args(precision, accum, devices, replicas, quantize, pcie_gbps)
     check_loop(shape, stage2, stage1)
     check_hpz(hpz, shape, stages, stage3, devices, replicas)
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
@@ -383,22 +318,8 @@ def plan(
             shape, n, stage, per_layer, precision, ema, copy, offload, per, pf is not False
         )
         state = report.argument_bytes - batch_bytes
-        cost = None
-        if offload:
-            tokens = shape.batch * shape.seq * accum
-            cost = offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=pcie_gbps)
-        rows.append(
-            PlanRow(
-                stage,
-                per_layer,
-                shape.num_params,
-                report,
-                est,
-                state,
-                per=per,
-                prefetch=pf,
-                hpz=g,
-                cost=cost,
-            )
-        )
+        tokens = shape.batch * shape.seq * accum
+        cost = offload and offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=pcie_gbps)
+        row = (stage, per_layer, shape.num_params, report, est, state)
+        rows.append(PlanRow(*row, per=per, prefetch=pf, hpz=g, cost=cost))
     return rows
