@@ -7,6 +7,8 @@ never refused."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +51,18 @@ def check_not_replicated(params, n: int) -> None:
         f"every params leaf has a leading axis of {n} identical copies, as pmap's "
         f"jax_utils.replicate(params) makes; {FIX_PARAMS}."
     )
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def raised_by_jaxzero(error: BaseException) -> bool:
+    """Whether ``error`` was raised by jaxzero's own code (its innermost frame is in the
+    package): those errors already name their fix, so no pmap leftover is read into them."""
+    tb, last = error.__traceback__, None
+    while tb is not None:
+        last, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return last is not None and os.path.abspath(last).startswith(_PACKAGE + os.sep)
 
 
 def explain(params, batch, n: int) -> str | None:

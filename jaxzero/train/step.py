@@ -161,8 +161,9 @@ class TrainStep:
             state, metrics = self.jitted(state, placed)
         except Exception as e:
             # A failure while tracing, on shapes a pmap program leaves: say so (the cause is
-            # chained). Errors of the running program, and other shapes, pass unchanged.
-            if isinstance(e, jax.errors.JaxRuntimeError):
+            # chained). Errors of the running program, jaxzero's own (they name their fix) and
+            # other shapes pass unchanged.
+            if isinstance(e, jax.errors.JaxRuntimeError) or pmap_leftovers.raised_by_jaxzero(e):
                 raise
             why = pmap_leftovers.explain(state.params, placed, jax.local_device_count())
             if why is None:
