@@ -9,7 +9,15 @@ import argparse
 import sys
 
 from jaxzero.cli.command import Command, param_count, pick, positive_int
-from jaxzero.cli.plan_output import fallback_note, network, offload_note, progress, table
+from jaxzero.cli.plan_offload import add_pcie, add_state_layout, check_offload_args, offload_words
+from jaxzero.cli.plan_output import (
+    fallback_note,
+    fraction_note,
+    network,
+    offload_note,
+    progress,
+    table,
+)
 
 DESCRIPTION = """\
 Compile jaxzero's Adam train step of a GPT/LLaMA-shaped model for a GPU cluster with XLA's GPU
@@ -32,6 +40,8 @@ examples:
       --stage 3 --loop python --no-compute-copy
   jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
       --batch 1 --gpu h100 --devices 8 --stage 3 --stage3 per-layer --offload optimizer
+  jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
+      --batch 8 --devices 8 --stage 3 --stage3 per-layer --offload auto --gpu-memory 16GB
   jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
       --devices 64 --stage 3 --stage3 per-layer --quantize both --hpz 8 --network-gbps 900 400
 """
@@ -77,43 +87,6 @@ def _add_loop(group) -> None:
         help="with --loop python, stage 3 per unit with ZeRO(prefetch=True), prefetch=False, "
         "or both rows and which to pick (default: both where a per-unit row is compiled)",
     )
-
-
-def _add_state_layout(group) -> None:
-    """``--no-compute-copy`` and ``--offload``: where the state lives."""
-    group.add_argument(
-        "--no-compute-copy",
-        dest="compute_copy",
-        action="store_false",
-        help="stage 3 in FSDP's layout: no 16-bit params copy beside the fp32 master "
-        "(jaxzero.Precision(compute_copy=False))",
-    )
-    group.add_argument(
-        "--offload",
-        choices=["optimizer", "optimizer,params"],
-        help="keep the fp32 master, Adam's state and the EMA in pinned host memory, streamed "
-        "through the GPU by the update (jaxzero.ZeRO(offload='optimizer'); stages 1-3, the "
-        "default then); optimizer,params: the bf16 params too, fetched a layer at a time, "
-        "and their gradients (offload=('optimizer', 'params'); stage 3 per layer)",
-    )
-
-
-def _add_pcie(group) -> None:
-    """``--pcie-gbps``: the host <-> device rate the offload columns assume."""
-    group.add_argument(
-        "--pcie-gbps",
-        type=float,
-        metavar="GB/S",
-        help="with --offload, the pinned host <-> device copy rate per GPU in GB/s (1e9 "
-        "bytes/s, not Gbit/s) for the predicted step time (default per --gpu: h100 and h200 "
-        "55, measured on an H100 PCIe Gen5 host; a100 25, PCIe Gen4; sources in "
-        "jaxzero.gpu.targets.PCIE_SOURCES)",
-    )
-
-
-def _offload_words(offload) -> str:
-    """``--offload``'s choice as the description line says it."""
-    return " and ".join(offload.split(",") if isinstance(offload, str) else offload)
 
 
 def _add_wire(group) -> None:
@@ -202,8 +175,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="gradient accumulation micro-batches (default: 1)",
     )
     train.add_argument("--ema", action="store_true", help="add a sharded fp32 parameter EMA")
-    _add_state_layout(train)
-    _add_pcie(train)
+    add_state_layout(train)
+    add_pcie(train)
     train.add_argument(
         "--vocab-parallel",
         action="store_true",
@@ -265,6 +238,8 @@ def _shape(args, parser):
 
 def _describe(args, shape, recommended_xla_flags) -> str:
     """The plan's first line: the model, the cluster and the options."""
+    from jaxzero.memory import format_bytes
+
     return (
         f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, ffn "
         f"{shape.ffn}, vocab {shape.vocab}, {shape.batch} x {shape.seq} tokens per device -> "
@@ -276,11 +251,8 @@ def _describe(args, shape, recommended_xla_flags) -> str:
         + (", EMA" if args.ema else "")
         + ("" if args.compute_copy else ", stage 3 without a compute copy")
         + (", stage 3 vocabulary-parallel embedding" if args.vocab_parallel else "")
-        + (
-            f", offload {_offload_words(args.offload)} to pinned host memory"
-            if args.offload
-            else ""
-        )
+        + (f", offload {offload_words(args)} to pinned host memory" if args.offload else "")
+        + (f", {format_bytes(args.gpu_memory)} per GPU" if args.gpu_memory else "")
         + (f", int8 {args.quantize} on the wire" if args.quantize else "")
         + (f", hpZ in groups of {args.hpz}" if args.hpz else "")
         + (
@@ -303,7 +275,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     """Compile every requested stage and print the table; returns the exit code."""
     shape = _shape(args, parser)
     from jaxzero.gpu import PluginMissingError, plan, plan_cases, recommended_xla_flags, xla_options
-    from jaxzero.gpu.plan import plan_stages, prefetch_advice
+    from jaxzero.gpu.plan import prefetch_advice
 
     if args.params is not None and abs(shape.num_params - args.params) > 0.1 * args.params:
         print(
@@ -312,15 +284,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             file=sys.stderr,
         )
     print(_describe(args, shape, recommended_xla_flags), flush=True)
-    if args.pcie_gbps is not None and (args.pcie_gbps <= 0 or not args.offload):
-        why = "must be a positive GB/s figure" if args.pcie_gbps <= 0 else "needs --offload"
-        parser.error(f"--pcie-gbps {args.pcie_gbps:g} {why}")
+    stages = check_offload_args(args, parser)
     if args.network_gbps and min(args.network_gbps) <= 0:
         parser.error(f"--network-gbps: {args.network_gbps} must be two positive Gbit/s figures")
-    try:
-        stages = plan_stages(args.stage, args.offload)
-    except ValueError as e:
-        parser.error(f"--offload: {e}")
     cases = plan_cases(stages, args.stage3, args.stage2, args.stage1)
     both = args.prefetch == "both" and (3, True) in cases  # the per-unit row twice
     on_case, close = progress(len(cases) + both)
@@ -342,6 +308,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             "quantize",
             "hpz",
             "pcie_gbps",
+            "offload_fraction",
+            "gpu_memory",
         )
         flags = xla_options(quantized_grads=_qgz(args)) if args.xla_flags else None
         rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
@@ -350,10 +318,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         print(f"jaxzero plan: error: {e}", file=sys.stderr)
         return 1
     close()
-    print(table(rows))
+    print(table(rows, fractions=args.offload == "auto" or args.offload_fraction != 1))
     if args.network_gbps or args.hpz:
         print(network(rows, args))
-    for note in (fallback_note(rows), prefetch_advice(rows), offload_note(rows)):
+    notes = (fallback_note(rows), prefetch_advice(rows), offload_note(rows), fraction_note(rows))
+    for note in notes:
         if note:
             print(note)
     print(

@@ -19,6 +19,11 @@ from jaxzero.gpu.models import (
 )
 from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_time
 from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
+from jaxzero.gpu.offload_fraction import fraction_estimate, limited, smallest_fraction
+from jaxzero.gpu.plan_checks import PRECISIONS as PRECISIONS
+from jaxzero.gpu.plan_checks import _check_plan_args
+from jaxzero.gpu.plan_checks import check_hpz as check_hpz
+from jaxzero.gpu.plan_checks import check_loop as check_loop
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.topology import compile_only_mesh
 from jaxzero.memory import MemoryEstimate, estimate_memory, format_bytes
@@ -27,6 +32,7 @@ from jaxzero.precision import Precision
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.offload import check_offload, params_offloaded
+from jaxzero.zero.offload.fraction import check_fraction
 
 __all__ = [
     "PlanRow",
@@ -41,7 +47,6 @@ __all__ = [
     "wire_time",
 ]
 
-PRECISIONS = ("bf16", "fp16", "fp32")
 UNITS = r"block_\d+"  # the unscanned decoder's blocks (jaxzero.gpu.models, loop="python")
 PREFETCH = {"on": (True,), "off": (False,), "both": (True, False)}
 
@@ -60,7 +65,8 @@ class PlanRow:
     ``ZeRO(prefetch=...)`` (None on the other rows); ``hpz``: the per-layer stage-3 row's
     ``ZeRO(hpz_partition_size=...)`` (None on the other rows). ``cost``: with offload, the
     host <-> device bytes of the compiled step and the step time they predict
-    (:func:`jaxzero.gpu.offload_cost.offload_cost`; None without offload).
+    (:func:`jaxzero.gpu.offload_cost.offload_cost`; None without offload). ``fraction``: the
+    row's ``ZeRO(offload_fraction=...)`` with a fraction or ``auto`` (None: not offloaded).
     """
 
     stage: int
@@ -73,6 +79,8 @@ class PlanRow:
     prefetch: bool | None = None
     hpz: int | None = None
     cost: OffloadCost | None = None
+    fraction: float | None = 1.0
+    tries: tuple = ()  # auto: every (fraction, compiled peak bytes) it compiled
 
     @property
     def label(self) -> str:
@@ -177,7 +185,7 @@ def unit_bound(
 
 
 def _zero(
-    shape: ModelShape, mesh, stage: int, per, precision: str, copy, offload, quantize, prefetch, hpz
+    shape: ModelShape, mesh, stage, per, precision, copy, offload, quantize, prefetch, hpz, f=1.0
 ):
     """The plan's ``ZeRO`` for one case; ``per``: False (whole), ``"layer"`` (the scanned
     stack, ``layers=``, with ``hpz``) or ``"unit"`` (the Python loop's blocks, ``units=``,
@@ -190,7 +198,8 @@ def _zero(
         layers="layers" if per == "layer" else None,
         units=UNITS if per == "unit" else None,
         vocab_parallel="embed" if shape.vocab_parallel and stage == 3 else None,
-        offload=offload,
+        offload=offload if f is not None else None,
+        offload_fraction=f if offload and f is not None else 1.0,
         prefetch=prefetch if per == "unit" else None,
         quantize=stage_quantize(quantize, stage),
         hpz_partition_size=hpz,
@@ -205,53 +214,6 @@ def plan_stages(stages, offload):
     if stages is not None:
         check_offload(offload, tuple(stages))
     return stages
-
-
-def check_loop(shape: ModelShape, stage2: str, stage1: str) -> None:
-    """An unscanned model has no stack for stages 1-2 to reduce layer by layer."""
-    if shape.loop not in PYTHON_LOOPS:
-        return
-    for name, v in (("stage2", stage2), ("stage1", stage1)):
-        if v != "whole":
-            raise ValueError(
-                f"{name}={v!r} needs a scanned layer stack (ZeRO(layers=...)); the shape's "
-                f"loop={shape.loop!r} is a Python loop of blocks, which stage 3 alone runs unit "
-                f"by unit (ZeRO(units=...)). Pass {name}='whole', or a scanned loop."
-            )
-
-
-def check_hpz(hpz, shape: ModelShape, stages, stage3: str, devices: int, replicas: int) -> None:
-    """``hpz`` acts on the per-layer stage-3 row of a scanned stack only; G must split the data
-    axis into nodes (divide it, and be smaller)."""
-    if hpz is None:
-        return
-    n = devices // replicas
-    why = None
-    if stages is not None and 3 not in stages:
-        why = "it acts on stage 3 per layer only (the backward's gathers): include stage 3"
-    elif stage3 == "whole":
-        why = (
-            "it acts on stage 3 per layer only: pass stage3='per-layer' or 'both' "
-            "(jaxzero plan --stage3 per-layer)"
-        )
-    elif shape.loop in PYTHON_LOOPS:
-        why = "it needs a scanned stack (jaxzero.scan_layers), not a Python loop of blocks"
-    elif isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 2 or n % hpz or hpz >= n:
-        why = f"G must be >= 2, divide the data axis of {n} devices and be smaller"
-    if why:
-        raise ValueError(f"hpz={hpz!r}: {why}.")
-
-
-def _check_plan_args(precision, accum, devices, replicas, quantize=None):
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}.")
-    for name, v in (("accum", accum), ("devices", devices), ("replicas", replicas)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive int.")
-    if devices % replicas:
-        raise ValueError(f"replicas={replicas} must divide devices={devices}.")
-    if quantize not in (None, "weights", "grads", "both"):
-        raise ValueError(f"quantize={quantize!r} must be None, 'weights', 'grads' or 'both'.")
 
 
 def _unit_cases(cases, per: str, prefetch: str) -> list[tuple[int, bool, bool | None]]:
@@ -318,6 +280,8 @@ def plan(
     quantize: str | None = None,
     hpz: int | None = None,
     pcie_gbps: float | None = None,
+    offload_fraction: float = 1.0,
+    gpu_memory: int | None = None,
 ) -> list[PlanRow]:
     """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
 
@@ -342,6 +306,10 @@ def plan(
     With ``offload``, each row's ``cost`` is the compiled step's host <-> device bytes and
     the step time at ``pcie_gbps`` GB/s (default: the GPU kind's,
     ``GpuSpec.pcie_bytes_per_s``) for ``shape.batch x shape.seq x accum`` tokens per GPU.
+    ``offload_fraction``: ``ZeRO(offload_fraction=...)`` with ``offload="optimizer"``;
+    ``offload="auto"``: each row at the smallest fraction that fits
+    (:func:`jaxzero.gpu.offload_fraction.smallest_fraction`). ``gpu_memory``: the bytes per
+    device the verdicts (and ``auto``) judge by, instead of the GPU kind's.
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -357,6 +325,10 @@ def plan(
     check_loop(shape, stage2, stage1)
     check_hpz(hpz, shape, stages, stage3, devices, replicas)
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
+    auto, offload = offload == "auto", "optimizer" if offload == "auto" else offload
+    offload_fraction = check_fraction(
+        offload_fraction, offload, params_offloaded(check_offload(offload, 3))
+    )
     cases = plan_cases(plan_stages(stages, offload), stage3, stage2, stage1)
     cases = _unit_cases(cases, per, prefetch)
     mesh = compile_only_mesh(gpu, devices, replicas=replicas)
@@ -370,17 +342,27 @@ def plan(
             on_case(label + ("" if pf is not False else ", prefetch=False"), i, len(cases))
         copy = compute_copy or stage != 3  # the layout exists at stage 3 only
         g = hpz if stage == 3 and per_layer else None
-        zero = _zero(
-            shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf, g
-        )
-        step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
-        report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
+        case = (shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf, g)
+
+        def compile_at(f, case=case):
+            step = make_train_step(loss_fn, _zero(*case, f), ema=sema, accum_steps=accum)
+            report = compile_report(
+                step, params, batch, kind=gpu, compiler_options=compiler_options
+            )
+            return limited(report, gpu_memory)
+
+        f = offload_fraction if offload else None
+        report, tries = (compile_at(f), ()) if not auto else (None, ())
+        if auto:
+            f, report, tries = smallest_fraction(compile_at)
+        off = offload if f is not None else None
         est = row_estimate(
-            shape, n, stage, per_layer, precision, ema, copy, offload, per, pf is not False
+            shape, n, stage, per_layer, precision, ema, copy, off, per, pf is not False
         )
+        est = fraction_estimate(est, f)
         state = report.argument_bytes - batch_bytes
         cost = None
-        if offload:
+        if off:
             tokens = shape.batch * shape.seq * accum
             cost = offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=pcie_gbps)
         rows.append(
@@ -395,6 +377,8 @@ def plan(
                 prefetch=pf,
                 hpz=g,
                 cost=cost,
+                fraction=f,
+                tries=tuple(tries),
             )
         )
     return rows
