@@ -39,7 +39,7 @@ def test_gpu_plan_offload_auto_picks_the_smallest_fraction_that_fits(capsys):
     peak, host, h2d = _mb(cells[2]), _mb(cells[5]), _mb(cells[11])
     assert peak <= 8.0 and cells[7].startswith("fits in")
     # the compiles tried: everything offloaded (its peak and host bytes), then f
-    tried = re.search(r"3 per layer: 1: ([\d.]+) MB; ([\d.]+): ([\d.]+) MB", out)
+    tried = re.search(r"3 per layer: 1: ([\d.]+) MB, \d+%; ([\d.]+): ([\d.]+) MB, \d+%", out)
     assert tried and float(tried.group(2)) == f and float(tried.group(3)) == pytest.approx(peak)
     full_peak = float(tried.group(1))
     full_host = 2.95  # the host bytes with everything offloaded (tests/test_gpu_offload.py)

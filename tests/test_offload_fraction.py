@@ -158,3 +158,32 @@ def test_gpu_pcie_bytes_scale_with_the_fraction(monkeypatch):
             assert abs(got - host) <= 0.02 * host, (f, got, host)
         moved[f] = t.h2d_bytes
     assert 0.5 * moved[1.0] <= moved[0.5] <= 0.6 * moved[1.0], moved
+
+
+class _Compiled:
+    """A stand-in compile report: the device takes the kept state byte for byte (peak 60 with
+    all 40 state bytes offloaded, limit 80), and the collectives hide 90% of their bytes only
+    with >= 10 bytes to spare (the scheduler's room), 30% otherwise."""
+
+    hbm_bytes, host_argument_bytes = 80, 40
+
+    def __init__(self, f):
+        self.peak_bytes = 60 + 40 * (1 - (0 if f is None else f))
+        self.headroom_bytes = self.hbm_bytes - self.peak_bytes
+        self.fits = self.headroom_bytes >= 0
+
+    def hidden_share(self, *kinds):
+        return 0.9 if self.headroom_bytes >= 10 else 0.3
+
+
+def test_smallest_fraction_fits_by_the_linear_model_and_keeps_the_overlap():
+    from jaxzero.gpu.offload_fraction import smallest_fraction
+
+    f, report, tried = smallest_fraction(_Compiled)
+    # 0.5 fits exactly (80) with no room and hides 30%: bisected to 0.75, the smallest
+    # hundredth with 10 bytes to spare, through 0.75 (keeps), 0.63 and 0.69 (lose)
+    assert [t[0] for t in tried] == [1.0, 0.5, 0.75, 0.63, 0.69]
+    assert f == 0.75 and report.peak_bytes == 70
+    # the overlap not asked for: the linear model's fraction, checked once
+    f, _, tried = smallest_fraction(_Compiled, keeps=lambda r, full: True)
+    assert f == 0.5 and len(tried) == 2

@@ -188,11 +188,12 @@ def fraction_note(rows) -> str | None:
     tried = [(r.label, r.tries) for r in rows if r.tries]
     if not tried:
         return None
-    one = lambda t: "; ".join(f"{_fraction(f)}: {format_bytes(p)}" for f, p in t)
+    one = lambda t: "; ".join(f"{_fraction(f)}: {format_bytes(p)}, {h:.0%}" for f, p, h in t)
     lines = [f"{label}: {one(t)}" for label, t in tried]
     return (
         "offloaded: the share of the master, Adam and EMA bytes per GPU in host memory "
         "(ZeRO(offload_fraction=...)), largest leaves first; auto compiled everything offloaded, "
-        "then the fraction where the device takes the rest byte for byte, rounded up to 0.01 "
-        "(compiled peak per fraction tried: " + " | ".join(lines) + ")."
+        "then the fraction where the device takes the rest byte for byte, rounded up to 0.01, "
+        "bisected towards 1 where it hides less of the AG+RS bytes (jaxzero.gpu.offload_fraction; "
+        "per fraction tried: compiled peak, hidden AG+RS: " + " | ".join(lines) + ")."
     )
