@@ -309,7 +309,8 @@ def plan(
     ``offload_fraction``: ``ZeRO(offload_fraction=...)`` with ``offload="optimizer"``;
     ``offload="auto"``: each row at the smallest fraction that fits
     (:func:`jaxzero.gpu.offload_fraction.smallest_fraction`). ``gpu_memory``: the bytes per
-    device the verdicts (and ``auto``) judge by, instead of the GPU kind's.
+    device compiled for (XLA's scheduler keeps the step under them) and the verdicts (and
+    ``auto``) judge by, instead of the GPU kind's.
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -331,7 +332,7 @@ def plan(
     )
     cases = plan_cases(plan_stages(stages, offload), stage3, stage2, stage1)
     cases = _unit_cases(cases, per, prefetch)
-    mesh = compile_only_mesh(gpu, devices, replicas=replicas)
+    mesh = compile_only_mesh(gpu, devices, replicas=replicas, memory_bytes=gpu_memory)
     params = abstract_params(shape)
     loss_fn, batch = make_loss(shape), batch_shapes(shape, shape.batch * devices * accum)
     batch_bytes, n = 2 * shape.batch * accum * shape.seq * 4, devices // replicas
