@@ -5,16 +5,18 @@ with the PCIe columns; the flags that would not act are refused with the fix."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
 
 from jaxzero import cli
+from jaxzero.gpu import offload_fraction
 from jaxzero.memory import parse_bytes
 
 ARGV = ["plan", "--devices", "8", "--layers", "2", "--hidden", "256", "--heads", "2"]
 ARGV += ["--vocab", "512", "--seq", "16", "--stage", "3", "--stage3", "per-layer"]
-# between the step without offload (9.80 MB) and with all of it offloaded (6.38 MB)
+# between the step without offload (9.80 MB on an 80 GB H100) and with all of it offloaded
 LIMIT = "8MB"
 
 
@@ -26,7 +28,13 @@ def _mb(cell) -> float:
     return parse_bytes(cell.replace(" ", "")) / 1e6
 
 
-def test_gpu_plan_offload_auto_picks_the_smallest_fraction_that_fits(capsys):
+def test_gpu_plan_offload_auto_picks_the_smallest_fraction_that_fits(capsys, monkeypatch):
+    """Compiled for 8 MB devices the step is tight: the linear model's fraction fits but XLA's
+    scheduler then hides less of the all-gather + reduce-scatter bytes, so auto bisects
+    towards 1. The row is the smallest fraction compiled that fits and hides as much as the
+    step with everything offloaded. One bisection (three compiles: the test's time; the
+    bisection itself is tests/test_offload_fraction.py's)."""
+    monkeypatch.setattr(offload_fraction, "BISECTIONS", 1)
     assert cli.main([*ARGV, "--offload", "auto", "--gpu-memory", LIMIT]) == 0
     out = capsys.readouterr().out
     assert "offload the smallest fraction of the optimizer that fits" in out
@@ -35,19 +43,22 @@ def test_gpu_plan_offload_auto_picks_the_smallest_fraction_that_fits(capsys):
     assert "offloaded" in header and "PCIe h2d" in header
     cells = re.split(r"\s{2,}", _row(out))
     f = float(cells[1])
-    assert 0 < f < 1
     peak, host, h2d = _mb(cells[2]), _mb(cells[5]), _mb(cells[11])
-    assert peak <= 8.0 and cells[7].startswith("fits in")
-    # the compiles tried: everything offloaded (its peak and host bytes), then f
-    tried = re.search(r"3 per layer: 1: ([\d.]+) MB, \d+%; ([\d.]+): ([\d.]+) MB, \d+%", out)
-    assert tried and float(tried.group(2)) == f and float(tried.group(3)) == pytest.approx(peak)
-    full_peak = float(tried.group(1))
-    full_host = 2.95  # the host bytes with everything offloaded (tests/test_gpu_offload.py)
-    # f is the linear model's smallest: one hundredth less would not fit by the model
-    assert full_peak + (1 - f) * full_host <= 8.0 + 0.03
-    assert full_peak + (1 - (f - 0.01)) * full_host > 8.0 - 0.03
+    assert 0 < f < 1 and peak <= 8.0 and cells[7].startswith("fits in")
+    note = out.split("per fraction tried: compiled peak, hidden AG+RS: 3 per layer: ")[1]
+    tried = [
+        (float(a), float(p), int(h))
+        for a, p, h in re.findall(r"([\d.]+): ([\d.]+) MB, (\d+)%", note)
+    ]
+    (one, full_peak, full_hidden), rest = tried[0], tried[1:]
+    assert one == 1.0 and rest
+    # the first check is the linear model's: 2.95 MB of state (everything offloaded,
+    # tests/test_gpu_offload.py), the device taking (1 - f) of it, rounded up to 0.01
+    assert rest[0][0] == math.ceil(100 * (1 - (8.0 - full_peak) / 2.95)) / 100
+    keeps = [a for a, p, h in rest if p <= 8.0 and h >= full_hidden - 2]
+    assert f == min(keeps) and int(cells[8].split("%")[0]) >= full_hidden - 2
     # the host holds at least f of the state, and the PCIe bytes moved are that host state
-    assert f * full_host <= host + 0.01 and h2d == pytest.approx(host, rel=0.02)
+    assert f * 2.95 <= host + 0.01 and h2d == pytest.approx(host, rel=0.02)
 
 
 @pytest.mark.parametrize(

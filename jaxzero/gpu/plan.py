@@ -5,6 +5,7 @@ needed, nothing allocated) and set the GPU compiler's bytes per device next to
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import optax
@@ -21,7 +22,7 @@ from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_
 from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
 from jaxzero.gpu.offload_fraction import fraction_estimate, limited, smallest_fraction
 from jaxzero.gpu.plan_checks import PRECISIONS as PRECISIONS
-from jaxzero.gpu.plan_checks import _check_plan_args
+from jaxzero.gpu.plan_checks import _check_plan_args, check_plan_offload
 from jaxzero.gpu.plan_checks import check_hpz as check_hpz
 from jaxzero.gpu.plan_checks import check_loop as check_loop
 from jaxzero.gpu.report import CompileReport, compile_report
@@ -32,7 +33,6 @@ from jaxzero.precision import Precision
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.offload import check_offload, params_offloaded
-from jaxzero.zero.offload.fraction import check_fraction
 
 __all__ = [
     "PlanRow",
@@ -206,6 +206,43 @@ def _zero(
     )
 
 
+def _step_args(shape: ModelShape, devices, accum, ema: bool, gpu, options, gpu_memory) -> tuple:
+    """:func:`_compile`'s arguments after the case: the loss, the EMA, the micro-batches, the
+    abstract params and batch, the GPU kind, the compiler options and the memory."""
+    batch = batch_shapes(shape, shape.batch * devices * accum)
+    sema = ShardedEMA(0.999) if ema else None
+    return make_loss(shape), sema, accum, abstract_params(shape), batch, gpu, options, gpu_memory
+
+
+def _compile(case, loss_fn, ema, accum, params, batch, gpu, options, gpu_memory, fraction):
+    """The compile report of one plan ``case`` (:func:`_zero`'s arguments) at ``fraction``
+    (None: without offload), judged against ``gpu_memory``."""
+    step = make_train_step(loss_fn, _zero(*case, fraction), ema=ema, accum_steps=accum)
+    report = compile_report(step, params, batch, kind=gpu, compiler_options=options)
+    return limited(report, gpu_memory)
+
+
+def _label(stage: int, per_layer: bool, per: str, prefetch) -> str:
+    """A case's progress label: ``"3 per layer"``, ``"3 per unit, prefetch=False"``, ``"2"``."""
+    label = f"{stage} per {per}" if per_layer else str(stage)
+    return label + ("" if prefetch is not False else ", prefetch=False")
+
+
+def _fraction(compile_at, auto: bool, fraction):
+    """``(fraction, report, tries)`` of one case: compiled at ``fraction`` (None: without
+    offload), or with ``auto`` at the smallest that fits (:func:`smallest_fraction`)."""
+    if auto:
+        f, report, tries = smallest_fraction(compile_at)
+        return f, report, tuple(tries)
+    return fraction, compile_at(fraction), ()
+
+
+def _cost(report, shape: ModelShape, accum: int, gpu: str, gbps) -> OffloadCost:
+    """The offload cost of a row's compiled step, for its tokens per GPU."""
+    tokens = shape.batch * shape.seq * accum
+    return offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=gbps)
+
+
 def plan_stages(stages, offload):
     """The stages to plan: with ``offload`` 1-3 by default (3 with the params offloaded),
     and stage 0 refused."""
@@ -306,11 +343,8 @@ def plan(
     With ``offload``, each row's ``cost`` is the compiled step's host <-> device bytes and
     the step time at ``pcie_gbps`` GB/s (default: the GPU kind's,
     ``GpuSpec.pcie_bytes_per_s``) for ``shape.batch x shape.seq x accum`` tokens per GPU.
-    ``offload_fraction``: ``ZeRO(offload_fraction=...)`` with ``offload="optimizer"``;
-    ``offload="auto"``: each row at the smallest fraction that fits
-    (:func:`jaxzero.gpu.offload_fraction.smallest_fraction`). ``gpu_memory``: the bytes per
-    device compiled for (XLA's scheduler keeps the step under them) and the verdicts (and
-    ``auto``) judge by, instead of the GPU kind's.
+    ``offload_fraction``: ``ZeRO(offload_fraction=...)``; ``offload="auto"``: the smallest
+    that fits ``gpu_memory`` bytes per device (compiled for, instead of the kind's; decision 43).
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -318,68 +352,27 @@ def plan(
     Raises:
       ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
     """
-    _check_plan_args(precision, accum, devices, replicas, quantize)
-    if pcie_gbps is not None and (
-        isinstance(pcie_gbps, bool) or not isinstance(pcie_gbps, int | float) or pcie_gbps <= 0
-    ):
-        raise ValueError(f"pcie_gbps={pcie_gbps!r} must be a positive number of GB/s.")
+    _check_plan_args(precision, accum, devices, replicas, quantize, pcie_gbps)
     check_loop(shape, stage2, stage1)
     check_hpz(hpz, shape, stages, stage3, devices, replicas)
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
-    auto, offload = offload == "auto", "optimizer" if offload == "auto" else offload
-    offload_fraction = check_fraction(
-        offload_fraction, offload, params_offloaded(check_offload(offload, 3))
-    )
+    auto, offload, fraction = check_plan_offload(offload, offload_fraction)
     cases = plan_cases(plan_stages(stages, offload), stage3, stage2, stage1)
     cases = _unit_cases(cases, per, prefetch)
     mesh = compile_only_mesh(gpu, devices, replicas=replicas, memory_bytes=gpu_memory)
-    params = abstract_params(shape)
-    loss_fn, batch = make_loss(shape), batch_shapes(shape, shape.batch * devices * accum)
-    batch_bytes, n = 2 * shape.batch * accum * shape.seq * 4, devices // replicas
-    sema, rows = ShardedEMA(0.999) if ema else None, []
+    step_args = _step_args(shape, devices, accum, ema, gpu, compiler_options, gpu_memory)
+    batch_bytes, n, rows = 2 * shape.batch * accum * shape.seq * 4, devices // replicas, []
     for i, (stage, per_layer, pf) in enumerate(cases):
         if on_case is not None:
-            label = f"{stage} per {per}" if per_layer else str(stage)
-            on_case(label + ("" if pf is not False else ", prefetch=False"), i, len(cases))
-        copy = compute_copy or stage != 3  # the layout exists at stage 3 only
-        g = hpz if stage == 3 and per_layer else None
+            on_case(_label(stage, per_layer, per, pf), i, len(cases))
+        # compute_copy=False: a layout of stage 3 only; hpZ: the per-layer stage-3 row only
+        copy, g = compute_copy or stage != 3, hpz if stage == 3 and per_layer else None
         case = (shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf, g)
-
-        def compile_at(f, case=case):
-            step = make_train_step(loss_fn, _zero(*case, f), ema=sema, accum_steps=accum)
-            report = compile_report(
-                step, params, batch, kind=gpu, compiler_options=compiler_options
-            )
-            return limited(report, gpu_memory)
-
-        f = offload_fraction if offload else None
-        report, tries = (compile_at(f), ()) if not auto else (None, ())
-        if auto:
-            f, report, tries = smallest_fraction(compile_at)
+        f, report, tries = _fraction(functools.partial(_compile, case, *step_args), auto, fraction)
         off = offload if f is not None else None
-        est = row_estimate(
-            shape, n, stage, per_layer, precision, ema, copy, off, per, pf is not False
-        )
-        est = fraction_estimate(est, f)
-        state = report.argument_bytes - batch_bytes
-        cost = None
-        if off:
-            tokens = shape.batch * shape.seq * accum
-            cost = offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=pcie_gbps)
-        rows.append(
-            PlanRow(
-                stage,
-                per_layer,
-                shape.num_params,
-                report,
-                est,
-                state,
-                per=per,
-                prefetch=pf,
-                hpz=g,
-                cost=cost,
-                fraction=f,
-                tries=tuple(tries),
-            )
-        )
+        args = (shape, n, stage, per_layer, precision, ema, copy, off, per, pf is not False)
+        cost = off and _cost(report, shape, accum, gpu, pcie_gbps)
+        est, state = fraction_estimate(row_estimate(*args), f), report.argument_bytes - batch_bytes
+        head = (stage, per_layer, shape.num_params, report, est, state)
+        rows.append(PlanRow(*head, per, pf, g, cost, f, tries))
     return rows

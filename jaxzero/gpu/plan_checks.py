@@ -4,6 +4,8 @@ a combination that would not compile or would change nothing, naming the fix."""
 from __future__ import annotations
 
 from jaxzero.gpu.models import PYTHON_LOOPS, ModelShape
+from jaxzero.zero.offload import check_offload, params_offloaded
+from jaxzero.zero.offload.fraction import check_fraction
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 
@@ -43,7 +45,16 @@ def check_hpz(hpz, shape: ModelShape, stages, stage3: str, devices: int, replica
         raise ValueError(f"hpz={hpz!r}: {why}.")
 
 
-def _check_plan_args(precision, accum, devices, replicas, quantize=None):
+def check_plan_offload(offload, fraction) -> tuple[bool, str | None, float]:
+    """``(auto, offload, fraction)``: ``offload="auto"`` is ``"optimizer"`` at a fraction
+    each case picks; ``fraction`` checked against ``offload`` (it needs ``"optimizer"``)."""
+    auto = offload == "auto"
+    offload = "optimizer" if auto else offload
+    on_host = params_offloaded(check_offload(offload, 3))
+    return auto, offload, check_fraction(fraction, offload, on_host)
+
+
+def _check_plan_args(precision, accum, devices, replicas, quantize=None, pcie_gbps=None):
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}.")
     for name, v in (("accum", accum), ("devices", devices), ("replicas", replicas)):
@@ -51,5 +62,9 @@ def _check_plan_args(precision, accum, devices, replicas, quantize=None):
             raise ValueError(f"{name}={v!r} must be a positive int.")
     if devices % replicas:
         raise ValueError(f"replicas={replicas} must divide devices={devices}.")
+    if pcie_gbps is not None and (
+        isinstance(pcie_gbps, bool) or not isinstance(pcie_gbps, int | float) or pcie_gbps <= 0
+    ):
+        raise ValueError(f"pcie_gbps={pcie_gbps!r} must be a positive number of GB/s.")
     if quantize not in (None, "weights", "grads", "both"):
         raise ValueError(f"quantize={quantize!r} must be None, 'weights', 'grads' or 'both'.")
