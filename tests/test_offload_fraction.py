@@ -187,3 +187,26 @@ def test_smallest_fraction_fits_by_the_linear_model_and_keeps_the_overlap():
     # the overlap not asked for: the linear model's fraction, checked once
     f, _, tried = smallest_fraction(_Compiled, keeps=lambda r, full: True)
     assert f == 0.5 and len(tried) == 2
+
+
+def test_a_checkpoint_moves_between_fractions(tmp_path):
+    """Saved at f = 0.5, restored at f = 1 (everything on the host) and without offload: the
+    same values, each leaf in the memory its target's fraction gives it, and the next step
+    the same as the run that wrote it."""
+    from jaxzero import checkpoint as ck
+
+    params, loss_fn, batches = make_problem("wide_mlp", steps=2)
+    mesh, tx = jz.data_parallel_mesh(N), optax.adam(1e-2, eps=1e-6)
+    make = lambda **kw: jz.ZeRO(tx, mesh, stage=2, **kw)
+    half = make(offload="optimizer", offload_fraction=0.5)
+    step = jz.make_train_step(loss_fn, half)
+    state, _ = step(step.init(params), batches[0])
+    assert ck.save(str(tmp_path), 1, state, zero=half, wait=True)
+    saved = jax.device_get(state.opt_state)
+    want, _ = step(state, batches[1])  # donates state
+    for zero, host in ((make(offload="optimizer"), 812), (make(), 0)):
+        restored = ck.restore(str(tmp_path), zero, params)
+        assert _host_bytes(restored.opt_state) == host
+        chex.assert_trees_all_equal(jax.device_get(restored.opt_state), saved)
+        got, _ = jz.make_train_step(loss_fn, zero)(restored, batches[1])
+        chex.assert_trees_all_close(jz.gather(got.params), jz.gather(want.params), atol=1e-7)
