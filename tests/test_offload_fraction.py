@@ -102,6 +102,9 @@ def test_host_leaves_takes_the_largest_first_then_the_smallest_that_reaches():
     assert host_leaves([10, 40, 30, 20], 0.6) == [False, True, False, True]  # 40 + 20
     assert host_leaves([40, 40], 0.3) == [True, False]  # the first of equals
     assert host_leaves([50, 30, 30], 0.1) == [False, True, False]  # none fits: smallest reaching
+    # a dominant leaf goes alone: the small ones taken first are given back
+    assert host_leaves([4, 16, 128, 8], 0.5) == [False, False, True, False]
+    assert host_leaves([40, 35, 30], 0.6) == [True, False, True]  # 40 + 30 (70 of 105 >= 63)
 
 
 @pytest.mark.parametrize(
@@ -210,3 +213,22 @@ def test_a_checkpoint_moves_between_fractions(tmp_path):
         chex.assert_trees_all_equal(jax.device_get(restored.opt_state), saved)
         got, _ = jz.make_train_step(loss_fn, zero)(restored, batches[1])
         chex.assert_trees_all_close(jz.gather(got.params), jz.gather(want.params), atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["clip_adam", "adafactor", "lamb"])
+def test_half_offloaded_chains_are_single_device_optax(name):
+    """A global norm read across host and device leaves, Adafactor's factored moments and
+    LAMB's per-leaf norms (parts run whole, not in chunks) at f = 0.5, stage 2."""
+    from models import chains
+
+    tx = chains()[name]
+    params, loss_fn, batches = make_problem("wide_mlp", steps=2)
+    ref, _, atol = tolerance.reference(tx, params, loss_fn, batches)
+    zero = jz.ZeRO(tx, jz.data_parallel_mesh(N), stage=2, offload="optimizer", offload_fraction=0.5)
+    step = jz.make_train_step(loss_fn, zero)
+    state = step.init(params)
+    for b in batches:
+        state, _ = step(state, b)
+    chex.assert_trees_all_close(jz.gather(state.params), ref, atol=atol, rtol=0)
+    total = sum(_local_bytes(x) for x in jax.tree.leaves(state.opt_state))
+    assert 0.5 * total <= _host_bytes(state.opt_state) < total

@@ -50,7 +50,9 @@ def host_leaves(sizes, fraction: float) -> list[bool]:
     """Which of the leaves of ``sizes`` (bytes per device, in tree order) live on the host so
     that they hold at least ``fraction`` of the total: the largest first (ties in tree order),
     each taken while it does not pass the target; if the target is not reached then, the
-    smallest leaf left that reaches it. Every leaf at ``fraction=1``."""
+    smallest leaf left that reaches it, and the leaves taken before it are given back, largest
+    first, while the rest still reach the target (one dominant leaf then goes alone). Every
+    leaf at ``fraction=1``."""
     sizes = [int(s) for s in sizes]
     if fraction >= 1:
         return [True] * len(sizes)
@@ -61,6 +63,10 @@ def host_leaves(sizes, fraction: float) -> list[bool]:
         if held + sizes[i] <= target:
             host[i], held = True, held + sizes[i]
     if held < target:
-        left = [i for i in order if not host[i]]
-        host[min(left, key=lambda i: (sizes[i], i))] = True
+        taken = [i for i in order if host[i]]
+        last = min((i for i in order if not host[i]), key=lambda i: (sizes[i], i))
+        host[last], held = True, held + sizes[last]
+        for i in taken:  # largest first
+            if held - sizes[i] >= target:
+                host[i], held = False, held - sizes[i]
     return host
