@@ -12,7 +12,7 @@ over ``S`` (at most :data:`CHECKS` times).
 
 Fitting is not enough: XLA:GPU's latency-hiding scheduler keeps the step under the device's
 memory, and a step that fills it leaves no room to run a collective beside compute (the 70B
-plan at N = 8 H100s fits at 0.55 with 3.69 GB to spare and hides 31% of its all-gather and
+plan at N = 8 H100s fits at 0.55 with 2.95 GB to spare and hides 31% of its all-gather and
 reduce-scatter bytes, against 96% with all of it offloaded and 96% at 0.55 on an H200). So
 the fraction that fits must also hide those bytes as the all-offloaded step does
 (:func:`keeps_overlap`); where it does not, the fraction is bisected between it and 1
