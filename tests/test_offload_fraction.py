@@ -12,6 +12,8 @@ the 4-byte leaves): 408 bytes on the host, nu whole on the device.
 
 from __future__ import annotations
 
+import math
+
 import chex
 import jax
 import optax
@@ -133,34 +135,37 @@ def test_fraction_one_is_offload_as_before():
 
 
 def test_gpu_pcie_bytes_scale_with_the_fraction(monkeypatch):
-    """Deviceless H100, 2 scanned layers x 256 at N = 8, stage 3 bf16 + Adam: the streamed
-    update moves each host leaf once each way, so the compiled step's host->device and
-    device->host bytes are each within 2% of the host state's bytes (its pinned-host
-    arguments, less the two int32 counters), and at f = 0.5 they are 50-60% of f = 1's."""
+    """Deviceless H100, 2 scanned layers x 256 at N = 8, stage 3 bf16 + Adam at f = 0.5: the
+    streamed update moves each host leaf once each way, so the compiled step's host->device
+    and device->host bytes are each within 2% of the host state's bytes (its pinned-host
+    arguments), and 50-60% of the whole state's: 12 bytes (fp32 master, mu, nu) per local
+    element, restated from the leaf shapes by the sharding rule (a stack split on its first
+    divisible non-layer dimension, other leaves on any divisible one, else whole)."""
     from jaxzero import gpu
     from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
     from jaxzero.zero.offload import stream
 
     monkeypatch.setattr(stream, "CHUNK", 1 << 14)
     shape = model_shape(layers=2, hidden=256, heads=2, vocab=512, seq=16, batch=1)
-    moved = {}
-    for f in (1.0, 0.5):
-        zero = jz.ZeRO(
-            optax.adam(1e-3),
-            gpu.compile_only_mesh("h100", N),
-            stage=3,
-            precision="bf16",
-            layers="layers",
-            offload="optimizer",
-            offload_fraction=f,
-        )
-        step = jz.make_train_step(make_loss(shape), zero)
-        report = gpu.compile_report(step, abstract_params(shape), batch_shapes(shape, N))
-        t, host = report.host_transfers, report.host_argument_bytes
-        for got in (t.h2d_bytes, t.d2h_bytes):
-            assert abs(got - host) <= 0.02 * host, (f, got, host)
-        moved[f] = t.h2d_bytes
-    assert 0.5 * moved[1.0] <= moved[0.5] <= 0.6 * moved[1.0], moved
+    local = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(abstract_params(shape))[0]:
+        skip = 1 if path[0].key == "layers" else 0
+        local += math.prod(x.shape) // (N if any(d % N == 0 for d in x.shape[skip:]) else 1)
+    zero = jz.ZeRO(
+        optax.adam(1e-3),
+        gpu.compile_only_mesh("h100", N),
+        stage=3,
+        precision="bf16",
+        layers="layers",
+        offload="optimizer",
+        offload_fraction=0.5,
+    )
+    step = jz.make_train_step(make_loss(shape), zero)
+    report = gpu.compile_report(step, abstract_params(shape), batch_shapes(shape, N))
+    t, host = report.host_transfers, report.host_argument_bytes
+    for got in (t.h2d_bytes, t.d2h_bytes):
+        assert abs(got - host) <= 0.02 * host, (got, host)
+        assert 0.5 * 12 * local <= got <= 0.6 * 12 * local, (got, 12 * local)
 
 
 class _Compiled:
