@@ -237,3 +237,37 @@ def test_half_offloaded_chains_are_single_device_optax(name):
     chex.assert_trees_all_close(jz.gather(state.params), ref, atol=atol, rtol=0)
     total = sum(_local_bytes(x) for x in jax.tree.leaves(state.opt_state))
     assert 0.5 * total <= _host_bytes(state.opt_state) < total
+
+
+# slow (two compiles of the streamed stacks, ~17 s on the loaded 2-core machine): stage 3 at a
+# fraction stays in make test with the whole model (the separate-master test above)
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:the precision policy computes in bfloat16")
+def test_per_layer_stage3_at_a_fraction_is_the_step_with_all_of_it_offloaded():
+    """Stage 3 per layer (scan_layers stacks, bf16 over 8 devices) at f = 0.5: equal bit for
+    bit to f = 1, with the stacks' master and moments split between host and device. (With
+    offload the loss reads the bf16 params, without it the fp32 master, decisions 22 and 32:
+    that comparison is test_offload.py's, to 1e-6.)"""
+    from models import stack_problem
+
+    params, loss_fn, batches = stack_problem(layers=3, steps=2)
+    got = {}
+    for f in (1.0, 0.5):
+        kw = {"offload": "optimizer", "offload_fraction": f}
+        zero = jz.ZeRO(
+            optax.adam(1e-2),
+            jz.data_parallel_mesh(N),
+            stage=3,
+            precision="bf16",
+            layers="layers",
+            **kw,
+        )
+        step = jz.make_train_step(loss_fn, zero)
+        state = step.init(params)
+        for b in batches:
+            state, _ = step(state, b)
+        got[f] = jax.device_get((state.params, state.master, state.opt_state))
+        if f < 1:
+            side = (state.master, state.opt_state)
+            assert 0 < _host_bytes(side) < sum(_local_bytes(x) for x in jax.tree.leaves(side))
+    chex.assert_trees_all_equal(got[1.0], got[0.5])
