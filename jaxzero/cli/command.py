@@ -56,6 +56,16 @@ def pick(args: argparse.Namespace, *names: str) -> dict:
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
 
+def memory_size(text: str) -> int:
+    """A byte size flag (``80GB``, ``79.6GiB``, ``24000MB``) as bytes."""
+    from jaxzero import memory
+
+    try:
+        return memory.parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def param_count(text: str) -> int:
     """'7e9', '7000000000', '7B', '350M', '1.5T' -> int parameter count (> 0)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*", text)

@@ -10,7 +10,15 @@ import sys
 
 import jaxzero.cli.plan_flags as plan_flags
 from jaxzero.cli.command import Command, param_count, pick, positive_int
-from jaxzero.cli.plan_output import fallback_note, network, offload_note, progress, table
+from jaxzero.cli.plan_offload import add_pcie, add_state_layout, check_offload_args, offload_words
+from jaxzero.cli.plan_output import (
+    fallback_note,
+    fraction_note,
+    network,
+    offload_note,
+    progress,
+    table,
+)
 
 DESCRIPTION = """\
 Compile jaxzero's Adam train step of a GPT/LLaMA-shaped model for a GPU cluster with XLA's GPU
@@ -34,14 +42,11 @@ examples:
   jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
       --batch 1 --gpu h100 --devices 8 --stage 3 --stage3 per-layer --offload optimizer
   jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
+      --batch 8 --devices 8 --stage 3 --stage3 per-layer --offload auto --gpu-memory 16GB
+  jaxzero plan --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \\
       --devices 64 --stage 3 --stage3 per-layer --quantize both --grad-bits 4 --hpz 8 \\
       --network-gbps 900 400
 """
-
-
-def _offload_words(offload) -> str:
-    """``--offload``'s choice as the description line says it."""
-    return " and ".join(offload.split(",") if isinstance(offload, str) else offload)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -97,8 +102,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="gradient accumulation micro-batches (default: 1)",
     )
     train.add_argument("--ema", action="store_true", help="add a sharded fp32 parameter EMA")
-    plan_flags.add_state_layout(train)
-    plan_flags.add_pcie(train)
+    add_state_layout(train)
+    add_pcie(train)
     train.add_argument(
         "--vocab-parallel",
         action="store_true",
@@ -165,6 +170,8 @@ def _shape(args, parser):
 
 def _describe(args, shape, recommended_xla_flags) -> str:
     """The plan's first line: the model, the cluster and the options."""
+    from jaxzero.memory import format_bytes
+
     return (
         f"{args.model}: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, ffn "
         f"{shape.ffn}, vocab {shape.vocab}, {shape.batch} x {shape.seq} tokens per device -> "
@@ -176,11 +183,8 @@ def _describe(args, shape, recommended_xla_flags) -> str:
         + (", EMA" if args.ema else "")
         + ("" if args.compute_copy else ", stage 3 without a compute copy")
         + (", stage 3 vocabulary-parallel embedding" if args.vocab_parallel else "")
-        + (
-            f", offload {_offload_words(args.offload)} to pinned host memory"
-            if args.offload
-            else ""
-        )
+        + (f", offload {offload_words(args)} to pinned host memory" if args.offload else "")
+        + (f", {format_bytes(args.gpu_memory)} per GPU" if args.gpu_memory else "")
         + (f", {_wire_words(args)} on the wire" if args.quantize else "")
         + (f", hpZ in groups of {args.hpz}" if args.hpz else "")
         + (
@@ -220,7 +224,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     """Compile every requested stage and print the table; returns the exit code."""
     shape = _shape(args, parser)
     from jaxzero.gpu import PluginMissingError, plan, plan_cases, recommended_xla_flags, xla_options
-    from jaxzero.gpu.plan import plan_stages, prefetch_advice
+    from jaxzero.gpu.plan import prefetch_advice
 
     if args.params is not None and abs(shape.num_params - args.params) > 0.1 * args.params:
         print(
@@ -229,15 +233,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             file=sys.stderr,
         )
     print(_describe(args, shape, recommended_xla_flags), flush=True)
-    if args.pcie_gbps is not None and (args.pcie_gbps <= 0 or not args.offload):
-        why = "must be a positive GB/s figure" if args.pcie_gbps <= 0 else "needs --offload"
-        parser.error(f"--pcie-gbps {args.pcie_gbps:g} {why}")
+    stages = check_offload_args(args, parser)
     if args.network_gbps and min(args.network_gbps) <= 0:
         parser.error(f"--network-gbps: {args.network_gbps} must be two positive Gbit/s figures")
-    try:
-        stages = plan_stages(args.stage, args.offload)
-    except ValueError as e:
-        parser.error(f"--offload: {e}")
     cases = plan_cases(stages, args.stage3, args.stage2, args.stage1)
     both = args.prefetch == "both" and (3, True) in cases  # the per-unit row twice
     on_case, close = progress(len(cases) + both)
@@ -258,6 +256,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             "prefetch",
             "hpz",
             "pcie_gbps",
+            "offload_fraction",
+            "gpu_memory",
         )
         options["quantize"] = _quantize(args)
         flags = xla_options(quantized_grads=_qgz(args)) if args.xla_flags else None
@@ -267,10 +267,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         print(f"jaxzero plan: error: {e}", file=sys.stderr)
         return 1
     close()
-    print(table(rows))
+    print(table(rows, fractions=args.offload == "auto" or args.offload_fraction != 1))
     if args.network_gbps or args.hpz:
         print(network(rows, args))
-    for note in (fallback_note(rows), prefetch_advice(rows), offload_note(rows)):
+    notes = (fallback_note(rows), prefetch_advice(rows), offload_note(rows), fraction_note(rows))
+    for note in notes:
         if note:
             print(note)
     print(

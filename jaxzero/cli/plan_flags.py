@@ -48,38 +48,6 @@ def add_loop(group) -> None:
     )
 
 
-def add_state_layout(group) -> None:
-    """``--no-compute-copy`` and ``--offload``: where the state lives."""
-    group.add_argument(
-        "--no-compute-copy",
-        dest="compute_copy",
-        action="store_false",
-        help="stage 3 in FSDP's layout: no 16-bit params copy beside the fp32 master "
-        "(jaxzero.Precision(compute_copy=False))",
-    )
-    group.add_argument(
-        "--offload",
-        choices=["optimizer", "optimizer,params"],
-        help="keep the fp32 master, Adam's state and the EMA in pinned host memory, streamed "
-        "through the GPU by the update (jaxzero.ZeRO(offload='optimizer'); stages 1-3, the "
-        "default then); optimizer,params: the bf16 params too, fetched a layer at a time, "
-        "and their gradients (offload=('optimizer', 'params'); stage 3 per layer)",
-    )
-
-
-def add_pcie(group) -> None:
-    """``--pcie-gbps``: the host <-> device rate the offload columns assume."""
-    group.add_argument(
-        "--pcie-gbps",
-        type=float,
-        metavar="GB/S",
-        help="with --offload, the pinned host <-> device copy rate per GPU in GB/s (1e9 "
-        "bytes/s, not Gbit/s) for the predicted step time (default per --gpu: h100 and h200 "
-        "55, measured on an H100 PCIe Gen5 host; a100 25, PCIe Gen4; sources in "
-        "jaxzero.gpu.targets.PCIE_SOURCES)",
-    )
-
-
 def add_wire(group) -> None:
     """``--quantize``, ``--network-gbps`` and ``--gpus-per-node``: the wire and its cost."""
     group.add_argument(

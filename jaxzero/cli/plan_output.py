@@ -84,12 +84,19 @@ def offload_note(rows) -> str | None:
     )
 
 
-def table(rows) -> str:
+def _fraction(f) -> str:
+    return "none" if f is None else f"{f:g}"
+
+
+def table(rows, fractions: bool = False) -> str:
+    """The plan's table; ``fractions``: a column of each row's offload fraction (``--offload
+    auto`` or ``--offload-fraction``)."""
     from jaxzero.memory import format_bytes
 
     header = ["stage", "GPU-compiled", "estimate", "state", "verdict", "hidden AG+RS", "kernels"]
     host = any(r.report.host_bytes or r.estimate.host for r in rows)
     header[4:4] = ["host", "host est."] if host else []
+    header[1:1] = ["offloaded"] if fractions else []
     cost = [r.cost for r in rows if r.cost is not None]
     if cost:
         header += [
@@ -104,6 +111,7 @@ def table(rows) -> str:
     body = [
         [
             r.label,
+            *([_fraction(r.fraction)] if fractions else []),
             format_bytes(r.gpu_bytes),
             format_bytes(r.estimate.total),
             format_bytes(r.state_bytes),
@@ -170,4 +178,22 @@ def fallback_note(rows) -> str | None:
         f"emitter failed ({hit[0].report.triton_gemm_fallback}), so the step was compiled "
         "again with xla_gpu_enable_triton_gemm=False (gemms by cuBLAS); the figures are that "
         "compile's."
+    )
+
+
+def fraction_note(rows) -> str | None:
+    """``--offload auto``'s compiles, each fraction tried with its peak, or None."""
+    from jaxzero.memory import format_bytes
+
+    tried = [(r.label, r.tries) for r in rows if r.tries]
+    if not tried:
+        return None
+    one = lambda t: "; ".join(f"{_fraction(f)}: {format_bytes(p)}, {h:.0%}" for f, p, h in t)
+    lines = [f"{label}: {one(t)}" for label, t in tried]
+    return (
+        "offloaded: the share of the master, Adam and EMA bytes per GPU in host memory "
+        "(ZeRO(offload_fraction=...)), largest leaves first; auto compiled everything offloaded, "
+        "then the fraction where the device takes the rest byte for byte, rounded up to 0.01, "
+        "bisected towards 1 where it hides less of the AG+RS bytes (jaxzero.gpu.offload_fraction; "
+        "per fraction tried: compiled peak, hidden AG+RS: " + " | ".join(lines) + ")."
     )

@@ -5,6 +5,7 @@ needed, nothing allocated) and set the GPU compiler's bytes per device next to
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import optax
@@ -19,7 +20,11 @@ from jaxzero.gpu.models import (
 )
 from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_time
 from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
-from jaxzero.gpu.plan_args import PRECISIONS, check_hpz, check_loop, check_plan_args, plan_stages
+from jaxzero.gpu.offload_fraction import fraction_estimate, limited, smallest_fraction
+from jaxzero.gpu.plan_checks import PRECISIONS as PRECISIONS
+from jaxzero.gpu.plan_checks import _check_plan_args, check_plan_offload
+from jaxzero.gpu.plan_checks import check_hpz as check_hpz
+from jaxzero.gpu.plan_checks import check_loop as check_loop
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.topology import compile_only_mesh
 from jaxzero.memory import MemoryEstimate, estimate_memory, format_bytes
@@ -27,14 +32,11 @@ from jaxzero.memory.estimate import param_bytes
 from jaxzero.precision import Precision
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
+from jaxzero.zero.offload import check_offload, params_offloaded
 from jaxzero.zero.wire import Wire
 
 __all__ = [
-    "PRECISIONS",
     "PlanRow",
-    "check_hpz",
-    "check_loop",
-    "plan_stages",
     "WireTime",
     "cross_node_time",
     "plan",
@@ -64,7 +66,8 @@ class PlanRow:
     ``ZeRO(prefetch=...)`` (None on the other rows); ``hpz``: the per-layer stage-3 row's
     ``ZeRO(hpz_partition_size=...)`` (None on the other rows). ``cost``: with offload, the
     host <-> device bytes of the compiled step and the step time they predict
-    (:func:`jaxzero.gpu.offload_cost.offload_cost`; None without offload).
+    (:func:`jaxzero.gpu.offload_cost.offload_cost`; None without offload). ``fraction``: the
+    row's ``ZeRO(offload_fraction=...)`` with a fraction or ``auto`` (None: not offloaded).
     """
 
     stage: int
@@ -77,6 +80,8 @@ class PlanRow:
     prefetch: bool | None = None
     hpz: int | None = None
     cost: OffloadCost | None = None
+    fraction: float | None = 1.0
+    tries: tuple = ()  # auto: every (fraction, compiled peak bytes) it compiled
 
     @property
     def label(self) -> str:
@@ -181,7 +186,7 @@ def unit_bound(
 
 
 def _zero(
-    shape: ModelShape, mesh, stage: int, per, precision: str, copy, offload, quantize, prefetch, hpz
+    shape: ModelShape, mesh, stage, per, precision, copy, offload, quantize, prefetch, hpz, f=1.0
 ):
     """The plan's ``ZeRO`` for one case; ``per``: False (whole), ``"layer"`` (the scanned
     stack, ``layers=``, with ``hpz``) or ``"unit"`` (the Python loop's blocks, ``units=``,
@@ -194,11 +199,59 @@ def _zero(
         layers="layers" if per == "layer" else None,
         units=UNITS if per == "unit" else None,
         vocab_parallel="embed" if shape.vocab_parallel and stage == 3 else None,
-        offload=offload,
+        offload=offload if f is not None else None,
+        offload_fraction=f if offload and f is not None else 1.0,
         prefetch=prefetch if per == "unit" else None,
         quantize=stage_quantize(quantize, stage),
         hpz_partition_size=hpz,
     )
+
+
+def _step_args(shape: ModelShape, devices, accum, ema: bool, gpu, options, gpu_memory) -> tuple:
+    """:func:`_compile`'s arguments after the case: the loss, the EMA, the micro-batches, the
+    abstract params and batch, the GPU kind, the compiler options and the memory."""
+    batch = batch_shapes(shape, shape.batch * devices * accum)
+    sema = ShardedEMA(0.999) if ema else None
+    return make_loss(shape), sema, accum, abstract_params(shape), batch, gpu, options, gpu_memory
+
+
+def _compile(case, loss_fn, ema, accum, params, batch, gpu, options, gpu_memory, fraction):
+    """The compile report of one plan ``case`` (:func:`_zero`'s arguments) at ``fraction``
+    (None: without offload), judged against ``gpu_memory``."""
+    step = make_train_step(loss_fn, _zero(*case, fraction), ema=ema, accum_steps=accum)
+    report = compile_report(step, params, batch, kind=gpu, compiler_options=options)
+    return limited(report, gpu_memory)
+
+
+def _label(stage: int, per_layer: bool, per: str, prefetch) -> str:
+    """A case's progress label: ``"3 per layer"``, ``"3 per unit, prefetch=False"``, ``"2"``."""
+    label = f"{stage} per {per}" if per_layer else str(stage)
+    return label + ("" if prefetch is not False else ", prefetch=False")
+
+
+def _fraction(compile_at, auto: bool, fraction):
+    """``(fraction, report, tries)`` of one case: compiled at ``fraction`` (None: without
+    offload), or with ``auto`` at the smallest that fits (:func:`smallest_fraction`)."""
+    if auto:
+        f, report, tries = smallest_fraction(compile_at)
+        return f, report, tuple(tries)
+    return fraction, compile_at(fraction), ()
+
+
+def _cost(report, shape: ModelShape, accum: int, gpu: str, gbps) -> OffloadCost:
+    """The offload cost of a row's compiled step, for its tokens per GPU."""
+    tokens = shape.batch * shape.seq * accum
+    return offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=gbps)
+
+
+def plan_stages(stages, offload):
+    """The stages to plan: with ``offload`` 1-3 by default (3 with the params offloaded),
+    and stage 0 refused."""
+    if offload and stages is None:
+        return (3,) if params_offloaded(check_offload(offload, 3)) else (1, 2, 3)
+    if stages is not None:
+        check_offload(offload, tuple(stages))
+    return stages
 
 
 def _unit_cases(cases, per: str, prefetch: str) -> list[tuple[int, bool, bool | None]]:
@@ -265,6 +318,8 @@ def plan(
     quantize: str | Wire | None = None,
     hpz: int | None = None,
     pcie_gbps: float | None = None,
+    offload_fraction: float = 1.0,
+    gpu_memory: int | None = None,
 ) -> list[PlanRow]:
     """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
 
@@ -288,38 +343,36 @@ def plan(
     ZeRO++'s collectives where each acts (:func:`stage_quantize`); ``hpz``: its hpZ. With
     ``offload``, each row's ``cost``: the host <-> device bytes and the step time at
     ``pcie_gbps`` GB/s (default: the GPU kind's) for ``batch x seq x accum`` tokens per GPU.
+    ``offload_fraction``: ``ZeRO(offload_fraction=...)``; ``offload="auto"``: the smallest
+    that fits ``gpu_memory`` bytes per device (compiled for, instead of the kind's; decision 43).
 
-    Returns one :class:`PlanRow` per case of :func:`plan_cases`. Raises ValueError (a bad
-    argument) or PluginMissingError (jax's CUDA plugin is not installed).
+    Returns:
+      One :class:`PlanRow` per case of :func:`plan_cases`.
+
+    Raises:
+      ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
     """
-    check_plan_args(precision, accum, devices, replicas, quantize, pcie_gbps)
+    _check_plan_args(precision, accum, devices, replicas, quantize, pcie_gbps)
     check_loop(shape, stage2, stage1)
     check_hpz(hpz, shape, stages, stage3, devices, replicas)
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
+    auto, offload, fraction = check_plan_offload(offload, offload_fraction)
     cases = plan_cases(plan_stages(stages, offload), stage3, stage2, stage1)
     cases = _unit_cases(cases, per, prefetch)
-    mesh = compile_only_mesh(gpu, devices, replicas=replicas)
-    params = abstract_params(shape)
-    loss_fn, batch = make_loss(shape), batch_shapes(shape, shape.batch * devices * accum)
-    batch_bytes, n = 2 * shape.batch * accum * shape.seq * 4, devices // replicas
-    sema, rows = ShardedEMA(0.999) if ema else None, []
+    mesh = compile_only_mesh(gpu, devices, replicas=replicas, memory_bytes=gpu_memory)
+    step_args = _step_args(shape, devices, accum, ema, gpu, compiler_options, gpu_memory)
+    batch_bytes, n, rows = 2 * shape.batch * accum * shape.seq * 4, devices // replicas, []
     for i, (stage, per_layer, pf) in enumerate(cases):
         if on_case is not None:
-            label = f"{stage} per {per}" if per_layer else str(stage)
-            on_case(label + ("" if pf is not False else ", prefetch=False"), i, len(cases))
-        copy = compute_copy or stage != 3  # the layout exists at stage 3 only
-        g = hpz if stage == 3 and per_layer else None
-        zero = _zero(
-            shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf, g
-        )
-        step = make_train_step(loss_fn, zero, ema=sema, accum_steps=accum)
-        report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
-        est = row_estimate(
-            shape, n, stage, per_layer, precision, ema, copy, offload, per, pf is not False
-        )
-        state = report.argument_bytes - batch_bytes
-        tokens = shape.batch * shape.seq * accum
-        cost = offload and offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=pcie_gbps)
-        row = (stage, per_layer, shape.num_params, report, est, state)
-        rows.append(PlanRow(*row, per=per, prefetch=pf, hpz=g, cost=cost))
+            on_case(_label(stage, per_layer, per, pf), i, len(cases))
+        # compute_copy=False: a layout of stage 3 only; hpZ: the per-layer stage-3 row only
+        copy, g = compute_copy or stage != 3, hpz if stage == 3 and per_layer else None
+        case = (shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf, g)
+        f, report, tries = _fraction(functools.partial(_compile, case, *step_args), auto, fraction)
+        off = offload if f is not None else None
+        args = (shape, n, stage, per_layer, precision, ema, copy, off, per, pf is not False)
+        cost = off and _cost(report, shape, accum, gpu, pcie_gbps)
+        est, state = fraction_estimate(row_estimate(*args), f), report.argument_bytes - batch_bytes
+        head = (stage, per_layer, shape.num_params, report, est, state)
+        rows.append(PlanRow(*head, per, pf, g, cost, f, tries))
     return rows

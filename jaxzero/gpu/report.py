@@ -236,7 +236,7 @@ def _check_host(step, state, mem) -> None:
     lost the memory kinds on the way (compile-only devices drop them silently)."""
     if not step.zero.offload:
         return
-    want = host_memory.offloaded_bytes(state)
+    want = host_memory.offloaded_bytes(state, step.zero.offload_fraction)
     if mem["host_argument"] < want:
         raise RuntimeError(
             f"ZeRO(offload={step.zero.offload!r}) asked for {format_bytes(want)} per device of "

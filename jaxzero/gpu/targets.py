@@ -107,8 +107,10 @@ def gpu_spec(kind: str) -> GpuSpec:
     return spec
 
 
-def target_config(kind: str) -> str:
-    """The text ``GpuTargetConfigProto`` of ``kind``, for ``get_topology_desc(target_config=)``.
+def target_config(kind: str, memory_bytes: int | None = None) -> str:
+    """The text ``GpuTargetConfigProto`` of ``kind``, for ``get_topology_desc(target_config=)``;
+    ``memory_bytes``: the device memory it states instead of the part's (a smaller budget, which
+    XLA's scheduler then keeps the step's buffers under).
 
     Fields: ``gpu_device_info`` (thread/block/shared-memory/register limits, SM count, FPUs per
     SM, memory bandwidth, L2 size, clock, device memory, compute capability),
@@ -127,7 +129,7 @@ def target_config(kind: str) -> str:
         "memory_bandwidth": int(s.memory_bandwidth),
         "l2_cache_size": s.l2_cache_bytes,
         "clock_rate_ghz": s.clock_ghz,
-        "device_memory_size": s.memory_bytes,
+        "device_memory_size": s.memory_bytes if memory_bytes is None else int(memory_bytes),
         "shared_memory_per_block_optin": s.shared_memory_per_block_optin,
     }
     major, minor = s.compute_capability

@@ -74,7 +74,7 @@ def _attached_gpus():
         return []
 
 
-def _topology_devices(kind: str, devices: int):
+def _topology_devices(kind: str, devices: int, memory_bytes: int | None = None):
     # step 1, env: must precede the plugin's initialisation (a no-op once it has initialised).
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     # step 2, plugin: jax's CUDA plugin carries XLA:GPU.
@@ -89,7 +89,7 @@ def _topology_devices(kind: str, devices: int):
     # step 3, topology: compile-only devices described by the bundled target config.
     try:
         desc = topologies.get_topology_desc(
-            platform="cuda", target_config=target_config(kind), topology=topo
+            platform="cuda", target_config=target_config(kind, memory_bytes), topology=topo
         )
     except Exception as e:  # jaxlib raises JaxRuntimeError / RuntimeError / ValueError
         raise PluginMissingError(
@@ -105,14 +105,23 @@ def _topology_devices(kind: str, devices: int):
     return found
 
 
-def compile_only_mesh(kind: str, devices: int | None, *, replicas: int = 1, axis: str = "data"):
+def compile_only_mesh(
+    kind: str,
+    devices: int | None,
+    *,
+    replicas: int = 1,
+    axis: str = "data",
+    memory_bytes: int | None = None,
+):
     """A mesh of ``devices`` GPUs of ``kind`` to compile for (``jit(...).lower(...).compile()``).
 
     Without GPUs the devices are compile-only (see the module docstring for the steps). With
     GPUs attached and ``devices=None``, the attached GPUs are used (and ``kind`` only names the
     memory budget). With ``replicas > 1`` the mesh is ``("replica", axis)`` of shape
     ``(replicas, devices // replicas)``, as :func:`jaxzero.data_parallel_mesh` builds it.
-    Axes are ``AxisType.Auto`` (jaxzero places its collectives itself).
+    Axes are ``AxisType.Auto`` (jaxzero places its collectives itself). ``memory_bytes``: the
+    compile-only devices' memory instead of the part's (``jaxzero plan --gpu-memory``: XLA's
+    scheduler keeps the step under it).
 
     Raises:
       ValueError: an unknown ``kind``, bad counts, or ``devices=None`` with no GPU attached.
@@ -129,7 +138,7 @@ def compile_only_mesh(kind: str, devices: int | None, *, replicas: int = 1, axis
                 "cluster size to compile for, e.g. compile_only_mesh('h100', 64)."
             )
     else:
-        found = _topology_devices(kind, _check_count("devices", devices))
+        found = _topology_devices(kind, _check_count("devices", devices), memory_bytes)
     n = len(found)
     if n % replicas:
         raise ValueError(f"replicas={replicas} must divide the device count {n}.")

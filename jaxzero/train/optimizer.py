@@ -73,6 +73,11 @@ class ZeRO(ZeROConfig):
         as ``("optimizer", "activations")``: stage 3 with ``layers=`` keeps the layer inputs
         :func:`jaxzero.scan_layers` saves for the backward in host memory, fetched back one
         layer ahead (decision 36).
+      offload_fraction: with ``offload="optimizer"``, the share in (0, 1] of the master,
+        optimizer state and EMA bytes per device kept in pinned host memory (DeepSpeed's
+        ``offload_optimizer.ratio``, Megatron's ``--optimizer-offload-fraction``): the largest
+        leaves first until at least that share is reached; the rest stays in device memory,
+        updated there in the same step (decision 43). Default 1: all of it.
       quantize: None (exact collectives), or ZeRO++'s quantized collectives
         (:mod:`jaxzero.zero.wire`): ``"weights"`` (qwZ, stage 3: each shard all-gathered as
         int8 blocks of <= 4096 values with a float32 scale each, dequantized to the compute

@@ -169,15 +169,18 @@ def state_specs(zero: ZeROConfig, state: TrainState) -> TrainState:
 
 def state_shardings(zero: ZeROConfig, state: TrainState) -> TrainState:
     """NamedShardings for every leaf of ``state``; the params, the master, the optimizer
-    state and the EMA where ``zero.placement`` keeps them (pinned host memory with offload)."""
+    state and the EMA where ``zero.placement`` keeps them (pinned host memory with offload,
+    the leaves of its ``host_flags`` with ``offload_fraction``)."""
     specs = state_specs(zero, state)
-    where = lambda t: zero.placement.shardings(zero.mesh, t)
+    place = zero.placement
+    host = place.host_flags(zero.mesh, state, specs)  # per leaf (offload_fraction: decision 43)
+    where = lambda t, h: place.shardings(zero.mesh, t, h)
     out = sh.named(zero.mesh, specs)
     return out.replace(
-        params=zero.placement.param_shardings(zero.mesh, specs.params),
-        master=where(specs.master),
-        opt_state=where(specs.opt_state),
-        ema=where(specs.ema),
+        params=place.param_shardings(zero.mesh, specs.params),
+        master=where(specs.master, host[0]),
+        opt_state=where(specs.opt_state, host[1]),
+        ema=where(specs.ema, host[2]),
     )
 
 

@@ -81,6 +81,7 @@ class ZeROConfig:
     prefetch: bool | None = None
     quantize: Any = None
     hpz_partition_size: int | None = None
+    offload_fraction: float = 1.0
     offload_activations: bool = False  # set from offload=("activations", ...)
 
     def __post_init__(self):
@@ -109,7 +110,8 @@ class ZeROConfig:
         object.__setattr__(self, "offload", state)
         object.__setattr__(self, "offload_activations", acts or self.offload_activations)
         object.__setattr__(self, "offload", offload.check_offload(self.offload, self.stage))
-        offload.placement(self.offload, self.stage, self.mesh)
+        where = offload.placement(self.offload, self.stage, self.mesh, self.offload_fraction)
+        object.__setattr__(self, "offload_fraction", getattr(where, "fraction", 1.0))
         exact = collectives.param_dtype_gradient_exact(self.comm)
         copy, defers = self.precision.separate_master, self.quantize.defers_reduce
         offload.check_params(self.offload, self.layers, self.units, exact, copy, defers)
@@ -128,7 +130,7 @@ class ZeROConfig:
     def placement(self) -> offload.DeviceMemory:
         """Where the master, the optimizer state and the EMA live and are updated: device
         memory, or pinned host memory with ``offload`` (:mod:`jaxzero.zero.offload`)."""
-        return offload.placement(self.offload, self.stage, self.mesh)
+        return offload.placement(self.offload, self.stage, self.mesh, self.offload_fraction)
 
     @property
     def num_shards(self) -> int:

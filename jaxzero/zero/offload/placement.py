@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxzero.zero.offload.stream as stream
 from jaxzero.zero import specs as sh
+from jaxzero.zero.offload.fraction import check_fraction, host_leaves
 
 OPTIMIZER, PARAMS = "optimizer", "params"
 #: what ``offload=`` takes for the state, normalised: the optimizer side, or it and the params
@@ -113,13 +114,15 @@ def check_params(offload, layers, units, exact: bool, compute_copy: bool, defers
         )
 
 
-def placement(offload, stage: int, mesh: Mesh) -> DeviceMemory | HostMemory:
-    """The placement of ``ZeRO(offload=offload)``: :func:`check_offload`, then
+def placement(offload, stage: int, mesh: Mesh, fraction=1.0) -> DeviceMemory | HostMemory:
+    """The placement of ``ZeRO(offload=offload, offload_fraction=fraction)``:
+    :func:`check_offload` and :func:`~jaxzero.zero.offload.fraction.check_fraction`, then
     :func:`check_platform` when offloading."""
     offload = check_offload(offload, stage)
+    fraction = check_fraction(fraction, offload, params_offloaded(offload))
     if offload:
         check_platform(mesh)
-        return HostMemory(params=params_offloaded(offload))
+        return HostMemory(params=params_offloaded(offload), fraction=fraction)
     return DeviceMemory()
 
 
@@ -137,9 +140,17 @@ class DeviceMemory:
     #: the EMA's update is local too and needs no ``shard_map`` of its own
     update_is_local = False
 
-    def shardings(self, mesh: Mesh, specs):
-        """NamedShardings of a state component's ``specs`` (None stays None)."""
+    def shardings(self, mesh: Mesh, specs, host=None):
+        """NamedShardings of a state component's ``specs`` (None stays None); ``host``: the
+        component's :meth:`host_flags`."""
         return None if specs is None else sh.named(mesh, specs)
+
+    def host_flags(self, mesh: Mesh, state, specs):
+        """``(master, opt_state, ema)`` of ``state`` (a TrainState of arrays, tracers or
+        ShapeDtypeStructs; ``specs``: its PartitionSpecs) as trees of bools, True where the
+        leaf lives in host memory."""
+        flag = lambda t: None if t is None else jax.tree.map(lambda _: False, t)
+        return flag(state.master), flag(state.opt_state), flag(state.ema)
 
     def param_shardings(self, mesh: Mesh, specs):
         """NamedShardings of the compute params' ``specs``."""
@@ -180,11 +191,32 @@ class HostMemory(DeviceMemory):
     master_on_device = False
     update_is_local = True
 
-    def __init__(self, params: bool = False):
+    def __init__(self, params: bool = False, fraction: float = 1.0):
         self.params_on_host = params
+        #: the share of the master, optimizer state and EMA bytes kept on the host (decision 43)
+        self.fraction = fraction
 
-    def shardings(self, mesh: Mesh, specs):
-        return None if specs is None else host_shardings(mesh, specs)
+    def shardings(self, mesh: Mesh, specs, host=None):
+        if specs is None:
+            return None
+        if host is None:
+            return host_shardings(mesh, specs)
+        one = lambda s, h: host_sharding(mesh, s) if h else NamedSharding(mesh, s)
+        return jax.tree.map(one, specs, host, is_leaf=lambda s: isinstance(s, P))
+
+    def host_flags(self, mesh: Mesh, state, specs):
+        """Every leaf at ``fraction=1``; else the largest leaves (bytes per device) holding at
+        least ``fraction`` of the three components' bytes
+        (:func:`~jaxzero.zero.offload.fraction.host_leaves`)."""
+        parts = (state.master, state.opt_state, state.ema)
+        trees = (specs.master, specs.opt_state, specs.ema)
+        leaves, treedef = jax.tree.flatten(parts)
+        flat_specs = jax.tree.leaves(trees, is_leaf=lambda s: isinstance(s, P))
+        sizes = [
+            math.prod(NamedSharding(mesh, s).shard_shape(x.shape)) * x.dtype.itemsize
+            for x, s in zip(leaves, flat_specs, strict=True)
+        ]
+        return tuple(jax.tree.unflatten(treedef, host_leaves(sizes, self.fraction)))
 
     def param_shardings(self, mesh: Mesh, specs):
         if self.params_on_host:
@@ -212,12 +244,15 @@ class HostMemory(DeviceMemory):
         its params and master (the update reads ``master``)."""
         args = (state.replace(params=None, master=None), master, grads, *rest)
         mark = lambda t, on: jax.tree.map(lambda _: on, t)
-        in_host = mark(args[0], False).replace(
-            opt_state=mark(state.opt_state, True),
-            ema=mark(state.ema, True),
+        separate = state.master is not None
+        on = self.host_flags(
+            zero.mesh, state, specs[0].replace(master=specs[1] if separate else None)
         )
+        host_master, host_opt, host_ema = on
+        in_host = mark(args[0], False).replace(opt_state=host_opt, ema=host_ema)
         grads_host = jax.tree.map(on_host, grads)
-        flags = (in_host, mark(master, state.master is not None), grads_host, mark(rest, False))
+        master_host = host_master if separate else mark(master, False)
+        flags = (in_host, master_host, grads_host, mark(rest, False))
         # each new state leaf replaces its own (donated) input leaf
         index = jax.tree.unflatten(jax.tree.structure(args), range(len(jax.tree.leaves(args))))
         olds = jax.tree.leaves((index[0].opt_state, index[0].ema))
@@ -226,7 +261,15 @@ class HostMemory(DeviceMemory):
             olds = jax.tree.leaves(index[1]) + olds
         first = 0 if state.master is not None else m  # the new master replaces the old one
         alias = {first + o: i for o, i in enumerate(olds)}
-        device_outputs = 2 + (0 if self.params_on_host else m)  # finite, norm (+ compute)
+        # each output where its state leaf lives; the compute shards on the device unless the
+        # params are offloaded; the finite flag and the norm on the device
+        stays = lambda t: [not h for h in jax.tree.leaves(t)]
+        device_outputs = (
+            (stays(host_master) if separate else [False] * m)
+            + stays((host_opt, host_ema))
+            + [not self.params_on_host] * m
+            + [True, True]
+        )
         if zero.stage == 3 and state.master is not None:
             # the new 16-bit shards are written into the old ones (no longer read: the loss
             # has run), so no second copy of the params is held; a stack whose gradient the
@@ -308,16 +351,17 @@ def host_shardings(mesh: Mesh, specs):
     return jax.tree.map(lambda s: host_sharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
 
 
-def offloaded_bytes(state) -> int:
+def offloaded_bytes(state, fraction: float = 1.0) -> int:
     """Bytes per device of what offload keeps in host memory: the master, the optimizer state
     and the EMA of ``state`` (a TrainState of arrays or ShapeDtypeStructs with shardings),
-    whatever memory kind they were given, and the params placed in host memory
-    (``("optimizer", "params")``)."""
+    whatever memory kind they were given (their leaves that ``offload_fraction=fraction``
+    picks, :func:`~jaxzero.zero.offload.fraction.host_leaves`), and the params placed in host
+    memory (``("optimizer", "params")``)."""
+    local = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    sizes = [local(x) for x in jax.tree.leaves((state.master, state.opt_state, state.ema))]
     params = [x for x in jax.tree.leaves(state.params) if x.sharding.memory_kind == HOST]
-    total = 0
-    for x in jax.tree.leaves((state.master, state.opt_state, state.ema, params)):
-        total += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-    return total
+    kept = sum(s for s, h in zip(sizes, host_leaves(sizes, fraction), strict=True) if h)
+    return kept + sum(local(x) for x in params)
 
 
 def lowering(mesh: Mesh, offload):

@@ -82,6 +82,8 @@ class Run:
         """The one spec of ``part``'s large inputs when it can run in chunks, else None."""
         if not part.elementwise or not all(stream_parts.big(v) for v in part.outputs):
             return None
+        if not self.host.intersection(part.inputs) and self.to_device.issuperset(part.outputs):
+            return None  # the state kept on the device (offload_fraction): updated whole there
         return self._spec([v for v in part.inputs if stream_parts.big(v)])
 
     def _spec(self, bigs) -> P | None:
@@ -113,8 +115,9 @@ class Run:
         into = []
         for v in part.outputs:
             u = self.alias.get(v)
-            if v in self.to_device:  # an input the update does not read, as v is typed
-                ok = u is not None and u not in big and u not in self.host
+            if v in self.to_device:  # a device input nothing reads after this part, as v is typed
+                ok = u is not None and u not in self.host
+                ok = ok and (u not in big or u not in self.protected)
                 ok = ok and (u.aval.shape, u.aval.dtype) == (v.aval.shape, v.aval.dtype)
             else:
                 ok = u in big and u in self.host and u not in self.protected

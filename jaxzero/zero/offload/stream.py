@@ -149,15 +149,15 @@ class _Stream(Run):
         return accs
 
 
-def run(fn, args, *, mesh, specs, host, device_outputs: int, alias, chunk: int | None = None):
+def run(fn, args, *, mesh, specs, host, device_outputs, alias, chunk: int | None = None):
     """``fn(*args)`` computed on the device, streamed from and into host memory.
 
     Args:
       fn: a function of pytrees of arrays (traced once, as on the device).
       args: its arguments; ``specs`` and ``host`` give, per flat leaf, its PartitionSpec and
         whether it lives in host memory (the state, which ``fn``'s outputs replace).
-      device_outputs: how many of the last flat outputs stay on the device; the others are
-        written to host memory.
+      device_outputs: how many of the last flat outputs stay on the device, the others
+        written to host memory; or, per flat output, whether it stays on the device.
       alias: ``{flat output index: flat input index}``, the state leaf each host output
         replaces; it is written chunk by chunk into that leaf's (donated) buffer.
       chunk: elements per device that one loop iteration fetches of each leaf (default
@@ -175,7 +175,10 @@ def run(fn, args, *, mesh, specs, host, device_outputs: int, alias, chunk: int |
     plan = stream_parts.plan(closed)
     jaxpr = closed.jaxpr
     n_out = len(jaxpr.outvars)
-    dev = {v for v in jaxpr.outvars[n_out - device_outputs :] if isinstance(v, Var)}
+    if isinstance(device_outputs, int):
+        device_outputs = [i >= n_out - device_outputs for i in range(n_out)]
+    stays = list(device_outputs)
+    dev = {v for v, d in zip(jaxpr.outvars, stays, strict=True) if d and isinstance(v, Var)}
     pairs = {}
     for o, i in sorted(alias.items()):
         v = jaxpr.outvars[o]
@@ -192,7 +195,7 @@ def run(fn, args, *, mesh, specs, host, device_outputs: int, alias, chunk: int |
     for i, v in enumerate(jaxpr.outvars):
         x = jnp.asarray(v.val) if isinstance(v, Literal) else env[v]
         on_host = isinstance(v, Var) and (v in r.host or v in r.written)
-        if (i >= n_out - device_outputs) == on_host:
+        if stays[i] == on_host:
             x = jax.device_put(x, DEVICE if on_host else HOST)
         outs.append(x)
     return jax.tree.unflatten(out_tree, outs)

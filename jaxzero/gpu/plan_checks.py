@@ -1,23 +1,14 @@
-"""The checks of :func:`jaxzero.gpu.plan.plan`'s arguments, each raising with the fix before
-anything compiles, and the stages a plan covers."""
+"""The argument checks of :func:`jaxzero.gpu.plan.plan` (and ``jaxzero plan``): each refuses
+a combination that would not compile or would change nothing, naming the fix."""
 
 from __future__ import annotations
 
 from jaxzero.gpu.models import PYTHON_LOOPS, ModelShape
 from jaxzero.zero.offload import check_offload, params_offloaded
+from jaxzero.zero.offload.fraction import check_fraction
 from jaxzero.zero.wire import Wire
 
 PRECISIONS = ("bf16", "fp16", "fp32")
-
-
-def plan_stages(stages, offload):
-    """The stages to plan: with ``offload`` 1-3 by default (3 with the params offloaded),
-    and stage 0 refused."""
-    if offload and stages is None:
-        return (3,) if params_offloaded(check_offload(offload, 3)) else (1, 2, 3)
-    if stages is not None:
-        check_offload(offload, tuple(stages))
-    return stages
 
 
 def check_loop(shape: ModelShape, stage2: str, stage1: str) -> None:
@@ -55,8 +46,16 @@ def check_hpz(hpz, shape: ModelShape, stages, stage3: str, devices: int, replica
         raise ValueError(f"hpz={hpz!r}: {why}.")
 
 
-def check_plan_args(precision, accum, devices, replicas, quantize=None, pcie_gbps=None):
-    """The plan's scalar arguments, each with the fix."""
+def check_plan_offload(offload, fraction) -> tuple[bool, str | None, float]:
+    """``(auto, offload, fraction)``: ``offload="auto"`` is ``"optimizer"`` at a fraction
+    each case picks; ``fraction`` checked against ``offload`` (it needs ``"optimizer"``)."""
+    auto = offload == "auto"
+    offload = "optimizer" if auto else offload
+    on_host = params_offloaded(check_offload(offload, 3))
+    return auto, offload, check_fraction(fraction, offload, on_host)
+
+
+def _check_plan_args(precision, accum, devices, replicas, quantize=None, pcie_gbps=None):
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}.")
     for name, v in (("accum", accum), ("devices", devices), ("replicas", replicas)):
@@ -64,12 +63,12 @@ def check_plan_args(precision, accum, devices, replicas, quantize=None, pcie_gbp
             raise ValueError(f"{name}={v!r} must be a positive int.")
     if devices % replicas:
         raise ValueError(f"replicas={replicas} must divide devices={devices}.")
+    if pcie_gbps is not None and (
+        isinstance(pcie_gbps, bool) or not isinstance(pcie_gbps, int | float) or pcie_gbps <= 0
+    ):
+        raise ValueError(f"pcie_gbps={pcie_gbps!r} must be a positive number of GB/s.")
     if not isinstance(quantize, Wire) and quantize not in (None, "weights", "grads", "both"):
         raise ValueError(
             f"quantize={quantize!r} must be None, 'weights', 'grads', 'both' or a "
             f"jaxzero.Wire (e.g. Wire.create(weights=8, grads=4): DeepSpeed's ZeRO++ widths)."
         )
-    if pcie_gbps is not None and (
-        isinstance(pcie_gbps, bool) or not isinstance(pcie_gbps, int | float) or pcie_gbps <= 0
-    ):
-        raise ValueError(f"pcie_gbps={pcie_gbps!r} must be a positive number of GB/s.")
