@@ -87,7 +87,15 @@ EXTRA = {
 }
 
 
-@pytest.mark.parametrize("page", sorted(PAGES))
+def _needs_torch(page: str) -> bool:
+    """A page whose blocks use torch or DeepSpeed (the ``interop`` tests' dependencies)."""
+    return any("torch" in block or "deepspeed" in block for block in PAGES[page])
+
+
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(p, marks=pytest.mark.interop) if _needs_torch(p) else p for p in sorted(PAGES)],
+)
 def test_docs_page_python_blocks_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = _prelude()
