@@ -22,6 +22,7 @@ import contextlib
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -158,10 +159,11 @@ class DeviceMemory:
     # EMA's (sharded) layout backward into a stage-0 update and all-gather it.
     pin = constrain
 
-    def run_update(self, zero, update, state, master, grads, *rest, specs):
+    def run_update(self, zero, update, state, master, grads, *rest, specs, grads_in_params=True):
         """``update(state, master, grads, *rest)`` where the state lives: here (``zero``: the
-        step's ZeRO config; ``specs``: the arguments' PartitionSpecs, which only the host
-        placement reads)."""
+        step's ZeRO config; ``specs``: the arguments' PartitionSpecs and
+        ``grads_in_params``: whether the host gradients sit in the params' buffers, which only
+        the host placement reads)."""
         return update(state, master, grads, *rest)
 
     def new_params(self, compute, params, keep):
@@ -201,7 +203,7 @@ class HostMemory(DeviceMemory):
     def pin(self, tree, shardings):
         return tree  # the streamed update placed each output where it belongs
 
-    def run_update(self, zero, update, state, master, grads, *rest, specs):
+    def run_update(self, zero, update, state, master, grads, *rest, specs, grads_in_params=True):
         """``update`` streamed through the device (:mod:`jaxzero.zero.offload.stream`): the state is
         fetched from host memory a chunk at a time and each chunk's result written back into
         the state's own buffers. The finite flag and the norm (``update``'s last outputs)
@@ -209,7 +211,9 @@ class HostMemory(DeviceMemory):
         are on the host: then each is written into the buffer its old one leaves (a stack's
         into its gradient's, which the backward wrote into the stack's: decision 37).
         ``specs``: the PartitionSpecs of ``(state, master, grads, *rest)``, the state without
-        its params and master (the update reads ``master``)."""
+        its params and master (the update reads ``master``). ``grads_in_params=False``: the
+        host gradients are accumulators apart from the params (micro-batches: decision 42),
+        and the new params go back into the params' own buffers."""
         args = (state.replace(params=None, master=None), master, grads, *rest)
         mark = lambda t, on: jax.tree.map(lambda _: on, t)
         in_host = mark(args[0], False).replace(
@@ -235,7 +239,7 @@ class HostMemory(DeviceMemory):
             start = len(jax.tree.leaves(args)) - m
             tail = len(olds) + first  # the compute outputs follow the state's
             into = [
-                g if on else start + o
+                g if on and grads_in_params else start + o
                 for o, (g, on) in enumerate(
                     zip(jax.tree.leaves(index[2]), jax.tree.leaves(grads_host), strict=True)
                 )
@@ -317,6 +321,21 @@ def offloaded_bytes(state) -> int:
     total = 0
     for x in jax.tree.leaves((state.master, state.opt_state, state.ema, params)):
         total += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
+def accumulator_bytes(params, layers, dtype, accum_steps: int) -> int:
+    """Bytes per device of the host gradient accumulator that a step with ``accum_steps``
+    micro-batches keeps beside :func:`offloaded_bytes` when the params are in host memory
+    (decision 42): every leaf of ``params`` (arrays or ShapeDtypeStructs with shardings)
+    under the ``layers`` stacks that sits in host memory, in ``dtype`` (the precision's
+    ``output_dtype``); 0 with one micro-batch or the params on the device."""
+    if accum_steps == 1:
+        return 0
+    total = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if sh.is_stacked(path, layers) and x.sharding.memory_kind == HOST:
+            total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(dtype).itemsize
     return total
 
 
