@@ -21,7 +21,7 @@ import numpy as np
 import optax
 import pytest
 import tolerance
-from models import run_steps, stack_problem
+from models import make_problem, run_steps, stack_problem
 from tolerance import max_distance
 
 import jaxzero as jz
@@ -156,3 +156,21 @@ def test_estimate_counts_the_accumulator():
     assert jz.estimate_memory(
         SHAPE.num_params, N, stage=3, offload="optimizer", accum_steps=2
     ).host == (jz.estimate_memory(SHAPE.num_params, N, stage=3, offload="optimizer").host)
+
+
+def test_a_stack_the_model_changed_is_refused_before_any_state_changes(problem):
+    """The accumulators belong to the stack leaves the step hands the loss; a model that hands
+    jaxzero.scan_layers other arrays (here each leaf times one) is told so while the step is
+    traced, and the state is not donated."""
+    params, _, batches = problem
+
+    def changed(fn, stack, x, *a, **k):
+        return jz.scan_layers(fn, jax.tree.map(lambda s: s * 1, stack), x, *a, **k)
+
+    kw = {"scan_layers": changed, "stacked_params": jz.stacked_params}
+    _, loss_fn, _ = make_problem("stack", layers=2, steps=1, **kw)
+    step = jz.make_train_step(loss_fn, _zero(PARAMS, optax.sgd(0.1)), accum_steps=ACCUM)
+    state = step.init(params)
+    with pytest.raises(ValueError, match=r"not those leaves .* or use accum_steps=1"):
+        step(state, batches[0])
+    assert int(state.step) == 0
