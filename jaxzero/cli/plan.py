@@ -230,7 +230,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _shape(args, parser):
     from jaxzero.gpu.models import model_shape
-    from jaxzero.gpu.plan import check_hpz, check_loop
+    from jaxzero.gpu.plan import UNITS, check_hpz, check_loop
+    from jaxzero.zero.offload.placement import check_offload, check_params
 
     if args.params is None and (args.layers is None or args.hidden is None):
         parser.error("give --params, or --layers and --hidden (and optionally --heads)")
@@ -245,6 +246,8 @@ def _shape(args, parser):
             loop="python" if args.loop == "python" else "prefetch",
         )
         check_loop(shape, args.stage2, args.stage1)
+        if args.loop == "python" and args.offload:  # stage 3 per unit (units=) offloads no params
+            check_params(check_offload(args.offload, 3), None, UNITS, True, True, False)
     except ValueError as e:
         parser.error(str(e))
     try:

@@ -92,12 +92,21 @@ def check_params(offload, layers, units, exact: bool, compute_copy: bool, defers
     if not params_offloaded(offload):
         return
     fix = "or offload='optimizer' (the params stay on the device)."
-    if units or not layers:
+    if units:
         raise ValueError(
             f"offload={offload!r} fetches each layer's params from host memory as "
             f"jaxzero.scan_layers runs the stack named by layers=; this configuration has "
-            f"{'units=' if units else 'no layers='}. Use stage=3 with layers= and "
-            f"jaxzero.scan_layers in the model, {fix}"
+            f"units=, whose segments gather each unit from shards in device memory (parameter "
+            f"offload per unit is not built: decision 42). Stack the blocks with "
+            f"jaxzero.stacked_params and run them with jaxzero.scan_layers under layers=, or "
+            f"use offload='optimizer' (the params stay on the device; the optimizer side is "
+            f"12 of the 14 bytes per parameter the params offload moves to the host)."
+        )
+    if not layers:
+        raise ValueError(
+            f"offload={offload!r} fetches each layer's params from host memory as "
+            f"jaxzero.scan_layers runs the stack named by layers=; this configuration has "
+            f"no layers=. Use stage=3 with layers= and jaxzero.scan_layers in the model, {fix}"
         )
     if not (exact and compute_copy):
         raise ValueError(
