@@ -25,7 +25,7 @@ from models import make_problem, run_steps, stack_problem
 from tolerance import max_distance
 
 import jaxzero as jz
-from jaxzero import cli, gpu
+from jaxzero import gpu
 from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
 from jaxzero.zero.offload import placement
 
@@ -174,21 +174,3 @@ def test_a_stack_the_model_changed_is_refused_before_any_state_changes(problem):
     with pytest.raises(ValueError, match=r"not those leaves .* or use accum_steps=1"):
         step(state, batches[0])
     assert int(state.step) == 0
-
-
-def test_params_offload_per_unit_is_refused_with_the_fix(capsys):
-    """``units=`` (a Python loop of blocks, as Hugging Face's Flax models are written) does not
-    offload the params: ``ZeRO`` refuses it naming the two ways through, and ``jaxzero plan
-    --loop python`` says so as a usage error before compiling anything."""
-    mesh = jz.data_parallel_mesh(N)
-    with pytest.raises(ValueError, match=r"has units=.*not built.*scan_layers under layers="):
-        jz.ZeRO(
-            optax.adam(1e-3), mesh, stage=3, units=r"block_\d+", precision="bf16", offload=PARAMS
-        )
-    argv = ["plan", "--devices", "8", "--layers", "2", "--hidden", "64", "--heads", "2"]
-    argv += ["--loop", "python", "--offload", "optimizer,params"]
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "has units=" in err and "offload='optimizer'" in err

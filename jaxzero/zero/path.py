@@ -76,7 +76,8 @@ class GradientPath:
         (:func:`jaxzero.scan_layers` fetches each layer of those)."""
         z, where = self.zero, self.zero.placement
         if where.params_on_host:
-            stacks = sh.subtree_mask(local_params, z.layers)
+            # the stacks (layers=) or the units' leaves (units=) are fetched where gathered
+            stacks = self._stacked_mask(local_params)
             fetch = lambda stack, x: x if stack else where.fetch(x)
             local_params = jax.tree.map(fetch, stacks, local_params)
         tables = vocab.mask(z.vocab_parallel, local_params)  # stay rows, like the stacks

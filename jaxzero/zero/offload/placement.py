@@ -82,31 +82,32 @@ def params_offloaded(offload) -> bool:
     return isinstance(offload, tuple) and PARAMS in offload
 
 
-def check_params(offload, layers, units, exact: bool, compute_copy: bool, defers: bool) -> None:
+def check_params(
+    offload, layers, units, exact: bool, compute_copy: bool, defers: bool, prefetch=True
+) -> None:
     """Refuse parameter offload where nothing would fetch the params a layer at a time: it
     needs the layer stacks of ``layers=`` run by :func:`jaxzero.scan_layers`, whose backward
-    writes each layer's gradient into that layer's own host slot (``exact``: the stacks'
+    writes each layer's gradient into that layer's own host slot, or ``units=`` with
+    ``prefetch`` (the unit chain fetches each unit where it gathers it; decision 42) (``exact``: the stacks'
     gradients are exact in ``param_dtype``; ``compute_copy``: the params are a 16-bit copy
     apart from the master, which the update does not read; ``defers``: the wire reduces a
     layer's gradient an iteration later)."""
     if not params_offloaded(offload):
         return
     fix = "or offload='optimizer' (the params stay on the device)."
-    if units:
+    if units and not prefetch:
         raise ValueError(
-            f"offload={offload!r} fetches each layer's params from host memory as "
-            f"jaxzero.scan_layers runs the stack named by layers=; this configuration has "
-            f"units=, whose segments gather each unit from shards in device memory (parameter "
-            f"offload per unit is not built: decision 42). Stack the blocks with "
-            f"jaxzero.stacked_params and run them with jaxzero.scan_layers under layers=, or "
-            f"use offload='optimizer' (the params stay on the device; the optimizer side is "
-            f"12 of the 14 bytes per parameter the params offload moves to the host)."
+            f"offload={offload!r} with units= fetches each unit's params from host memory in "
+            f"the prefetching chain of units (prefetch=True, the default); prefetch=False runs "
+            f"each unit as its own checkpointed segment, which is not built for it. Drop "
+            f"prefetch=False, {fix}"
         )
-    if not layers:
+    if not (layers or units):
         raise ValueError(
-            f"offload={offload!r} fetches each layer's params from host memory as "
-            f"jaxzero.scan_layers runs the stack named by layers=; this configuration has "
-            f"no layers=. Use stage=3 with layers= and jaxzero.scan_layers in the model, {fix}"
+            f"offload={offload!r} fetches each layer's params from host memory where stage 3 "
+            f"gathers it, a layer (layers=) or a unit (units=) at a time; this configuration "
+            f"has no layers= and no units=. Use stage=3 with layers= and jaxzero.scan_layers "
+            f"in the model, or units= naming its blocks, {fix}"
         )
     if not (exact and compute_copy):
         raise ValueError(
