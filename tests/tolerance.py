@@ -89,3 +89,20 @@ def reference(tx, params, loss_fn, batches, n: int = 8):
             "more than rounding; compare against models.reference_run with a stated tolerance"
         )
     return ref[0], ref[1], atol
+
+
+def reference_cast(tx, params, loss_fn, batches, dtype, n: int = 8):
+    """:func:`reference` for a run whose loss reads a 16-bit compute copy of fp32 master
+    params: the single-device loss reads the params cast to ``dtype``, and the tolerance is the
+    same reruns' spread, which that cast's rounding of the gradient sets. No guard on how far
+    the steps moved: with Adam that rounding moves an element by a share of the learning rate,
+    as far as the steps do, so compare with an optimizer linear in the gradient (SGD) and assert
+    the distance moved against ``atol`` in the test."""
+    cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)
+    cast_loss = lambda p, b: loss_fn(cast(p), b)
+    ref = _run(tx, params, cast_loss, batches, jax.grad(cast_loss))
+    others = [
+        _run(tx, params, cast_loss, batches, _reversed_rows(cast_loss)),
+        _run(tx, params, cast_loss, batches, _shard_means(cast_loss, n)),
+    ]
+    return ref[0], ref[1], derived_atol(ref, *others)

@@ -130,7 +130,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _shape(args, parser):
     from jaxzero.gpu.models import model_shape
-    from jaxzero.gpu.plan import check_hpz, check_loop
+    from jaxzero.gpu.plan import UNITS, check_hpz, check_loop
+    from jaxzero.zero.offload.placement import check_offload, check_params, params_offloaded
 
     if args.params is None and (args.layers is None or args.hidden is None):
         parser.error("give --params, or --layers and --hidden (and optionally --heads)")
@@ -145,6 +146,9 @@ def _shape(args, parser):
             loop="python" if args.loop == "python" else "prefetch",
         )
         check_loop(shape, args.stage2, args.stage1)
+        offload = check_offload(args.offload, 3) if args.offload else None
+        if args.loop == "python" and args.prefetch in ("off", "both"):  # units=, prefetch=False
+            check_params(offload, None, UNITS, True, True, False, prefetch=False)
     except ValueError as e:
         parser.error(str(e))
     try:
@@ -162,7 +166,8 @@ def _shape(args, parser):
             f"--prefetch {args.prefetch} needs a per-unit stage 3 row: --loop python with "
             "--stage3 per-layer or both (a scanned stack always prefetches the next layer)"
         )
-    args.prefetch = args.prefetch or ("both" if per_unit else "on")
+    both = per_unit and not params_offloaded(offload)  # the params offload needs prefetch
+    args.prefetch = args.prefetch or ("both" if both else "on")
     if args.devices % args.replicas:
         parser.error(f"--replicas {args.replicas} must divide --devices {args.devices}")
     return shape

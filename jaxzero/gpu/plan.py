@@ -11,13 +11,7 @@ from collections.abc import Callable, Sequence
 import optax
 
 from jaxzero.ema import ShardedEMA
-from jaxzero.gpu.models import (
-    PYTHON_LOOPS,
-    ModelShape,
-    abstract_params,
-    batch_shapes,
-    make_loss,
-)
+from jaxzero.gpu.models import PYTHON_LOOPS, ModelShape, abstract_params, batch_shapes, make_loss
 from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_time
 from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
 from jaxzero.gpu.offload_fraction import fraction_estimate, limited, smallest_fraction
@@ -134,13 +128,15 @@ def row_estimate(
     offload=None,
     per: str = "layer",
     prefetch: bool = True,
+    accum: int = 1,
 ) -> MemoryEstimate:
     """The estimate column of a plan row: ``estimate_memory`` for this shape and stage, with
     activations of the whole stack, plus the whole model gathered (stage 3), one layer
     gathered with its gradient (stage 3 per layer, ``per="layer"``), or :func:`unit_bound`'s
     accounting (stage 3 per unit, ``per="unit"``: that layer and, in ``gathered``, the next
     unit's prefetched weights and, with ``prefetch``, the last unit's, kept from its forward
-    for its backward)."""
+    for its backward). ``accum``: the micro-batches (with the params offloaded, their host
+    gradient sums)."""
     dims = {k: getattr(shape, k) for k in ("batch", "seq", "hidden", "layers", "heads", "vocab")}
     est = estimate_memory(
         shape.num_params,
@@ -153,6 +149,7 @@ def row_estimate(
         gather_model=stage == 3 and not per_layer,
         compute_copy=copy,
         offload=offload,
+        accum_steps=accum,
         **dims,
     )
     if stage == 3 and per_layer and per == "unit":
@@ -370,7 +367,7 @@ def plan(
         case = (shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf, g)
         f, report, tries = _fraction(functools.partial(_compile, case, *step_args), auto, fraction)
         off = offload if f is not None else None
-        args = (shape, n, stage, per_layer, precision, ema, copy, off, per, pf is not False)
+        args = (shape, n, stage, per_layer, precision, ema, copy, off, per, pf is not False, accum)
         cost = off and _cost(report, shape, accum, gpu, pcie_gbps)
         est, state = fraction_estimate(row_estimate(*args), f), report.argument_bytes - batch_bytes
         head = (stage, per_layer, shape.num_params, report, est, state)

@@ -36,7 +36,8 @@ import math
 import re
 
 from jaxzero._tree import check_int, format_bytes
-from jaxzero.zero.offload import check_offload, params_offloaded
+from jaxzero.memory.offloaded import offloaded, sums_bytes
+from jaxzero.zero.offload import check_offload
 
 OPTIMIZERS = ("adam", "sgd", "adafactor")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -155,6 +156,7 @@ def estimate_memory(
     gather_model=False,
     compute_copy=True,
     offload=None,
+    accum_steps=1,
 ):
     """Estimate per-device training memory under ZeRO stage 0-3.
 
@@ -176,8 +178,7 @@ def estimate_memory(
     Activations (with batch, seq, hidden, layers and heads) and stage 3's gathered layer (with
     ``layer_params``) or whole model (``gather_model``) are added as the module docstring says.
 
-    Example: Φ = 7.5e9, N = 64, adam, bf16 gives 120 / 31.4 / 16.6 / 1.9 GB for stages 0-3
-    (the paper's Figure 1).
+    Example: Φ = 7.5e9, N = 64, adam, bf16: 120 / 31.4 / 16.6 / 1.9 GB at stages 0-3 (Figure 1).
 
     Args:
         num_params: total parameter count Φ (int, or an integral float like 7.5e9).
@@ -196,9 +197,9 @@ def estimate_memory(
             compute dtype (the step's peak under the default ``ZeRO(stage=3)``).
         compute_copy: False: stage 3 in FSDP's layout (``Precision(compute_copy=False)``,
             p = 0 in mixed precision); ``stage`` must be 3 or None.
-        offload: None, "optimizer" (``ZeRO(offload=...)``, stages 1-3: the optimizer
-            state, the fp32 master if not the params, and the EMA go to ``host``) or
-            ``("optimizer", "params")`` (stage 3: the params and their gradients too).
+        offload, accum_steps: None, "optimizer" (stages 1-3: the optimizer state, the fp32
+            master if not the params, and the EMA go to ``host``) or ``("optimizer",
+            "params")`` (stage 3: the params too, and their gradient sums with accum_steps > 1).
 
     Returns:
         A :class:`MemoryEstimate`, or a list of four (stages 0..3) when stage is None.
@@ -213,22 +214,9 @@ def estimate_memory(
     act = _activation_bytes(batch, seq, hidden, act_layers, heads, ckpt_every, vocab, width)
     gathered = _gathered_bytes(phi, layer_params, layers, width, gather_model)
     sizes = (phi, n, optimizer, precision, ema, act, gathered, compute_copy)
-    one = lambda s: _offloaded(_one_stage(s, *sizes), offload, compute_copy, precision)
+    sums = sums_bytes(phi, n, layer_params, layers, _whole(accum_steps, "accum_steps"))
+    one = lambda s: offloaded(_one_stage(s, *sizes), offload, compute_copy, sums)
     return one(stage) if stage is not None else [one(s) for s in range(4)]
-
-
-def _offloaded(e: MemoryEstimate, offload, compute_copy: bool, precision) -> MemoryEstimate:
-    """``e`` with the optimizer state and the EMA in host memory (``offload="optimizer"``),
-    and with ``("optimizer", "params")`` the params too, their gradients in the same bytes."""
-    if not offload:
-        return e
-    stay = 0  # FSDP's layout: the fp32 master is the device's params, 4 bytes of K
-    if not compute_copy and precision != "fp32":
-        stay = _MASTER_BYTES * -(-e.num_params // e.world_size)
-    host = e.optimizer - stay + e.ema
-    if params_offloaded(check_offload(offload, e.stage)):  # the gradients in their bytes
-        return dataclasses.replace(e, params=0, grads=0, optimizer=0, ema=0, host=host + e.params)
-    return dataclasses.replace(e, params=e.params + stay, optimizer=0, ema=0, host=host)
 
 
 def _check_choices(optimizer, precision, stage, compute_copy=True, offload=None) -> None:

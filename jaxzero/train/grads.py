@@ -14,6 +14,7 @@ from jaxzero.precision import warn_wide_compute
 from jaxzero.zero import hooks as loss_hooks
 from jaxzero.zero.collectives import to_varying
 from jaxzero.zero.config import ZeROConfig
+from jaxzero.zero.offload import on_host
 
 
 def _bad_axis_name(e: Exception) -> bool:
@@ -125,12 +126,15 @@ def local_gradients(zero: ZeROConfig, loss_fn, accum_steps: int, *, stateful: bo
     axes = zero.batch_axes
     # stages 2/3, and stage 0 when it all-reduces each layer in the backward (one micro-batch)
     reduce_each = zero.path.reduces_each_micro_batch()
+    # the params in host memory: the stacks' gradients summed into host accumulators
+    on_host_sums = zero.path.accumulates_on_host(accum_steps)
 
     checked = []
 
-    def micro(params, specs, model_state, batch, rng, scale):
+    def micro(params, specs, model_state, batch, rng, scale, sums=None):
         full = zero.path.params_for_loss(params, specs)
-        hooks = zero.path.loss_hooks(params, specs)  # layers=, vocab_parallel=, units=
+        # layers=, vocab_parallel=, units=
+        hooks = zero.path.loss_hooks(params, specs, sums, accumulate=on_host_sums)
         scaled = loss_hooks.wrap(hooks, _scaled_loss(loss_fn, stateful))
         if not checked:  # once per trace: the loss's matmul dtypes under a 16-bit policy
             checked.append(True)
@@ -162,13 +166,13 @@ def local_gradients(zero: ZeROConfig, loss_fn, accum_steps: int, *, stateful: bo
     def fn(params, model_state, batch, rng, scale, specs):
         if model_state is not None:
             model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
-        run = lambda ms, b, key: micro(params, specs, ms, b, key, scale)
+        run = lambda ms, b, key, sums=None: micro(params, specs, ms, b, key, scale, sums)
         if accum_steps == 1:
             losses, auxes, g, model_state = run(model_state, batch, rng)
         else:
             # the sums in output_dtype (an offloaded step's stacks come in param_dtype)
             out = zero.precision.output_dtype
-            run_in = lambda ms, b, key: _with_grads_in(out, run(ms, b, key))
+            run_in = lambda ms, b, key, sums: _with_grads_in(out, run(ms, b, key, sums))
             losses, auxes, g, model_state = _accumulate(
                 run_in, accum_steps, model_state, batch, rng
             )
@@ -185,9 +189,9 @@ def local_gradients(zero: ZeROConfig, loss_fn, accum_steps: int, *, stateful: bo
 
 def _with_grads_in(dtype, out):
     """``(loss, aux, grads, model_state)`` with the grads cast to ``dtype`` (micro-batch sums
-    accumulate in it)."""
+    accumulate in it; a host accumulator already holds it)."""
     loss, aux, g, model_state = out
-    return loss, aux, jax.tree.map(lambda x: x.astype(dtype), g), model_state
+    return loss, aux, jax.tree.map(lambda x: x if on_host(x) else x.astype(dtype), g), model_state
 
 
 def _fold(rng, i):
@@ -195,26 +199,30 @@ def _fold(rng, i):
 
 
 def _accumulate(run, accum_steps: int, model_state, batch, rng):
-    """Scan ``run(model_state, micro_batch, key) -> (loss, aux, grads, model_state)`` over
-    ``accum_steps`` micro-batches of the local batch, summing gradients.
+    """Scan ``run(model_state, micro_batch, key, sums) -> (loss, aux, grads, model_state)``
+    over ``accum_steps`` micro-batches of the local batch, summing gradients.
 
     The first micro-batch runs outside the scan and its gradient becomes the carry, so the
     carry has the right device-varying type (and, at stages 2/3, the sharded shape) without
-    zeros. Returns the mean loss, the aux (float leaves averaged, others from the last
-    micro-batch), the mean gradient and the final model state.
+    zeros. A gradient leaf in host memory (parameter offload: decision 42) is the sum so far
+    already: ``run`` gets the carry (``sums``; None at the first micro-batch) and adds into
+    its host leaves, and the step's update divides them. Returns the mean loss, the aux (float
+    leaves averaged, others from the last micro-batch), the mean gradient (host leaves: the
+    sum) and the final model state.
     """
     mbs = jax.tree.map(
         lambda x: x.reshape((accum_steps, x.shape[0] // accum_steps) + x.shape[1:]), batch
     )
     first = jax.tree.map(lambda x: x[0], mbs)
     rest = jax.tree.map(lambda x: x[1:], mbs)
-    loss0, aux0, g, model_state = run(model_state, first, _fold(rng, 0))
+    loss0, aux0, g, model_state = run(model_state, first, _fold(rng, 0), None)
+    add = lambda acc, gi: gi if on_host(gi) else acc + gi
 
     def body(carry, xs):
         acc, ms = carry
         mb, i = xs
-        loss, aux, gi, ms = run(ms, mb, _fold(rng, i))
-        return (jax.tree.map(jnp.add, acc, gi), ms), (loss, aux)
+        loss, aux, gi, ms = run(ms, mb, _fold(rng, i), acc)
+        return (jax.tree.map(add, acc, gi), ms), (loss, aux)
 
     idx = jnp.arange(1, accum_steps)
     (g, model_state), (losses, auxes) = jax.lax.scan(body, (g, model_state), (rest, idx))
@@ -224,5 +232,5 @@ def _accumulate(run, accum_steps: int, model_state, batch, rng):
     auxes = jax.tree.map(
         lambda x: x.mean(0) if jnp.issubdtype(x.dtype, jnp.floating) else x[-1], auxes
     )
-    g = jax.tree.map(lambda x: x / accum_steps, g)
+    g = jax.tree.map(lambda x: x if on_host(x) else x / accum_steps, g)
     return losses, auxes, g, model_state

@@ -261,11 +261,11 @@ def make_train_step(
             "stateful loss_fn(params, model_state, batch, rng) already gets the key. Drop "
             "rng=True."
         )
-    if accum_steps > 1 and zero.placement.params_on_host:
+    if accum_steps > 1 and zero.placement.params_on_host and zero.units:
         raise ValueError(
-            f"accum_steps={accum_steps} with ZeRO(offload={zero.offload!r}): the backward "
-            "writes each layer's gradient into its params' host buffer, which the next "
-            "micro-batch's forward would read. Use accum_steps=1 with a larger batch per "
+            f"accum_steps={accum_steps} with ZeRO(offload={zero.offload!r}, units=...): the "
+            "host gradient sums over micro-batches are built for layer stacks (layers= with "
+            "jaxzero.scan_layers), not for units. Use accum_steps=1 with a larger batch per "
             "step, or offload='optimizer'."
         )
     unused = zero.path.unused_layers(accum_steps)
@@ -280,7 +280,7 @@ def make_train_step(
     reducing = gradient_zero(zero, accum_steps)
     inner = _keyed_loss(loss_fn) if rng else loss_fn
     grads_fn = local_gradients(reducing, inner, accum_steps, stateful=stateful or bool(rng))
-    step_fn = _step_fn(zero, reducing, grads_fn, ema)
+    step_fn = _step_fn(zero, reducing, grads_fn, ema, accum_steps)
     jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else ())
     return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful, bool(rng))
 
@@ -308,7 +308,9 @@ def loss_shards(zero: ZeROConfig, state: TrainState):
     return state.params
 
 
-def _step_fn(zero: ZeROConfig, reducing: ZeROConfig, grads_fn, ema: ShardedEMA | None):
+def _step_fn(
+    zero: ZeROConfig, reducing: ZeROConfig, grads_fn, ema: ShardedEMA | None, accum_steps: int
+):
     """The (unjitted) step: the per-device gradients in a ``shard_map`` over the mesh (reduced
     as ``reducing``, :func:`~jaxzero.train.grads.gradient_zero`, says), then
     :meth:`ZeRO.apply_gradients` under jit."""
@@ -339,7 +341,9 @@ def _step_fn(zero: ZeROConfig, reducing: ZeROConfig, grads_fn, ema: ShardedEMA |
         loss, aux, grads, model_state = sm(
             loss_shards(zero, state), state.model_state, batch, state.rng, state.step, scale
         )
-        new_state, metrics = apply_gradients(zero, state, grads, ema=ema, model_state=model_state)
+        new_state, metrics = apply_gradients(
+            zero, state, grads, ema=ema, model_state=model_state, accum_steps=accum_steps
+        )
         metrics = {"loss": loss, **metrics}
         if aux is not None:
             metrics["aux"] = aux

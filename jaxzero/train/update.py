@@ -99,13 +99,19 @@ def _new_ema(zero: ZeROConfig, state: TrainState, ema, new_master, model_state, 
     return new
 
 
-def _shard_update(zero: ZeROConfig, ema, state: TrainState, master, grads, model_state):
+def _shard_update(
+    zero: ZeROConfig, ema, state: TrainState, master, grads, model_state, *, sums_of=None
+):
     """``(new_master, opt_state, ema, compute shards, finite, grad_norm)``: the optax and EMA
     updates on the shards (each leaf unchanged where the step is skipped) and
     ``cast(new_master)`` to ``param_dtype`` (the master itself without a compute copy), then
     the global finite check and norm of the unscaled ``grads``. It runs where
     ``zero.placement`` keeps the state (streamed through the device with offload: decision
-    32), so the reductions over the gradients run there too."""
+    32), so the reductions over the gradients run there too. ``sums_of``: per gradient leaf,
+    the number of micro-batches it is the sum of (a host accumulator: decision 42), divided
+    here, where the update streams it; None: every leaf is a mean."""
+    if sums_of is not None:
+        grads = jax.tree.map(lambda g, k: g if k == 1 else g / k, grads, sums_of)
     grads = _unscaled(zero, state, grads)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)
@@ -123,13 +129,24 @@ def _shard_update(zero: ZeROConfig, ema, state: TrainState, master, grads, model
 
 
 def apply_gradients(
-    zero: ZeROConfig, state: TrainState, grads, *, ema: ShardedEMA | None = None, model_state=None
+    zero: ZeROConfig,
+    state: TrainState,
+    grads,
+    *,
+    ema: ShardedEMA | None = None,
+    model_state=None,
+    accum_steps: int = 1,
 ):
-    """:meth:`jaxzero.ZeRO.apply_gradients` (see there)."""
+    """:meth:`jaxzero.ZeRO.apply_gradients` (see there). ``accum_steps``: the step's
+    micro-batches; with the params offloaded the gradient leaves in host memory are then
+    their sums, in accumulators apart from the params (decision 42), divided by the update."""
     master = master_view(zero, state)
     with jax.named_scope("optimizer_update"):
         pinned = _pinned(zero, grads)
-    update = lambda *a: _shard_update(zero, ema, *a)  # unscales where the state lives
+    sums = zero.path.accumulates_on_host(accum_steps)
+    sums_of = jax.tree.map(lambda g: accum_steps if sums and on_host(g) else 1, pinned)
+    # unscales where the state lives
+    update = lambda *a: _shard_update(zero, ema, *a, sums_of=sums_of)
     specs = (
         state_specs(zero, state).replace(params=None, master=None),
         zero.shard_specs(master),
@@ -137,7 +154,7 @@ def apply_gradients(
         jax.tree.map(lambda _: P(), model_state),
     )
     new_master, opt_state, new_ema, compute, finite, norm = zero.placement.run_update(
-        zero, update, state, master, pinned, model_state, specs=specs
+        zero, update, state, master, pinned, model_state, specs=specs, grads_in_params=not sums
     )
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)

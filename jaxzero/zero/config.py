@@ -114,7 +114,9 @@ class ZeROConfig:
         object.__setattr__(self, "offload_fraction", getattr(where, "fraction", 1.0))
         exact = collectives.param_dtype_gradient_exact(self.comm)
         copy, defers = self.precision.separate_master, self.quantize.defers_reduce
-        offload.check_params(self.offload, self.layers, self.units, exact, copy, defers)
+        offload.check_params(
+            self.offload, self.layers, self.units, exact, copy, defers, self.prefetch
+        )
         self.activations  # noqa: B018 (checked here, before any state exists)
         if self.offload_activations:
             offload.check_platform(self.mesh)

@@ -21,6 +21,7 @@ from jaxzero.zero import specs as sh
 from jaxzero.zero.hooks import LossHook
 from jaxzero.zero.layers import plan as layers
 from jaxzero.zero.layers import vocab
+from jaxzero.zero.offload.sums import HostSums
 from jaxzero.zero.units import patterns as unit_patterns
 from jaxzero.zero.units import plan as units
 
@@ -75,7 +76,8 @@ class GradientPath:
         (:func:`jaxzero.scan_layers` fetches each layer of those)."""
         z, where = self.zero, self.zero.placement
         if where.params_on_host:
-            stacks = sh.subtree_mask(local_params, z.layers)
+            # the stacks (layers=) or the units' leaves (units=) are fetched where gathered
+            stacks = self._stacked_mask(local_params)
             fetch = lambda stack, x: x if stack else where.fetch(x)
             local_params = jax.tree.map(fetch, stacks, local_params)
         tables = vocab.mask(z.vocab_parallel, local_params)  # stay rows, like the stacks
@@ -85,7 +87,12 @@ class GradientPath:
         full = collectives.params_for_loss(z.comm, local_params, specs, *args)
         return vocab.varying(z.comm, tables, full)
 
-    def _layer_plan(self, local_params, specs) -> layers.LayerPlan | None:
+    def accumulates_on_host(self, accum_steps: int) -> bool:
+        """Whether a step with ``accum_steps`` micro-batches sums the layer stacks' gradients
+        into host accumulators (the params in host memory: decision 42)."""
+        return accum_steps > 1 and self.zero.placement.params_on_host
+
+    def _layer_plan(self, local_params, specs, grad_sums, accumulate) -> layers.LayerPlan | None:
         """The plan of a per-layer stage-3 step (gather), or of a stage 2/0 step that reduces in
         the backward (:meth:`reduces_in_backward`); None otherwise."""
         z = self.zero
@@ -102,15 +109,20 @@ class GradientPath:
             invariant=z.stage == 0,
             activations=z.activations,
             placement=z.placement,
+            sums=HostSums(z.layers, grad_sums) if accumulate else None,
         )
 
-    def loss_hooks(self, local_params, specs) -> list[LossHook]:
+    def loss_hooks(
+        self, local_params, specs, grad_sums=None, accumulate: bool = False
+    ) -> list[LossHook]:
         """The features that hook into this step's loss (:mod:`jaxzero.zero.hooks`):
-        ``vocab_parallel=``, ``layers=`` and ``units=``, each where it acts."""
+        ``vocab_parallel=``, ``layers=`` and ``units=``, each where it acts. ``accumulate``
+        (:meth:`accumulates_on_host`): the stacks' gradients are added into host accumulators,
+        those of ``grad_sums`` (the earlier micro-batches' gradients; None at the first)."""
         z = self.zero
         hooks = (
             vocab.build_plan(z.comm, z.vocab_parallel, local_params, specs),
-            self._layer_plan(local_params, specs),
+            self._layer_plan(local_params, specs, grad_sums, accumulate),
             units.build_plan(z.comm, z.units, local_params, specs, z.prefetch, z.vocab_parallel),
         )
         return [h for h in hooks if h is not None]

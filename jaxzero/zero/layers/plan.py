@@ -56,6 +56,7 @@ from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying
 from jaxzero.zero.hooks import CalledHook, plan_var, scoped
 from jaxzero.zero.offload.activations import DeviceActivations
 from jaxzero.zero.offload.placement import DeviceMemory
+from jaxzero.zero.offload.sums import NoSums
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_end, subtree_paths
 
 _PLAN = plan_var("jaxzero_layer_plan")  # the LayerPlan of the step being traced
@@ -119,7 +120,12 @@ class LayerPlan(CalledHook):
     #: where the stacks live: device memory, or host memory (``offload=("optimizer",
     #: "params")``: each layer fetched, each layer's gradient written into its host slot)
     placement: DeviceMemory = dataclasses.field(default_factory=DeviceMemory)
+    #: with the params offloaded and micro-batches, the stacks' host gradient sums
+    sums: NoSums = dataclasses.field(default_factory=NoSums)
     var = _PLAN
+
+    def wrap(self, fn):
+        return self.sums.wrap(fn)
 
     def lookup(self, path, x):
         keys = path_keys(path)
@@ -167,11 +173,12 @@ def build_plan(
     invariant=False,
     activations: DeviceActivations | None = None,
     placement: DeviceMemory | None = None,
+    sums: NoSums | None = None,
 ) -> LayerPlan:
     """The :class:`LayerPlan` of a per-layer step: for each leaf of one layer (a leaf of a
     ``layers`` stack without its layer axis), the dimension it is (stage 3: ``specs`` of the
     params) or its gradient is (stage 2, ``gather=False``: ``specs`` of the gradients)
-    sharded on."""
+    sharded on; ``sums``: the stacks' host gradient sums (:mod:`jaxzero.zero.offload.sums`)."""
     flat_specs = dict(
         jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P))[0]
     )
@@ -182,7 +189,7 @@ def build_plan(
         d = spec_dim(flat_specs[path])
         dims[_layer_key(path, x.shape, layers)] = None if d is None else d - 1
     where = {"activations": activations or DeviceActivations()}
-    where["placement"] = placement or DeviceMemory()
+    where["placement"], where["sums"] = placement or DeviceMemory(), sums or NoSums()
     return LayerPlan(comm, layers, dims, gather=gather, invariant=invariant, **where)
 
 

@@ -166,7 +166,9 @@ def scan_layers(fn: Callable, stack, carry, xs=None, *, with_ys: bool = False):
         )
 
     closed, consts = jax.closure_convert(layer_fn, gather(leaves, 0), carry, _at(xs, 0))
-    out, ys = _prefetching(plan, closed, gather, dims, length)(leaves, carry, xs, consts)
+    accs = plan.sums.of(leaves)  # None, or each leaf's host gradient sum (None: the first)
+    run = _prefetching(plan, closed, gather, dims, length)
+    out, ys = run(leaves, carry, xs, consts, accs)
     return (out, ys) if with_ys else out
 
 
@@ -194,7 +196,7 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
         flat = jax.tree.leaves(w)
         return [comm.wire.keep(x, comm.axis, d) for x, d in zip(flat, dims, strict=True)]
 
-    def forward(leaves, carry, xs, consts):
+    def forward(leaves, carry, xs, consts, accs):
         def body(state, i):
             c, w, kept = state
             nxt = gather(leaves, i + 1, c)  # in flight while layer i computes
@@ -207,10 +209,10 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
         out, y = fn(w, c, _at(xs, length - 1), *consts)
         ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y)
         kept = _put(kept, keep(w), length - 1)
-        return (out, ys), (leaves, kept, inputs, c, xs, consts)
+        return (out, ys), (leaves, kept, inputs, c, xs, consts, accs)
 
     def backward(res, cts):
-        leaves, kept, inputs, c_last, xs, consts = res
+        leaves, kept, inputs, c_last, xs, consts, accs = res
         stack, kept = kept, None  # hpZ: the gathers below read the slices the forward kept
         if any(k is not None for k in stack):
             kept = lambda i: _at(stack, i)
@@ -235,6 +237,8 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
         state = (ct, gather(leaves, length - 1, ct, kept), c, dk)
         if comm.wire.defers_reduce:
             (ct, _, _, dk), grads = _deferred(comm, layer, state, leaves, dims, length)
+        elif accs is not None:  # params offloaded, micro-batches: decision 42
+            (ct, _, _, dk), grads = _accumulated(comm, layer, state, leaves, accs, dims, length)
         elif plan.placement.params_on_host:
             (ct, _, _, dk), grads = _in_place(comm, layer, state, leaves, dims, length)
         else:
@@ -246,9 +250,9 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
             steps = jnp.arange(length)
             (ct, _, _, dk), grads = jax.lax.scan(body, state, steps, reverse=True)
         no_grad = jax.tree.map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), xs)
-        return grads, ct, no_grad, dk
+        return grads, ct, no_grad, dk, None  # the accumulators are not differentiated
 
-    run = jax.custom_vjp(lambda leaves, carry, xs, consts: forward(leaves, carry, xs, consts)[0])
+    run = jax.custom_vjp(lambda *args: forward(*args)[0])
     run.defvjp(forward, backward)
     return run
 
@@ -295,6 +299,46 @@ def _in_place(comm: Comm, layer, state, leaves, dims, length):
 
     steps = jnp.arange(length)
     (state, out), _ = jax.lax.scan(body, (state, list(leaves)), steps, reverse=True)
+    return state, out
+
+
+def _accumulated(comm: Comm, layer, state, leaves, accs, dims, length):
+    """The backward loop over stacks in host memory with micro-batches (parameter offload,
+    ``accum_steps > 1``): the params stay as they are (the next micro-batch's forward reads
+    them), and iteration ``i`` adds layer ``i``'s reduced gradient, in ``output_dtype``, into
+    layer ``i``'s slot of a host accumulator of the stacks' shapes: ``accs`` (the earlier
+    micro-batches' sum, each slot fetched, added to on the device and written back in place)
+    or, at the first micro-batch (``accs`` all None), the scan's stacked output, which XLA
+    allocates in host memory (a zeros buffer would be made on the device and copied over).
+    Returns the final state and the accumulators (the stacks' gradients so far)."""
+    dtype = comm.output_dtype
+    # with several devices each layer's sum waits for layer i - 1's gathered weights (the
+    # next state's): else the scheduler puts the accumulator's transfers first and the
+    # all-gathers lose their overlap (LLaMA-7B at N = 8: 40% hidden, 82% with the barrier);
+    # with one there is nothing to gather and the barrier only holds the transfers back
+    # (13B at N = 1: 31% of the PCIe bytes hidden, 14% with it; decision 42)
+    barrier = lambda state, dw: jax.lax.optimization_barrier((dw, state[1]))[0]
+    after = barrier if comm.num_batch_shards > 1 else (lambda state, dw: dw)
+    to_host = lambda xs: [jax.device_put(x, jax.memory.Space.Host) for x in xs]
+    steps = jnp.arange(length)
+    if all(a is None for a in accs):  # the scan stacks each slot into a new host buffer
+
+        def first(state, i):
+            state, dw = layer(state, i)
+            reduced = _reduce_tree(comm, after(state, dw), dims, leaves)
+            return state, to_host(g.astype(dtype) for g in reduced)
+
+        return jax.lax.scan(first, state, steps, reverse=True)
+
+    def body(carry, i):
+        state, out = carry
+        state, dw = layer(state, i)
+        reduced = _reduce_tree(comm, after(state, dw), dims, leaves)
+        earlier = [jax.device_put(a, jax.memory.Space.Device) for a in _at(out, i)]
+        new = [a + g.astype(dtype) for a, g in zip(earlier, reduced, strict=True)]
+        return (state, _put(out, to_host(new), i)), None
+
+    (state, out), _ = jax.lax.scan(body, (state, list(accs)), steps, reverse=True)
     return state, out
 
 

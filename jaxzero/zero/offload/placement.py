@@ -22,6 +22,7 @@ import contextlib
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -82,22 +83,32 @@ def params_offloaded(offload) -> bool:
     return isinstance(offload, tuple) and PARAMS in offload
 
 
-def check_params(offload, layers, units, exact: bool, compute_copy: bool, defers: bool) -> None:
+def check_params(
+    offload, layers, units, exact: bool, compute_copy: bool, defers: bool, prefetch=True
+) -> None:
     """Refuse parameter offload where nothing would fetch the params a layer at a time: it
     needs the layer stacks of ``layers=`` run by :func:`jaxzero.scan_layers`, whose backward
-    writes each layer's gradient into that layer's own host slot (``exact``: the stacks'
+    writes each layer's gradient into that layer's own host slot, or ``units=`` with
+    ``prefetch`` (the unit chain fetches each unit where it gathers it; decision 42) (``exact``: the stacks'
     gradients are exact in ``param_dtype``; ``compute_copy``: the params are a 16-bit copy
     apart from the master, which the update does not read; ``defers``: the wire reduces a
     layer's gradient an iteration later)."""
     if not params_offloaded(offload):
         return
     fix = "or offload='optimizer' (the params stay on the device)."
-    if units or not layers:
+    if units and not prefetch:
         raise ValueError(
-            f"offload={offload!r} fetches each layer's params from host memory as "
-            f"jaxzero.scan_layers runs the stack named by layers=; this configuration has "
-            f"{'units=' if units else 'no layers='}. Use stage=3 with layers= and "
-            f"jaxzero.scan_layers in the model, {fix}"
+            f"offload={offload!r} with units= fetches each unit's params from host memory in "
+            f"the prefetching chain of units (prefetch=True, the default); prefetch=False runs "
+            f"each unit as its own checkpointed segment, which is not built for it. Drop "
+            f"prefetch=False, {fix}"
+        )
+    if not (layers or units):
+        raise ValueError(
+            f"offload={offload!r} fetches each layer's params from host memory where stage 3 "
+            f"gathers it, a layer (layers=) or a unit (units=) at a time; this configuration "
+            f"has no layers= and no units=. Use stage=3 with layers= and jaxzero.scan_layers "
+            f"in the model, or units= naming its blocks, {fix}"
         )
     if not (exact and compute_copy):
         raise ValueError(
@@ -169,10 +180,11 @@ class DeviceMemory:
     # EMA's (sharded) layout backward into a stage-0 update and all-gather it.
     pin = constrain
 
-    def run_update(self, zero, update, state, master, grads, *rest, specs):
+    def run_update(self, zero, update, state, master, grads, *rest, specs, grads_in_params=True):
         """``update(state, master, grads, *rest)`` where the state lives: here (``zero``: the
-        step's ZeRO config; ``specs``: the arguments' PartitionSpecs, which only the host
-        placement reads)."""
+        step's ZeRO config; ``specs``: the arguments' PartitionSpecs and
+        ``grads_in_params``: whether the host gradients sit in the params' buffers, which only
+        the host placement reads)."""
         return update(state, master, grads, *rest)
 
     def new_params(self, compute, params, keep):
@@ -233,7 +245,7 @@ class HostMemory(DeviceMemory):
     def pin(self, tree, shardings):
         return tree  # the streamed update placed each output where it belongs
 
-    def run_update(self, zero, update, state, master, grads, *rest, specs):
+    def run_update(self, zero, update, state, master, grads, *rest, specs, grads_in_params=True):
         """``update`` streamed through the device (:mod:`jaxzero.zero.offload.stream`): the state is
         fetched from host memory a chunk at a time and each chunk's result written back into
         the state's own buffers. The finite flag and the norm (``update``'s last outputs)
@@ -241,7 +253,9 @@ class HostMemory(DeviceMemory):
         are on the host: then each is written into the buffer its old one leaves (a stack's
         into its gradient's, which the backward wrote into the stack's: decision 37).
         ``specs``: the PartitionSpecs of ``(state, master, grads, *rest)``, the state without
-        its params and master (the update reads ``master``)."""
+        its params and master (the update reads ``master``). ``grads_in_params=False``: the
+        host gradients are accumulators apart from the params (micro-batches: decision 42),
+        and the new params go back into the params' own buffers."""
         args = (state.replace(params=None, master=None), master, grads, *rest)
         mark = lambda t, on: jax.tree.map(lambda _: on, t)
         separate = state.master is not None
@@ -278,7 +292,7 @@ class HostMemory(DeviceMemory):
             start = len(jax.tree.leaves(args)) - m
             tail = len(olds) + first  # the compute outputs follow the state's
             into = [
-                g if on else start + o
+                g if on and grads_in_params else start + o
                 for o, (g, on) in enumerate(
                     zip(jax.tree.leaves(index[2]), jax.tree.leaves(grads_host), strict=True)
                 )
@@ -362,6 +376,21 @@ def offloaded_bytes(state, fraction: float = 1.0) -> int:
     params = [x for x in jax.tree.leaves(state.params) if x.sharding.memory_kind == HOST]
     kept = sum(s for s, h in zip(sizes, host_leaves(sizes, fraction), strict=True) if h)
     return kept + sum(local(x) for x in params)
+
+
+def accumulator_bytes(params, layers, dtype, accum_steps: int) -> int:
+    """Bytes per device of the host gradient accumulator that a step with ``accum_steps``
+    micro-batches keeps beside :func:`offloaded_bytes` when the params are in host memory
+    (decision 42): every leaf of ``params`` (arrays or ShapeDtypeStructs with shardings)
+    under the ``layers`` stacks that sits in host memory, in ``dtype`` (the precision's
+    ``output_dtype``); 0 with one micro-batch or the params on the device."""
+    if accum_steps == 1:
+        return 0
+    total = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if sh.is_stacked(path, layers) and x.sharding.memory_kind == HOST:
+            total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(dtype).itemsize
+    return total
 
 
 def lowering(mesh: Mesh, offload):

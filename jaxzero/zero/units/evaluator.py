@@ -111,7 +111,8 @@ class Evaluator(Segments):
         env = dict(zip(self.jaxpr.constvars, consts, strict=True))
         env.update(zip(self.jaxpr.invars, args, strict=True))
         for v, i in self.eager.items():
-            env[v] = _gather_leaf(self.plan.comm, env[self.jaxpr.invars[i]], self.plan.dims[i])
+            shard = unit_chain.fetched(env[self.jaxpr.invars[i]])  # its gradient goes back there
+            env[v] = _gather_leaf(self.plan.comm, shard, self.plan.dims[i])
         self.plan.segments = 0
         self.tokens: list = []  # per segment run: a scalar of its first gathered weight
         segments = self.segments

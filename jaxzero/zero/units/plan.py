@@ -51,6 +51,7 @@ from jaxzero.zero.hooks import LossHook
 from jaxzero.zero.jaxpr_eval import inline_calls
 from jaxzero.zero.layers.plan import gather_shard
 from jaxzero.zero.specs import spec_dim, subtree_mask
+from jaxzero.zero.units.chain import fetched
 from jaxzero.zero.units.evaluator import MARK, Evaluator, is_jit
 from jaxzero.zero.units.patterns import unit_names
 
@@ -94,7 +95,7 @@ class UnitPlan(LossHook):
 
 def _marker(comm: Comm, d):
     def unit_gather(x):
-        return gather_shard(comm, x, d)
+        return gather_shard(comm, fetched(x), d)  # traced only: the evaluator gathers
 
     unit_gather.__name__ = MARK
     return jax.jit(unit_gather)
