@@ -146,7 +146,8 @@ def _shape(args, parser):
             loop="python" if args.loop == "python" else "prefetch",
         )
         check_loop(shape, args.stage2, args.stage1)
-        offload = check_offload(args.offload, 3) if args.offload else None
+        chosen = "optimizer" if args.offload == "auto" else args.offload  # auto: a fraction of it
+        offload = check_offload(chosen, 3) if args.offload else None
         if args.loop == "python" and args.prefetch in ("off", "both"):  # units=, prefetch=False
             check_params(offload, None, UNITS, True, True, False, prefetch=False)
     except ValueError as e:
