@@ -14,8 +14,9 @@ The model is :mod:`jaxzero.gpu.models`' GPT decoder, scanned and rematerialised 
 * a plain ``jax.jit`` optax step of the same model, no jaxzero (fp32 master cast to bf16 for
   the loss; micro-batches summed in a ``lax.scan``): the first row;
 * jaxzero stage 3 (one device) with ``offload`` off, ``"optimizer"`` and
-  ``("optimizer", "params")``; the params offload refuses ``accum_steps > 1`` today, and its
-  row then says so with the error's first line.
+  ``("optimizer", "params")`` (with micro-batches the params offload sums the stacks'
+  gradients in an fp32 host accumulator: decision 42); a configuration jaxzero refuses is
+  printed as refused, with the error's first line.
 
 Each row's measured step (3 warm-up steps, then the median of ``--rounds`` rounds of
 ``--steps`` steps, state donated) stands beside the step time predicted by

@@ -195,8 +195,9 @@ def test_offload_gpu_benchmark_runs_tiny_on_a_cpu(capsys):
     """``benchmarks/offload_gpu.py --tiny`` (a 2 x 64 GPT on one CPU device, accum 2) runs end
     to end: the plain jit row first, jaxzero with offload off and ``"optimizer"`` measured
     beside a prediction whose PCIe bytes are the fp32 master and Adam's two moments each way
-    (12 bytes per parameter: one device holds all of them), and the params offload shown as
-    refused with its error's first line."""
+    (12 bytes per parameter: one device holds all of them), and the params offload (with its
+    host gradient accumulator at accum 2) measured too, moving more than the optimizer
+    offload."""
     from jaxzero.gpu.models import model_shape
     from jaxzero.memory import format_bytes
 
@@ -211,11 +212,10 @@ def test_offload_gpu_benchmark_runs_tiny_on_a_cpu(capsys):
         "jaxzero, offload optimizer,params",
     ]
     by = dict(zip(labels, rows[1:], strict=True))
-    for label in labels[:3]:
+    for label in labels:
         assert float(by[label][2]) > 0 and float(by[label][5]) > 0  # measured, predicted
     phi = model_shape(layers=2, hidden=64, vocab=256, seq=32, arch="gpt").num_params
     moved = by["jaxzero, offload optimizer"][6]
     assert moved.startswith(f"host->device {format_bytes(12 * phi)}, device->host ")
-    refused = by["jaxzero, offload optimizer,params"]
-    assert refused[2] == "refused"
-    assert refused[6].startswith("accum_steps=2 with ZeRO(offload=('optimizer', 'params'))")
+    assert by["jaxzero, offload optimizer,params"][6].startswith("host->device ")
+    assert float(by["jaxzero, offload optimizer,params"][5]) > float(by[labels[2]][5])
