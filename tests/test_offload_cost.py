@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 
 import jax
-import optax
 import pytest
+from offload_checks import h100_stage3
 
 import jaxzero as jz
 from jaxzero import cli, gpu
@@ -61,14 +61,7 @@ def _expected(off):
 
 def _report(off, monkeypatch):
     monkeypatch.setattr(stream, "CHUNK", 1 << 14)  # 4 to 6 chunks per stacked leaf
-    zero = jz.ZeRO(
-        optax.adam(1e-3),
-        gpu.compile_only_mesh("h100", N),
-        stage=3,
-        precision="bf16",
-        layers="layers",
-        offload=off,
-    )
+    zero = h100_stage3(N, offload=off)
     step = jz.make_train_step(make_loss(SHAPE), zero)
     return gpu.compile_report(step, abstract_params(SHAPE), batch_shapes(SHAPE, N))
 

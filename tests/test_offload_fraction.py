@@ -20,6 +20,7 @@ import optax
 import pytest
 import tolerance
 from models import make_problem
+from offload_checks import h100_stage3
 
 import jaxzero as jz
 from jaxzero.zero.offload import placement as offload
@@ -151,15 +152,7 @@ def test_gpu_pcie_bytes_scale_with_the_fraction(monkeypatch):
     for path, x in jax.tree_util.tree_flatten_with_path(abstract_params(shape))[0]:
         skip = 1 if path[0].key == "layers" else 0
         local += math.prod(x.shape) // (N if any(d % N == 0 for d in x.shape[skip:]) else 1)
-    zero = jz.ZeRO(
-        optax.adam(1e-3),
-        gpu.compile_only_mesh("h100", N),
-        stage=3,
-        precision="bf16",
-        layers="layers",
-        offload="optimizer",
-        offload_fraction=0.5,
-    )
+    zero = h100_stage3(N, offload="optimizer", offload_fraction=0.5)
     step = jz.make_train_step(make_loss(shape), zero)
     report = gpu.compile_report(step, abstract_params(shape), batch_shapes(shape, N))
     t, host = report.host_transfers, report.host_argument_bytes

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import pytest
 from models import make_problem, reference_run, run_steps, stack_problem
+from offload_checks import h100_stage3
 
 import jaxzero as jz
 from jaxzero import cli, gpu
@@ -135,14 +136,7 @@ SHAPE = model_shape(layers=4, hidden=512, heads=4, vocab=512, seq=64, batch=1)
 
 
 def _gpu_report(off):
-    zero = jz.ZeRO(
-        optax.adam(1e-3),
-        gpu.compile_only_mesh("h100", N),
-        stage=3,
-        precision="bf16",
-        layers="layers",
-        offload=off,
-    )
+    zero = h100_stage3(N, offload=off)
     step = jz.make_train_step(make_loss(SHAPE), zero, ema=jz.ShardedEMA(0.99))
     return gpu.compile_report(step, abstract_params(SHAPE), batch_shapes(SHAPE, N))
 

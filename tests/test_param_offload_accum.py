@@ -17,11 +17,11 @@ import re
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 import tolerance
 from models import make_problem, run_steps, stack_problem
+from offload_checks import assert_host_params_run_equals_device_run, gathered
 from tolerance import max_distance
 
 import jaxzero as jz
@@ -38,10 +38,6 @@ def _zero(off, tx):
     return jz.ZeRO(
         tx, jz.data_parallel_mesh(N), stage=3, layers="layers", precision="bf16", offload=off
     )
-
-
-def _numpy(tree):
-    return jax.tree.map(np.asarray, jz.gather(tree))
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +59,7 @@ def test_accumulated_gradients_train_like_the_device_params(problem):
     tx = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6))
     host, losses = _run(PARAMS, tx(), problem)
     device, device_losses = _run("optimizer", tx(), problem)
-    kinds = lambda t: {x.sharding.memory_kind for x in jax.tree.leaves(t)}
-    assert kinds((host.params, host.master, host.opt_state)) == {"pinned_host"}
-    assert kinds(device.params) == {"device"}
-    np.testing.assert_allclose(losses, device_losses, rtol=1e-6)
-    for part in ("params", "master", "opt_state"):
-        chex.assert_trees_all_close(
-            _numpy(getattr(host, part)), _numpy(getattr(device, part)), rtol=1e-6, atol=1e-8
-        )
+    assert_host_params_run_equals_device_run(host, losses, device, device_losses)
     assert int(host.step) == int(device.step) == len(problem[2])
 
 
@@ -86,7 +75,7 @@ def test_accumulated_gradients_follow_single_device_optax(problem):
     ref, _, atol = tolerance.reference_cast(tx, params, loss_fn, batches, jnp.bfloat16)
     assert max_distance(ref, params) > 50 * atol
     state, _ = _run(PARAMS, tx, problem)
-    chex.assert_trees_all_close(_numpy(state.master), ref, atol=atol, rtol=0)
+    chex.assert_trees_all_close(gathered(state.master), ref, atol=atol, rtol=0)
 
 
 SHAPE = model_shape(layers=4, hidden=512, heads=4, vocab=512, seq=64, batch=1)

@@ -18,12 +18,12 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 import tolerance
 from hf_models import hf_llama, token_batches
 from models import run_steps
+from offload_checks import assert_host_params_run_equals_device_run, gathered
 from tolerance import max_distance
 
 import jaxzero as jz
@@ -37,10 +37,6 @@ UNITS = r"model/layers/\d+"
 def _zero(off, tx, devices=N, **kw):
     mesh = jz.data_parallel_mesh(devices)
     return jz.ZeRO(tx, mesh, stage=3, units=UNITS, precision="bf16", offload=off, **kw)
-
-
-def _numpy(tree):
-    return jax.tree.map(np.asarray, jz.gather(tree))
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +60,7 @@ def test_units_params_offload_trains_like_the_device_params(problem, devices):
     tx = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6))
     host, losses = _run(PARAMS, tx(), problem, devices)
     device, device_losses = _run("optimizer", tx(), problem, devices)
-    kinds = lambda t: {x.sharding.memory_kind for x in jax.tree.leaves(t)}
-    assert kinds((host.params, host.master, host.opt_state)) == {"pinned_host"}
-    assert kinds(device.params) == {"device"}
-    np.testing.assert_allclose(losses, device_losses, rtol=1e-6)
-    for part in ("params", "master", "opt_state"):
-        chex.assert_trees_all_close(
-            _numpy(getattr(host, part)), _numpy(getattr(device, part)), rtol=1e-6, atol=1e-8
-        )
+    assert_host_params_run_equals_device_run(host, losses, device, device_losses)
 
 
 def test_units_params_offload_follows_single_device_optax(problem):
@@ -84,7 +73,7 @@ def test_units_params_offload_follows_single_device_optax(problem):
     ref, _, atol = tolerance.reference_cast(tx, params, loss_fn, batches, jnp.bfloat16)
     assert max_distance(ref, params) > 20 * atol
     state, _ = _run(PARAMS, tx, problem)
-    chex.assert_trees_all_close(_numpy(state.master), ref, atol=atol, rtol=0)
+    chex.assert_trees_all_close(gathered(state.master), ref, atol=atol, rtol=0)
 
 
 def test_gpu_units_params_offload_holds_state_and_params_on_the_host_and_nothing_more():
