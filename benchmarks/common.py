@@ -312,30 +312,37 @@ def md_table(header, rows) -> str:
     return "\n".join(lines)
 
 
-def time_train_step(
-    loss_fn, zero, abstract, batch, rounds: int = 5, steps: int = 10, accum_steps: int = 1
-) -> float:
-    """Median milliseconds per step of ``jz.make_train_step(loss_fn, zero, accum_steps=)`` on
-    real devices: params drawn N(0, 0.02) in the shapes and dtypes of ``abstract``, 3 warm-up
-    steps, then ``rounds`` rounds of ``steps`` steps (state donated, ``block_until_ready`` at
-    the end of a round)."""
-    import jaxzero as jz
-
+def normal_params(abstract):
+    """Params drawn N(0, 0.02) in the shapes and dtypes of ``abstract``."""
     key = jax.random.key(0)
-    params = jax.tree.map(lambda s: 0.02 * jax.random.normal(key, s.shape, s.dtype), abstract)
-    step = jz.make_train_step(loss_fn, zero, accum_steps=accum_steps)
-    state = step.init(params)
+    return jax.tree.map(lambda s: 0.02 * jax.random.normal(key, s.shape, s.dtype), abstract)
+
+
+def median_step_ms(step, carry, batch, rounds: int, steps: int) -> float:
+    """Median milliseconds per call of ``carry, _ = step(carry, batch)``: 3 warm-up calls, then
+    ``rounds`` rounds of ``steps`` calls (``block_until_ready`` at the end of a round)."""
     for _ in range(3):
-        state, _ = step(state, batch)
-    jax.block_until_ready(state)
+        carry, _ = step(carry, batch)
+    jax.block_until_ready(carry)
     times = []
     for _ in range(rounds):
         t = time.perf_counter()
         for _ in range(steps):
-            state, _ = step(state, batch)
-        jax.block_until_ready(state)
+            carry, _ = step(carry, batch)
+        jax.block_until_ready(carry)
         times.append((time.perf_counter() - t) / steps * 1e3)
     return statistics.median(times)
+
+
+def time_train_step(
+    loss_fn, zero, abstract, batch, rounds: int = 5, steps: int = 10, accum_steps: int = 1
+) -> float:
+    """Median milliseconds per step of ``jz.make_train_step(loss_fn, zero, accum_steps=)`` on
+    real devices (:func:`median_step_ms`), from :func:`normal_params` (state donated)."""
+    import jaxzero as jz
+
+    step = jz.make_train_step(loss_fn, zero, accum_steps=accum_steps)
+    return median_step_ms(step, step.init(normal_params(abstract)), batch, rounds, steps)
 
 
 # --------------------------------------------------------------------------- EMA cases

@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from common import emit, md_table, time_train_step  # noqa: E402
+from common import emit, md_table, median_step_ms, normal_params, time_train_step  # noqa: E402
 
 import jaxzero as jz  # noqa: E402
 from jaxzero import gpu  # noqa: E402
@@ -80,25 +80,10 @@ def plain_step(loss_fn, accum: int):
 
 
 def time_plain(loss_fn, abstract, batch, accum, rounds, steps) -> float:
-    """Median milliseconds per step of :func:`plain_step`."""
-    import statistics
-    import time
-
+    """Median milliseconds per step of :func:`plain_step` (:func:`common.median_step_ms`)."""
     step, tx = plain_step(loss_fn, accum)
-    key = jax.random.key(0)
-    master = jax.tree.map(lambda s: 0.02 * jax.random.normal(key, s.shape, s.dtype), abstract)
-    carry = (master, tx.init(master))
-    for _ in range(3):
-        carry, _ = step(carry, batch)
-    jax.block_until_ready(carry)
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(steps):
-            carry, _ = step(carry, batch)
-        jax.block_until_ready(carry)
-        times.append((time.perf_counter() - t) / steps * 1e3)
-    return statistics.median(times)
+    master = normal_params(abstract)
+    return median_step_ms(step, (master, tx.init(master)), batch, rounds, steps)
 
 
 def _zero(mesh, offload):
