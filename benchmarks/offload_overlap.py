@@ -459,9 +459,9 @@ def report(rows: dict, shape, full, seconds: dict, command: str) -> str:
         f"{r0['layer_forward_s'] * 1e3:.1f} ms at {MFU:.0%} of peak, one layer's state both "
         f"ways {r0['layer_transfer_s'] * 1e3:.1f} ms at {r0['gbps']:.0f} GB/s (the directions "
         f"one after the other).",
-        "- Layer 0's update runs before the loop and the last layer's write-back after it "
-        "(nothing to hide under in this probe): the 5% a variant that hides the loop's "
-        "transfers still shows exposed.",
+        "- Before the loop the probe fetches layer 0 (and, pipelined, layer 1) and updates "
+        "layer 0; after it, it updates the last layer: nothing in the probe computes beside "
+        "them, so the few percent the best variants leave exposed are there.",
     ]
     return "\n".join(head + [md_table(cols, body)] + notes)
 
