@@ -472,6 +472,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="width 256, 256 tokens: seconds")
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
+    if args.layers is not None and (args.layers < 4 or args.layers % 2):
+        ap.error(
+            f"--layers {args.layers}: give an even number of at least 4 (the split variants "
+            f"run two layers an iteration)."
+        )
     if args.tiny:
         shape = full = tiny(args.layers or 4)
     else:
