@@ -174,10 +174,11 @@ def test_gpu_param_offload_holds_state_and_params_on_the_host_and_nothing_more()
     holds the fp32 master, mu, nu and EMA (16 bytes per local element) and the bf16 params
     (2), plus Adam's and the EMA's counters, and nothing else: no temporaries, every output
     aliased to its input (the gradients are written into the params' buffers). The device's
-    arguments hold no parameter bytes (the batch and two counters only), and its peak is below optimizer
-    offload's by at least the bf16 params and their bf16 gradient (2 + 2 bytes per local
-    element). Each stack's gradient leaves the device one layer's slice at a time: the
-    compiled step writes a [1, ...] device slice into every stack's host buffer."""
+    arguments hold no parameter bytes (the batch and two counters only), and its peak is below
+    optimizer offload's by at least the bf16 params (2 bytes per local element; their
+    gradient's 2 are partly spent on the reduce-scatter in flight under the next layer's
+    backward, decision 44). Each stack's gradient leaves the device one layer's slice at a
+    time: the compiled step writes a [1, ...] device slice into every stack's host buffer."""
     local = _local_elements()
     host = _gpu_report(PARAMS)
     want = 18 * local + 2 * 4
@@ -187,7 +188,7 @@ def test_gpu_param_offload_holds_state_and_params_on_the_host_and_nothing_more()
     # the device's arguments: the int32 tokens and labels, the step and skip counters
     assert host.argument_bytes == 2 * 4 * SHAPE.batch * SHAPE.seq + 2 * 4
     device = _gpu_report("optimizer")
-    assert device.peak_bytes - host.peak_bytes >= 4 * local
+    assert device.peak_bytes - host.peak_bytes >= 2 * local
     # the per-layer transfer: every stack's gradient is written into its host buffer one
     # layer's slice at a time (in the backward loop)
     writes = {tuple(int(d) for d in m.split(",")) for m in _HOST_WRITE.findall(host.hlo_text)}

@@ -50,7 +50,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.zero.collectives import Comm, reduce_leaves, to_varying, varying_axes
+from jaxzero.zero.collectives import to_varying, varying_axes
+from jaxzero.zero.layers.backward import (
+    accumulated,
+    at,
+    deferred,
+    in_place,
+    put,
+    reduce_tree,
+    zeros,
+)
 from jaxzero.zero.layers.plan import LayerPlan, current_plan, gather_layer, gather_shard
 
 __all__ = ["scan_layers", "stacked_init", "stacked_params"]
@@ -153,7 +162,7 @@ def scan_layers(fn: Callable, stack, carry, xs=None, *, with_ys: bool = False):
         of the step, where they are exposed and held through the forward)."""
         # Cast before the barrier: the slice and the cast are then one kernel (with the
         # params in host memory, the slice is fetched to the device first).
-        shards = [plan.placement.fetch(x).astype(plan.comm.param_dtype) for x in _at(ls, i)]
+        shards = [plan.placement.fetch(x).astype(plan.comm.param_dtype) for x in at(ls, i)]
         parts = [None] * len(shards) if kept is None else kept(i)
         src = [x if p is None else p for x, p in zip(shards, parts, strict=True)]
         if after is not None:
@@ -165,7 +174,7 @@ def scan_layers(fn: Callable, stack, carry, xs=None, *, with_ys: bool = False):
             ]
         )
 
-    closed, consts = jax.closure_convert(layer_fn, gather(leaves, 0), carry, _at(xs, 0))
+    closed, consts = jax.closure_convert(layer_fn, gather(leaves, 0), carry, at(xs, 0))
     accs = plan.sums.of(leaves)  # None, or each leaf's host gradient sum (None: the first)
     run = _prefetching(plan, closed, gather, dims, length)
     out, ys = run(leaves, carry, xs, consts, accs)
@@ -182,11 +191,6 @@ def _pair(result):
     return result
 
 
-def _at(xs, i):
-    """Layer ``i``'s slice of ``xs``."""
-    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), xs)
-
-
 def _prefetching(plan: LayerPlan, fn, gather, dims, length):
     """The custom-vjp double-buffered loop over ``length`` layers of
     ``fn(w, carry, x, *consts)``."""
@@ -200,22 +204,22 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
         def body(state, i):
             c, w, kept = state
             nxt = gather(leaves, i + 1, c)  # in flight while layer i computes
-            out, y = fn(w, c, _at(xs, i), *consts)
-            return (out, nxt, _put(kept, keep(w), i)), (saved.store(c), y)
+            out, y = fn(w, c, at(xs, i), *consts)
+            return (out, nxt, put(kept, keep(w), i)), (saved.store(c), y)
 
         w = gather(leaves, 0)
         first = (carry, w, _buffer(keep(w), length))
         (c, w, kept), (inputs, ys) = jax.lax.scan(body, first, jnp.arange(length - 1))
-        out, y = fn(w, c, _at(xs, length - 1), *consts)
+        out, y = fn(w, c, at(xs, length - 1), *consts)
         ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y)
-        kept = _put(kept, keep(w), length - 1)
+        kept = put(kept, keep(w), length - 1)
         return (out, ys), (leaves, kept, inputs, c, xs, consts, accs)
 
     def backward(res, cts):
         leaves, kept, inputs, c_last, xs, consts, accs = res
         stack, kept = kept, None  # hpZ: the gathers below read the slices the forward kept
         if any(k is not None for k in stack):
-            kept = lambda i: _at(stack, i)
+            kept = lambda i: at(stack, i)
         ct, ct_ys = cts
 
         def layer(state, i, src=leaves):
@@ -226,26 +230,26 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
             prev = jnp.maximum(i - 1, 0)
             nxt = gather(src, prev, (ct, w), kept)  # in flight under layer i
             c_prev = _layer_input(saved, inputs, c_last, prev, length)  # fetched under layer i
-            x = _at(xs, i)
+            x = at(xs, i)
             _, pull = jax.vjp(lambda w, c, *k: fn(w, c, x, *k), w, c, *consts)
-            dw, dc, *dk = pull((ct, _at(ct_ys, i)))
+            dw, dc, *dk = pull((ct, at(ct_ys, i)))
             dconsts = [a + b for a, b in zip(dconsts, dk, strict=True)]
             return (dc, nxt, c_prev, dconsts), jax.tree.leaves(dw)
 
-        dk = [_zeros(k) for k in consts]
+        dk = [zeros(k) for k in consts]
         c = _layer_input(saved, inputs, c_last, length - 1, length)
         state = (ct, gather(leaves, length - 1, ct, kept), c, dk)
         if comm.wire.defers_reduce:
-            (ct, _, _, dk), grads = _deferred(comm, layer, state, leaves, dims, length)
+            (ct, _, _, dk), grads = deferred(comm, layer, state, leaves, dims, length)
         elif accs is not None:  # params offloaded, micro-batches: decision 42
-            (ct, _, _, dk), grads = _accumulated(comm, layer, state, leaves, accs, dims, length)
+            (ct, _, _, dk), grads = accumulated(comm, layer, state, leaves, accs, dims, length)
         elif plan.placement.params_on_host:
-            (ct, _, _, dk), grads = _in_place(comm, layer, state, leaves, dims, length)
+            (ct, _, _, dk), grads = in_place(comm, layer, state, leaves, dims, length)
         else:
 
             def body(state, i):  # XLA's pipeliner moves layer i's reduce-scatter under i - 1
                 state, dw = layer(state, i)
-                return state, _reduce_tree(comm, dw, dims, leaves)
+                return state, reduce_tree(comm, dw, dims, leaves)
 
             steps = jnp.arange(length)
             (ct, _, _, dk), grads = jax.lax.scan(body, state, steps, reverse=True)
@@ -255,91 +259,6 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
     run = jax.custom_vjp(lambda *args: forward(*args)[0])
     run.defvjp(forward, backward)
     return run
-
-
-def _deferred(comm: Comm, layer, state, leaves, dims, length):
-    """The backward loop with each layer's gradient reduced one iteration later, by hand: the
-    last layer's backward runs first, then iteration ``i`` reduces layer ``i + 1``'s gradient
-    (carried over) while layer ``i``'s backward computes, and layer 0's is reduced after the
-    loop. For a wire whose reduction XLA's collective pipeliner does not move across
-    iterations (qgZ's all-to-all): left in the iteration that computes it, it waits for the
-    whole layer's backward and nothing computes beside it. Returns the final state and the
-    reduced gradient stacks."""
-    state, pending = layer(state, length - 1)
-
-    def body(carry, i):
-        state, pending, out = carry
-        out = _put(out, _reduce_tree(comm, pending, dims, leaves), i + 1)  # under layer i
-        state, pending = layer(state, i)
-        return (state, pending, out), None
-
-    out = [_zeros(x) for x in leaves]
-    steps = jnp.arange(length - 1)
-    (state, pending, out), _ = jax.lax.scan(body, (state, pending, out), steps, reverse=True)
-    return state, _put(out, _reduce_tree(comm, pending, dims, leaves), 0)
-
-
-def _in_place(comm: Comm, layer, state, leaves, dims, length):
-    """The backward loop over stacks in host memory (parameter offload): iteration ``i``
-    reads layer ``i - 1``'s params from the stacks it carries and writes layer ``i``'s
-    reduced gradient into layer ``i``'s slot, which nothing reads again (the backward
-    fetched layer ``i`` one iteration earlier). XLA then updates the stacks' host buffers in
-    place: the gradient takes the params' bytes, and leaves the device layer by layer.
-    Returns the final state and the gradient stacks (in the params' buffers)."""
-
-    def body(carry, i):
-        state, out = carry
-        state, dw = layer(state, i, out)
-        # the write waits for the read of layer i - 1 (in the next layer's weights): else
-        # the two overlap, and XLA copies the whole stack to keep the read's bytes
-        dw, _ = jax.lax.optimization_barrier((dw, state[1]))
-        reduced = _reduce_tree(comm, dw, dims, leaves)
-        host = [jax.device_put(g, jax.memory.Space.Host) for g in reduced]
-        return (state, _put(out, host, i)), None
-
-    steps = jnp.arange(length)
-    (state, out), _ = jax.lax.scan(body, (state, list(leaves)), steps, reverse=True)
-    return state, out
-
-
-def _accumulated(comm: Comm, layer, state, leaves, accs, dims, length):
-    """The backward loop over stacks in host memory with micro-batches (parameter offload,
-    ``accum_steps > 1``): the params stay as they are (the next micro-batch's forward reads
-    them), and iteration ``i`` adds layer ``i``'s reduced gradient, in ``output_dtype``, into
-    layer ``i``'s slot of a host accumulator of the stacks' shapes: ``accs`` (the earlier
-    micro-batches' sum, each slot fetched, added to on the device and written back in place)
-    or, at the first micro-batch (``accs`` all None), the scan's stacked output, which XLA
-    allocates in host memory (a zeros buffer would be made on the device and copied over).
-    Returns the final state and the accumulators (the stacks' gradients so far)."""
-    dtype = comm.output_dtype
-    # with several devices each layer's sum waits for layer i - 1's gathered weights (the
-    # next state's): else the scheduler puts the accumulator's transfers first and the
-    # all-gathers lose their overlap (LLaMA-7B at N = 8: 40% hidden, 82% with the barrier);
-    # with one there is nothing to gather and the barrier only holds the transfers back
-    # (13B at N = 1: 31% of the PCIe bytes hidden, 14% with it; decision 42)
-    barrier = lambda state, dw: jax.lax.optimization_barrier((dw, state[1]))[0]
-    after = barrier if comm.num_batch_shards > 1 else (lambda state, dw: dw)
-    to_host = lambda xs: [jax.device_put(x, jax.memory.Space.Host) for x in xs]
-    steps = jnp.arange(length)
-    if all(a is None for a in accs):  # the scan stacks each slot into a new host buffer
-
-        def first(state, i):
-            state, dw = layer(state, i)
-            reduced = _reduce_tree(comm, after(state, dw), dims, leaves)
-            return state, to_host(g.astype(dtype) for g in reduced)
-
-        return jax.lax.scan(first, state, steps, reverse=True)
-
-    def body(carry, i):
-        state, out = carry
-        state, dw = layer(state, i)
-        reduced = _reduce_tree(comm, after(state, dw), dims, leaves)
-        earlier = [jax.device_put(a, jax.memory.Space.Device) for a in _at(out, i)]
-        new = [a + g.astype(dtype) for a, g in zip(earlier, reduced, strict=True)]
-        return (state, _put(out, to_host(new), i)), None
-
-    (state, out), _ = jax.lax.scan(body, (state, list(accs)), steps, reverse=True)
-    return state, out
 
 
 def _layer_input(saved, inputs, last, i, length):
@@ -362,24 +281,3 @@ def _buffer(slices, length):
     return jax.tree.map(
         lambda x: to_varying(jnp.zeros((length,) + x.shape, x.dtype), varying_axes(x)), slices
     )
-
-
-def _put(buffer, slices, i):
-    """``buffer`` with layer ``i``'s ``slices`` written in."""
-    return jax.tree.map(
-        lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x, i, 0), buffer, slices
-    )
-
-
-def _reduce_tree(comm: Comm, dw, dims, leaves):
-    """Each leaf of one layer's gradient reduced (reduce-scatter along its dim, or all-reduce)
-    and returned in the dtype of the stack leaf it belongs to."""
-    reduced = reduce_leaves(comm, jax.tree.leaves(dw), dims)
-    return [
-        to_varying(g.astype(x.dtype), varying_axes(x)) for g, x in zip(reduced, leaves, strict=True)
-    ]
-
-
-def _zeros(x):
-    """Zeros of ``x``'s shape, dtype and device-variance."""
-    return to_varying(jnp.zeros_like(x), varying_axes(x))
