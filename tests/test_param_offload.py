@@ -178,7 +178,9 @@ def test_gpu_param_offload_holds_state_and_params_on_the_host_and_nothing_more()
     optimizer offload's by at least the bf16 params (2 bytes per local element; their
     gradient's 2 are partly spent on the reduce-scatter in flight under the next layer's
     backward, decision 44). Each stack's gradient leaves the device one layer's slice at a
-    time: the compiled step writes a [1, ...] device slice into every stack's host buffer."""
+    time: the compiled step writes a [1, ...] device slice into every stack's host buffer, and
+    its reduce-scatters are as hidden as optimizer offload's (written in the same iteration,
+    none was)."""
     local = _local_elements()
     host = _gpu_report(PARAMS)
     want = 18 * local + 2 * 4
@@ -189,6 +191,8 @@ def test_gpu_param_offload_holds_state_and_params_on_the_host_and_nothing_more()
     assert host.argument_bytes == 2 * 4 * SHAPE.batch * SHAPE.seq + 2 * 4
     device = _gpu_report("optimizer")
     assert device.peak_bytes - host.peak_bytes >= 2 * local
+    rs = lambda report: report.hidden_share("reduce-scatter")
+    assert rs(host) >= rs(device) > 0, (rs(host), rs(device))
     # the per-layer transfer: every stack's gradient is written into its host buffer one
     # layer's slice at a time (in the backward loop)
     writes = {tuple(int(d) for d in m.split(",")) for m in _HOST_WRITE.findall(host.hlo_text)}
