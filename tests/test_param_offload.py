@@ -18,6 +18,7 @@ import re
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -61,9 +62,11 @@ def _kinds(tree):
     ],
 )
 def test_param_offload_trains_like_the_device_params(kw):
-    """Losses, params, master, optimizer state, EMA and counters after 3 steps equal the
-    runs with the params on the device (optimizer offload) and with nothing offloaded; the
-    params, master, optimizer state and EMA are in pinned host memory throughout."""
+    """Losses, master, optimizer state, EMA and counters after 3 steps equal the runs with the
+    params on the device (optimizer offload) and with nothing offloaded, and the 16-bit params
+    are within one unit in their last place: each is the cast of a master equal to 1e-6, and a
+    master that sits on a rounding boundary casts to either neighbour (fp16 on jax 0.12: 1 of
+    6144). The params, master, optimizer state and EMA are in pinned host memory throughout."""
     params, loss_fn, batches = stack_problem(layers=3, steps=3)
     ema = jz.ShardedEMA(0.9, tau=2.0)
     runs = {}
@@ -76,11 +79,30 @@ def test_param_offload_trains_like_the_device_params(kw):
     for off in (None, "optimizer"):
         other, other_losses = runs[off]
         np.testing.assert_allclose(losses, other_losses, rtol=1e-6)
-        for part in ("params", "master", "opt_state", "ema"):
+        for part in ("master", "opt_state", "ema"):
             chex.assert_trees_all_close(
                 _numpy(getattr(host, part)), _numpy(getattr(other, part)), **tol
             )
+        _assert_within_one_ulp(_numpy(host.params), _numpy(other.params))
         assert (int(host.step), int(host.skipped)) == (int(other.step), int(other.skipped))
+
+
+def _assert_within_one_ulp(tree, other) -> None:
+    """Each leaf of ``tree`` within one unit in the last place of its dtype of ``other``'s."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        y = np.asarray(_leaf(other, path))
+        x, wide = np.asarray(x), np.asarray(y, np.float64)
+        info = jnp.finfo(x.dtype)
+        tiny, eps = float(info.tiny), float(info.eps)
+        ulp = eps * np.exp2(np.floor(np.log2(np.maximum(np.abs(wide), tiny))))
+        assert np.all(np.abs(np.asarray(x, np.float64) - wide) <= ulp), jax.tree_util.keystr(path)
+
+
+def _leaf(tree, path):
+    """The leaf of ``tree`` at ``path`` (dict keys)."""
+    for key in path:
+        tree = tree[key.key]
+    return tree
 
 
 def test_param_offload_follows_single_device_optax():
