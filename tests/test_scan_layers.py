@@ -29,6 +29,10 @@ def _problem(layers=3, steps=4, xs=None, ys=False):
 
 
 TX = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6))
+# linear in the gradient after the clip: the per-layer outputs' second gradient path reorders
+# sums that AdamW's division amplifies past tests/tolerance.py's guard on jax 0.12 (stage 2,
+# 3 layers: the reordered references 4.5e-5 apart against 0.012 moved)
+SGD = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9))
 
 
 @pytest.mark.parametrize(
@@ -99,9 +103,9 @@ def test_scan_layers_per_layer_outputs_match_single_device(stage, layers):
     the stage-2 per-layer scan (stages 0/1 run that lax.scan itself), on depths with no
     loop, an empty loop and a running one."""
     params, loss_fn, batches = _problem(layers, ys=True)
-    ref_params, ref_opt, atol = tolerance.reference(TX(), params, loss_fn, batches)
+    ref_params, ref_opt, atol = tolerance.reference(SGD(), params, loss_fn, batches)
     zero = jz.ZeRO(
-        TX(), jz.data_parallel_mesh(8), stage=stage, layers="layers" if stage >= 2 else None
+        SGD(), jz.data_parallel_mesh(8), stage=stage, layers="layers" if stage >= 2 else None
     )
     state = train(zero, loss_fn, params, batches)
     # Two valid float32 evaluations of plain optax differ by 4.5e-5 at stage 2 on 3 layers
@@ -111,7 +115,7 @@ def test_scan_layers_per_layer_outputs_match_single_device(stage, layers):
     # the ys carry gradient of their own: without them the trajectory differs
     no_ys, _, _ = _problem(layers)
     assert jax.tree.structure(no_ys) == jax.tree.structure(params)
-    ref_no_ys, _ = reference_run(TX(), params, _problem(layers)[1], batches)
+    ref_no_ys, _ = reference_run(SGD(), params, _problem(layers)[1], batches)
     assert not np.allclose(
         ref_no_ys["layers"]["block"]["linear1"]["kernel"],
         ref_params["layers"]["block"]["linear1"]["kernel"],
