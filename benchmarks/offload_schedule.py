@@ -45,13 +45,12 @@ from common import emit, md_table  # noqa: E402
 
 import jaxzero as jz  # noqa: E402
 from jaxzero import gpu  # noqa: E402
-from jaxzero.gpu.hlo import _ARRAY, _CALLS, parse_computations  # noqa: E402
+from jaxzero.gpu.hlo import _ARRAY, _CALLS, _dtype_bytes, parse_computations  # noqa: E402
 from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape  # noqa: E402
 from jaxzero.gpu.offload_cost import MFU  # noqa: E402
 from jaxzero.gpu.targets import gpu_spec  # noqa: E402
 
 ASYNC_LIMIT = {"xla_gpu_experimental_parallel_async_compute_limit": 16}
-_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
 _START = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) (fusion-start|copy-start)\(")
 _KERNEL = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*? (fusion|custom-call)\(")
 _DOT = re.compile(r"= \S+ dot\(%([\w.\-]+), %([\w.\-]+)\).*?lhs_contracting_dims=\{([\d,]*)\}")
@@ -59,11 +58,6 @@ _DOT = re.compile(r"= \S+ dot\(%([\w.\-]+), %([\w.\-]+)\).*?lhs_contracting_dims
 
 def _dims(text: str) -> list[int]:
     return [int(d) for d in text.split(",") if d]
-
-
-def _nbytes(array_type: str) -> int:
-    m = _ARRAY.match(array_type)
-    return math.prod(_dims(m.group(2))) * _BYTES.get(m.group(1), 4)
 
 
 def _dot_flops(body: list[tuple[str, str, str]]) -> float:
@@ -103,7 +97,9 @@ def latency_profile(hlo: str, kind: str = "h100") -> str:
             m = _START.match(line)
             if m and "S(5)" in m.group(2):
                 device = [t for t in re.findall(r"\w+\[[\d,]*\]\{[^}]*\}", m.group(2))]
-                moved = max((_nbytes(t) for t in device if "S(5)" not in t), default=0)
+                moved = max(
+                    (sum(_dtype_bytes(t).values()) for t in device if "S(5)" not in t), default=0
+                )
                 us = moved / (spec.pcie_bytes_per_s / 1e6)
                 lines.append(f'costs {{ name: "{m.group(1)}" cost_us: {us:.3f} }}')
                 continue

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+import tolerance
 
 import jaxzero as jz
 from jaxzero import gpu
@@ -36,3 +38,14 @@ def assert_host_params_run_equals_device_run(host, losses, device, device_losses
         chex.assert_trees_all_close(
             gathered(getattr(host, part)), gathered(getattr(device, part)), rtol=1e-6, atol=1e-8
         )
+
+
+def assert_master_is_bf16_optax(run, tx, problem, moved: float) -> None:
+    """``run(tx).master`` (a ``TrainState`` after ``problem``'s batches) is single-device
+    optax's fp32 master on the whole batch, within the spread of that reference rerun in other
+    summation orders with its loss on the bf16 cast (``tolerance.reference_cast``), and the
+    reference moved the params more than ``moved`` times that tolerance."""
+    params, loss_fn, batches = problem
+    ref, _, atol = tolerance.reference_cast(tx, params, loss_fn, batches, jnp.bfloat16)
+    assert tolerance.max_distance(ref, params) > moved * atol
+    chex.assert_trees_all_close(gathered(run(tx).master), ref, atol=atol, rtol=0)

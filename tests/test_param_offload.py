@@ -89,20 +89,13 @@ def test_param_offload_trains_like_the_device_params(kw):
 
 def _assert_within_one_ulp(tree, other) -> None:
     """Each leaf of ``tree`` within one unit in the last place of its dtype of ``other``'s."""
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        y = np.asarray(_leaf(other, path))
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for (path, x), y in zip(paths, jax.tree.leaves(other), strict=True):
         x, wide = np.asarray(x), np.asarray(y, np.float64)
         info = jnp.finfo(x.dtype)
         tiny, eps = float(info.tiny), float(info.eps)
         ulp = eps * np.exp2(np.floor(np.log2(np.maximum(np.abs(wide), tiny))))
         assert np.all(np.abs(np.asarray(x, np.float64) - wide) <= ulp), jax.tree_util.keystr(path)
-
-
-def _leaf(tree, path):
-    """The leaf of ``tree`` at ``path`` (dict keys)."""
-    for key in path:
-        tree = tree[key.key]
-    return tree
 
 
 def test_param_offload_follows_single_device_optax():
