@@ -4,8 +4,8 @@
     python benchmarks/offload_gpu.py --out benchmarks/results/offload_gpu.md
     python benchmarks/offload_gpu.py --tiny            # a small GPT on one CPU device, seconds
 
-Not yet run on a GPU: it was written on a machine without one; ``--tiny`` (the smoke run of
-tests/test_benchmarks.py) is all that has run.
+Results on one H200: ``benchmarks/results/offload_gpu.md``; ``--tiny`` is the smoke run of
+tests/test_benchmarks.py.
 
 The model is :mod:`jaxzero.gpu.models`' GPT decoder, scanned and rematerialised layers, 24 x
 2048, vocabulary 50,304 (1.31B parameters), bf16 compute with an fp32 master, Adam. Rows, at
@@ -16,7 +16,10 @@ The model is :mod:`jaxzero.gpu.models`' GPT decoder, scanned and rematerialised 
 * jaxzero stage 3 (one device) with ``offload`` off, ``"optimizer"`` and
   ``("optimizer", "params")`` (with micro-batches the params offload sums the stacks'
   gradients in an fp32 host accumulator: decision 42); a configuration jaxzero refuses is
-  printed as refused, with the error's first line.
+  printed as refused, with the error's first line;
+* with ``--fraction F``, ``offload="optimizer"`` at ``offload_fraction=F``: pass the fraction
+  that ``jaxzero plan --offload auto --gpu-memory SIZE`` picks for the same model, to time
+  what ``auto`` would run on a GPU of SIZE (the plan compiles deviceless, off the GPU's time).
 
 Each row's measured step (3 warm-up steps, then the median of ``--rounds`` rounds of
 ``--steps`` steps, state donated) stands beside the step time predicted by
@@ -86,19 +89,25 @@ def time_plain(loss_fn, abstract, batch, accum, rounds, steps) -> float:
     return median_step_ms(step, (master, tx.init(master)), batch, rounds, steps)
 
 
-def _zero(mesh, offload):
+def _zero(mesh, offload, fraction=1.0):
     return jz.ZeRO(
-        optax.adam(1e-4), mesh, stage=3, precision="bf16", layers="layers", offload=offload
+        optax.adam(1e-4),
+        mesh,
+        stage=3,
+        precision="bf16",
+        layers="layers",
+        offload=offload,
+        offload_fraction=fraction,
     )
 
 
-def _planned(step, loss_fn, mesh, offload, accum):
+def _planned(step, loss_fn, mesh, offload, accum, fraction):
     """The step to read the prediction from: ``step`` itself on a GPU; off one (``--tiny``
     on a CPU, whose compiles report no host memory) the same step compiled deviceless for
     one H100 (jax's CUDA plugin, no GPU needed)."""
     if gpu_kind_of(mesh) is not None:
         return step
-    zero = _zero(gpu.compile_only_mesh("h100", 1), offload)
+    zero = _zero(gpu.compile_only_mesh("h100", 1), offload, fraction)
     return jz.make_train_step(loss_fn, zero, accum_steps=accum)
 
 
@@ -112,6 +121,12 @@ def main(argv=None) -> None:
     ap.add_argument("--accum", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument(
+        "--fraction",
+        type=float,
+        help="also a row of ZeRO(offload='optimizer', offload_fraction=F): the fraction that "
+        "`jaxzero plan --offload auto --gpu-memory SIZE` picks for this model and GPU",
+    )
     ap.add_argument("--pcie-gbps", type=float, help="GB/s (default: the GPU kind's)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -141,8 +156,11 @@ def main(argv=None) -> None:
         ms = time_plain(loss_fn, abstract, batch, accum, args.rounds, args.steps)
         rows.append(("plain jax.jit optax", accum, ms, tokens, compute * 1e3, "-"))
         print(f"plain, accum {accum}: {ms:.2f} ms", file=sys.stderr, flush=True)
-        for off, label in OFFLOADS:
-            zero = _zero(mesh, off)
+        fractions = [(off, label, 1.0) for off, label in OFFLOADS]
+        if args.fraction is not None:
+            fractions.append(("optimizer", f"optimizer, fraction {args.fraction:g}", args.fraction))
+        for off, label, fraction in fractions:
+            zero = _zero(mesh, off, fraction)
             try:
                 step = jz.make_train_step(loss_fn, zero, accum_steps=accum)
             except ValueError as e:
@@ -152,7 +170,7 @@ def main(argv=None) -> None:
             predicted, moved = compute, "-"  # nothing crosses PCIe without offload
             if off:
                 shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-                planned = _planned(step, loss_fn, mesh, off, accum)
+                planned = _planned(step, loss_fn, mesh, off, accum, fraction)
                 report = gpu.compile_report(planned, abstract, shapes, kind=kind)
                 cost = offload_cost(
                     report, shape.num_params, tokens, kind=kind, gbps=args.pcie_gbps
@@ -160,7 +178,11 @@ def main(argv=None) -> None:
                 predicted, moved = cost.step_seconds, report.transfer_summary()
             ms = time_train_step(loss_fn, zero, abstract, batch, args.rounds, args.steps, accum)
             rows.append((f"jaxzero, offload {label}", accum, ms, tokens, predicted * 1e3, moved))
-            print(f"{label}, accum {accum}: {ms:.2f} ms", file=sys.stderr, flush=True)
+            print(
+                f"{label}, accum {accum}: {ms:.2f} ms, predicted {predicted * 1e3:.4g} ms, {moved}",
+                file=sys.stderr,
+                flush=True,
+            )
     base = {accum: ms for label, accum, ms, *_ in rows if label.startswith("plain")}
     table = md_table(
         ["step", "accum", "ms per step", "tokens/s", "vs plain", "predicted ms", "PCIe per step"],

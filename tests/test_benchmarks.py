@@ -197,11 +197,13 @@ def test_offload_gpu_benchmark_runs_tiny_on_a_cpu(capsys):
     beside a prediction whose PCIe bytes are the fp32 master and Adam's two moments each way
     (12 bytes per parameter: one device holds all of them), and the params offload (with its
     host gradient accumulator at accum 2) measured too, moving more than the optimizer
-    offload."""
+    offload; ``--fraction 0.5`` adds a row of half the optimizer state offloaded, predicted
+    between no offload and all of it."""
     from jaxzero.gpu.models import model_shape
     from jaxzero.memory import format_bytes
 
-    repo_module("offload_gpu_bench", "benchmarks", "offload_gpu.py").main(["--tiny"])
+    bench = repo_module("offload_gpu_bench", "benchmarks", "offload_gpu.py")
+    bench.main(["--tiny", "--fraction", "0.5"])
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")]
     labels = [r[0].lstrip("| ") for r in rows[1:]]
@@ -210,6 +212,7 @@ def test_offload_gpu_benchmark_runs_tiny_on_a_cpu(capsys):
         "jaxzero, offload off",
         "jaxzero, offload optimizer",
         "jaxzero, offload optimizer,params",
+        "jaxzero, offload optimizer, fraction 0.5",
     ]
     by = dict(zip(labels, rows[1:], strict=True))
     for label in labels:
@@ -219,6 +222,9 @@ def test_offload_gpu_benchmark_runs_tiny_on_a_cpu(capsys):
     assert moved.startswith(f"host->device {format_bytes(12 * phi)}, device->host ")
     assert by["jaxzero, offload optimizer,params"][6].startswith("host->device ")
     assert float(by["jaxzero, offload optimizer,params"][5]) > float(by[labels[2]][5])
+    # half the state offloaded: fewer exposed PCIe bytes than all of it, more than none
+    half = float(by["jaxzero, offload optimizer, fraction 0.5"][5])
+    assert float(by[labels[1]][5]) < half < float(by[labels[2]][5])
 
 
 # slow: eight deviceless compiles of a 2-layer GPT (about 40 s on 2 cores)
