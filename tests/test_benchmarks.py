@@ -245,3 +245,15 @@ def test_offload_schedule_benchmark_moves_the_same_bytes_under_every_compile(cap
         assert 0 <= int(r[4].rstrip("%")) <= 100
     assert sorted(by_offload) == ["optimizer", "optimizer,params"]
     assert all(len(v) == 1 for v in by_offload.values()), by_offload
+
+
+def test_pcie_duplex_benchmark_moves_what_it_says_on_a_cpu(capsys):
+    """``benchmarks/pcie_duplex.py --tiny``: the four loops over a pinned-host buffer run on one
+    CPU device and each result matches numpy (the script asserts it: a loop that moved nothing
+    would fail), one row each, the in-place loop the 1.00x baseline."""
+    repo_module("pcie_duplex_bench", "benchmarks", "pcie_duplex.py").main(["--tiny"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()]
+    rows = [[c.strip("| ") for c in r] for r in rows if r[0].startswith("| ")]
+    assert [r[0] for r in rows[1:]] == ["fetch", "write", "in place", "two buffers, pipelined"]
+    assert rows[3][3] == "1.00x"
+    assert all(float(r[2]) > 0 for r in rows[1:])
