@@ -122,6 +122,13 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument(
+        "--offloads",
+        nargs="+",
+        choices=[label for _, label in OFFLOADS],
+        default=[label for _, label in OFFLOADS],
+        help="the jaxzero rows to time (default: all)",
+    )
+    ap.add_argument(
         "--fraction",
         type=float,
         help="also a row of ZeRO(offload='optimizer', offload_fraction=F): the fraction that "
@@ -156,7 +163,7 @@ def main(argv=None) -> None:
         ms = time_plain(loss_fn, abstract, batch, accum, args.rounds, args.steps)
         rows.append(("plain jax.jit optax", accum, ms, tokens, compute * 1e3, "-"))
         print(f"plain, accum {accum}: {ms:.2f} ms", file=sys.stderr, flush=True)
-        fractions = [(off, label, 1.0) for off, label in OFFLOADS]
+        fractions = [(off, label, 1.0) for off, label in OFFLOADS if label in args.offloads]
         if args.fraction is not None:
             fractions.append(("optimizer", f"optimizer, fraction {args.fraction:g}", args.fraction))
         for off, label, fraction in fractions:
