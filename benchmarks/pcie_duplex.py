@@ -98,18 +98,17 @@ def two_buffers(a, b, c):
     return a, b
 
 
-def _timed(fn, args, rounds):
-    """Median seconds of ``fn(*args)`` (its outputs fed back as the next call's arguments
-    where they are the donated buffers), and the last outputs."""
-    out = None
+def _timed(fn, args, rounds, donated: bool = True):
+    """Median seconds of ``fn(*args)`` after 2 warm-up calls, and the last outputs; with
+    ``donated`` each call's outputs (its arguments' buffers) are the next call's arguments."""
     times = []
     for i in range(2 + rounds):
         t = time.perf_counter()
-        out = fn(*args)
-        jax.block_until_ready(out)
+        out = jax.block_until_ready(fn(*args))
         if i >= 2:
             times.append(time.perf_counter() - t)
-        args = out if isinstance(out, tuple) else (out,) if out.shape == args[0].shape else args
+        if donated:
+            args = out if isinstance(out, tuple) else (out,)
     return statistics.median(times), out
 
 
@@ -169,7 +168,7 @@ def main(argv=None) -> None:
         rows.append((label, seconds, moved))
         print(f"{label}: {seconds * 1e3:.1f} ms, {moved / seconds / 1e9:.1f} GB/s", file=sys.stderr)
 
-    s, total = _timed(jax.jit(lambda a: fetch(a, c)), (put(),), args.rounds)
+    s, total = _timed(jax.jit(lambda a: fetch(a, c)), (put(),), args.rounds, donated=False)
     np.testing.assert_allclose(float(total), base.sum(dtype=np.float64), rtol=1e-3)
     row("fetch", s, nbytes)
     s, out = _timed(jax.jit(lambda a: write(a, c), donate_argnums=0), (put(),), args.rounds)
