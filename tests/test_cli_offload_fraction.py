@@ -61,6 +61,31 @@ def test_gpu_plan_offload_auto_picks_the_smallest_fraction_that_fits(capsys, mon
     assert f * 2.95 <= host + 0.01 and h2d == pytest.approx(host, rel=0.02)
 
 
+def test_gpu_plan_offload_auto_offloads_the_params_too_where_the_optimizer_is_not_enough(capsys):
+    """Compiled for 5 MB devices the tiny step does not fit with the whole optimizer side
+    offloaded (5.42 MB) but fits with the params offloaded too (4.52 MB): auto's row is
+    ``--offload optimizer,params``'s own for the same memory, peak, host and PCIe bytes
+    alike, and its note lists the fraction 1 that did not fit before the params. In fp32
+    ZeRO does not build the params offload (it writes 16-bit gradients into the params' host
+    buffers): the row stays at 1, short of the memory."""
+    limit = ["--gpu-memory", "5MB"]
+    assert cli.main([*ARGV, "--offload", "auto", *limit]) == 0
+    auto = capsys.readouterr().out
+    assert cli.main([*ARGV, "--offload", "optimizer,params", *limit]) == 0
+    ref = re.split(r"\s{2,}", _row(capsys.readouterr().out))
+    cells = re.split(r"\s{2,}", _row(auto))
+    assert cells[1] == "1 + params" and cells[7].startswith("fits in")
+    for k in (1, 4, 9, 10):  # compiled peak, host bytes, PCIe h2d and d2h
+        assert cells[k + 1] == ref[k], (k, cells[k + 1], ref[k])
+    note = auto.split("per fraction tried: compiled peak, hidden AG+RS: 3 per layer: ")[1]
+    (one, peak_one), (params, peak_params) = re.findall(r"(1(?: \+ params)?): ([\d.]+) MB", note)
+    assert (one, params) == ("1", "1 + params")
+    assert float(peak_one) > 5.0 >= float(peak_params) == _mb(ref[1])
+    assert cli.main([*ARGV, "--precision", "fp32", "--offload", "auto", *limit]) == 0
+    cells = re.split(r"\s{2,}", _row(capsys.readouterr().out))
+    assert cells[1] == "1" and cells[7].startswith("short by")
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [

@@ -190,6 +190,38 @@ def test_smallest_fraction_fits_by_the_linear_model_and_keeps_the_overlap():
     assert f == 0.5 and len(tried) == 2
 
 
+class _Tight(_Compiled):
+    """:class:`_Compiled` on a 50-byte device: even all of the state offloaded (peak 60)
+    does not fit."""
+
+    hbm_bytes = 50
+
+
+def test_auto_offloads_the_params_too_only_where_all_of_the_optimizer_does_not_fit():
+    """``or_params``: a step that fits at some fraction keeps it and never compiles the
+    params offload; one that does not fit even at 1 takes the params offload's compile
+    (peak 20 of 50) and lists it last among the tries; without a params compile (ZeRO
+    refuses it for the case) the fraction 1 that does not fit stands."""
+    from jaxzero.gpu.offload_fraction import WITH_PARAMS, or_params, smallest_fraction
+
+    def never():
+        raise AssertionError("compiled the params offload for a step that fits")
+
+    f, report, _, params = or_params(smallest_fraction(_Compiled), never)
+    assert (f, params) == (0.75, False) and report.fits
+
+    class Params(_Tight):
+        def __init__(self):
+            super().__init__(1.0)
+            self.peak_bytes, self.headroom_bytes, self.fits = 20, 30, True
+
+    f, report, tried, params = or_params(smallest_fraction(_Tight), Params)
+    assert (f, params, report.peak_bytes) == (1.0, True, 20)
+    assert [t[0] for t in tried] == [1.0, WITH_PARAMS]
+    f, report, tried, params = or_params(smallest_fraction(_Tight), lambda: None)
+    assert (f, params, report.fits, len(tried)) == (1.0, False, False, 1)
+
+
 def test_a_checkpoint_moves_between_fractions(tmp_path):
     """Saved at f = 0.5, restored at f = 1 (everything on the host) and without offload: the
     same values, each leaf in the memory its target's fraction gives it, and the next step

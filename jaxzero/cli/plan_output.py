@@ -85,7 +85,7 @@ def offload_note(rows) -> str | None:
 
 
 def _fraction(f) -> str:
-    return "none" if f is None else f"{f:g}"
+    return "none" if f is None else f if isinstance(f, str) else f"{f:g}"
 
 
 def table(rows, fractions: bool = False) -> str:
@@ -111,7 +111,7 @@ def table(rows, fractions: bool = False) -> str:
     body = [
         [
             r.label,
-            *([_fraction(r.fraction)] if fractions else []),
+            *([_fraction(r.fraction) + (" + params" * r.params_offloaded)] if fractions else []),
             format_bytes(r.gpu_bytes),
             format_bytes(r.estimate.total),
             format_bytes(r.state_bytes),
@@ -194,6 +194,8 @@ def fraction_note(rows) -> str | None:
         "offloaded: the share of the master, Adam and EMA bytes per GPU in host memory "
         "(ZeRO(offload_fraction=...)), largest leaves first; auto compiled everything offloaded, "
         "then the fraction where the device takes the rest byte for byte, rounded up to 0.01, "
-        "bisected towards 1 where it hides less of the AG+RS bytes (jaxzero.gpu.offload_fraction; "
+        "bisected towards 1 where it hides less of the AG+RS bytes, and where all of it does not "
+        "fit, the params too (1 + params: ZeRO(offload=('optimizer', 'params')); "
+        "jaxzero.gpu.offload_fraction; "
         "per fraction tried: compiled peak, hidden AG+RS: " + " | ".join(lines) + ")."
     )

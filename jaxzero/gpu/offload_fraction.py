@@ -17,6 +17,9 @@ reduce-scatter bytes, against 96% with all of it offloaded and 96% at 0.55 on an
 the fraction that fits must also hide those bytes as the all-offloaded step does
 (:func:`keeps_overlap`); where it does not, the fraction is bisected between it and 1
 (:data:`BISECTIONS` compiles).
+
+Where everything offloaded still does not fit, the params go to the host too
+(:func:`or_params`): offload only what does not fit, the optimizer side first.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ from jaxzero.memory import MemoryEstimate
 __all__ = [
     "BISECTIONS",
     "CHECKS",
+    "WITH_PARAMS",
     "fraction_estimate",
     "keeps_overlap",
     "limited",
+    "or_params",
     "smallest_fraction",
 ]
 
@@ -45,6 +50,8 @@ BISECTIONS = 3
 #: fraction may lose
 OVERLAP_SLACK = 0.02
 _KINDS = ("all-gather", "reduce-scatter")
+#: auto's last try where all of the optimizer side offloaded does not fit: the params too
+WITH_PARAMS = "1 + params"
 
 
 def keeps_overlap(report: CompileReport, full: CompileReport) -> bool:
@@ -121,6 +128,22 @@ def smallest_fraction(
             )
         f = _up(f + (report.peak_bytes - report.hbm_bytes) / host + 0.01)
     return 1.0, full, tried
+
+
+def or_params(picked, compile_params: Callable[[], CompileReport | None] | None):
+    """``(fraction, report, tried, params)``: :func:`smallest_fraction`'s ``picked`` with
+    ``params`` False; or, where even all of the optimizer side offloaded does not fit, the
+    step with the params offloaded too (``ZeRO(offload=("optimizer", "params"))``), compiled
+    by ``compile_params``, with ``params`` True. ``compile_params`` is None, or returns None,
+    where ZeRO does not build the params offload for the case (it needs stage 3 a layer or a
+    unit at a time, bf16 on 2^k devices); ``picked`` then stands."""
+    f, report, tried = picked
+    more = None
+    if f == 1.0 and not report.fits and compile_params is not None:
+        more = compile_params()
+    if more is None:
+        return f, report, tried, False
+    return 1.0, more, [*tried, _tried(WITH_PARAMS, more)], True
 
 
 def _bisect(low, full, compile_at, keeps, tried):

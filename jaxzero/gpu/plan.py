@@ -14,7 +14,7 @@ from jaxzero.ema import ShardedEMA
 from jaxzero.gpu.models import PYTHON_LOOPS, ModelShape, abstract_params, batch_shapes, make_loss
 from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_time
 from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
-from jaxzero.gpu.offload_fraction import fraction_estimate, limited, smallest_fraction
+from jaxzero.gpu.offload_fraction import fraction_estimate, limited, or_params, smallest_fraction
 from jaxzero.gpu.plan_checks import PRECISIONS as PRECISIONS
 from jaxzero.gpu.plan_checks import _check_plan_args, check_plan_offload
 from jaxzero.gpu.plan_checks import check_hpz as check_hpz
@@ -61,7 +61,8 @@ class PlanRow:
     ``ZeRO(hpz_partition_size=...)`` (None on the other rows). ``cost``: with offload, the
     host <-> device bytes of the compiled step and the step time they predict
     (:func:`jaxzero.gpu.offload_cost.offload_cost`; None without offload). ``fraction``: the
-    row's ``ZeRO(offload_fraction=...)`` with a fraction or ``auto`` (None: not offloaded).
+    row's ``ZeRO(offload_fraction=...)`` with a fraction or ``auto`` (None: not offloaded);
+    ``params_offloaded``: ``auto`` offloaded the params too, as nothing less fits.
     """
 
     stage: int
@@ -76,6 +77,7 @@ class PlanRow:
     cost: OffloadCost | None = None
     fraction: float | None = 1.0
     tries: tuple = ()  # auto: every (fraction, compiled peak bytes) it compiled
+    params_offloaded: bool = False  # auto: the params offloaded too (offload_fraction.or_params)
 
     @property
     def label(self) -> str:
@@ -226,13 +228,26 @@ def _label(stage: int, per_layer: bool, per: str, prefetch) -> str:
     return label + ("" if prefetch is not False else ", prefetch=False")
 
 
-def _fraction(compile_at, auto: bool, fraction):
-    """``(fraction, report, tries)`` of one case: compiled at ``fraction`` (None: without
-    offload), or with ``auto`` at the smallest that fits (:func:`smallest_fraction`)."""
+def _fraction(compile_at, auto: bool, fraction, compile_params=None):
+    """``(fraction, report, tries, params offloaded)`` of one case: compiled at ``fraction``
+    (None: without offload), or with ``auto`` at the smallest that fits
+    (:func:`smallest_fraction`), the params too where nothing less fits (:func:`or_params`)."""
     if auto:
-        f, report, tries = smallest_fraction(compile_at)
-        return f, report, tuple(tries)
-    return fraction, compile_at(fraction), ()
+        f, report, tries, params = or_params(smallest_fraction(compile_at), compile_params)
+        return f, report, tuple(tries), params
+    return fraction, compile_at(fraction), (), False
+
+
+def _params_too(case, step_args):
+    """A function compiling ``case`` with the params offloaded too, or None where ZeRO refuses
+    that offload for it (the refusal is :func:`~jaxzero.zero.offload.placement.check_params`'s,
+    raised before anything is compiled)."""
+    case = (*case[:6], ("optimizer", "params"), *case[7:])
+    try:
+        _zero(*case)
+    except ValueError:
+        return None
+    return lambda: _compile(case, *step_args, 1.0)
 
 
 def _cost(report, shape: ModelShape, accum: int, gpu: str, gbps) -> OffloadCost:
@@ -341,7 +356,8 @@ def plan(
     ``offload``, each row's ``cost``: the host <-> device bytes and the step time at
     ``pcie_gbps`` GB/s (default: the GPU kind's) for ``batch x seq x accum`` tokens per GPU.
     ``offload_fraction``: ``ZeRO(offload_fraction=...)``; ``offload="auto"``: the smallest
-    that fits ``gpu_memory`` bytes per device (compiled for, instead of the kind's; decision 43).
+    that fits ``gpu_memory`` bytes per device (compiled for, instead of the kind's; decision 43),
+    and the params offloaded too where all of it does not fit (stage 3 per layer or unit).
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -365,11 +381,13 @@ def plan(
         # compute_copy=False: a layout of stage 3 only; hpZ: the per-layer stage-3 row only
         copy, g = compute_copy or stage != 3, hpz if stage == 3 and per_layer else None
         case = (shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf, g)
-        f, report, tries = _fraction(functools.partial(_compile, case, *step_args), auto, fraction)
-        off = offload if f is not None else None
+        more = _params_too(case, step_args) if auto and stage == 3 and per_layer else None
+        compile_at = functools.partial(_compile, case, *step_args)
+        f, report, tries, params = _fraction(compile_at, auto, fraction, more)
+        off = ("optimizer", "params") if params else offload if f is not None else None
         args = (shape, n, stage, per_layer, precision, ema, copy, off, per, pf is not False, accum)
         cost = off and _cost(report, shape, accum, gpu, pcie_gbps)
         est, state = fraction_estimate(row_estimate(*args), f), report.argument_bytes - batch_bytes
         head = (stage, per_layer, shape.num_params, report, est, state)
-        rows.append(PlanRow(*head, per, pf, g, cost, f, tries))
+        rows.append(PlanRow(*head, per, pf, g, cost, f, tries, params))
     return rows
