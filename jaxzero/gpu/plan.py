@@ -228,12 +228,15 @@ def _label(stage: int, per_layer: bool, per: str, prefetch) -> str:
     return label + ("" if prefetch is not False else ", prefetch=False")
 
 
-def _fraction(compile_at, auto: bool, fraction, compile_params=None):
-    """``(fraction, report, tries, params offloaded)`` of one case: compiled at ``fraction``
-    (None: without offload), or with ``auto`` at the smallest that fits
-    (:func:`smallest_fraction`), the params too where nothing less fits (:func:`or_params`)."""
+def _fraction(case, step_args, auto: bool, fraction):
+    """``(fraction, report, tries, params offloaded)`` of one plan ``case``: compiled at
+    ``fraction`` (None: without offload), or with ``auto`` at the smallest that fits
+    (:func:`smallest_fraction`), the params too where nothing less fits and the case is
+    stage 3 a layer or a unit at a time (:func:`or_params`)."""
+    compile_at = functools.partial(_compile, case, *step_args)
     if auto:
-        f, report, tries, params = or_params(smallest_fraction(compile_at), compile_params)
+        more = _params_too(case, step_args) if case[2] == 3 and case[3] else None
+        f, report, tries, params = or_params(smallest_fraction(compile_at), more)
         return f, report, tuple(tries), params
     return fraction, compile_at(fraction), (), False
 
@@ -381,9 +384,7 @@ def plan(
         # compute_copy=False: a layout of stage 3 only; hpZ: the per-layer stage-3 row only
         copy, g = compute_copy or stage != 3, hpz if stage == 3 and per_layer else None
         case = (shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf, g)
-        more = _params_too(case, step_args) if auto and stage == 3 and per_layer else None
-        compile_at = functools.partial(_compile, case, *step_args)
-        f, report, tries, params = _fraction(compile_at, auto, fraction, more)
+        f, report, tries, params = _fraction(case, step_args, auto, fraction)
         off = ("optimizer", "params") if params else offload if f is not None else None
         args = (shape, n, stage, per_layer, precision, ema, copy, off, per, pf is not False, accum)
         cost = off and _cost(report, shape, accum, gpu, pcie_gbps)
