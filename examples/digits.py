@@ -73,6 +73,13 @@ def base_parser(
     p.add_argument("--batch", type=int, default=batch, help="global batch size (all devices)")
     p.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-batches")
     p.add_argument("--bf16", action="store_true", help="bf16 compute params, fp32 master")
+    p.add_argument(
+        "--offload",
+        choices=("optimizer", "optimizer,params"),
+        default=None,
+        help="ZeRO(offload=...): the fp32 master, optimizer state and EMA in pinned host "
+        "memory, with ',params' the params too (stage 3, --bf16, a model of layer stacks)",
+    )
     p.add_argument("--lr", type=float, default=lr, help="peak learning rate (warm-up + cosine)")
     p.add_argument("--ema-decay", type=float, default=ema_decay, help="EMA decay (YOLOv5 schedule)")
     p.add_argument(
@@ -367,7 +374,18 @@ def run_experiment(exp: Experiment, args) -> dict | None:
     total_steps = args.epochs * exp.steps_per_epoch
     tau = args.ema_tau if args.ema_tau is not None else max(1.0, total_steps / 10)
     ema = jz.ShardedEMA(args.ema_decay, tau=tau)
-    zero = jz.ZeRO(exp.tx, mesh, stage=args.stage, precision=precision, layers=exp.layers)
+    offload = tuple(args.offload.split(",")) if args.offload else None
+    try:  # a configuration ZeRO refuses stops here, with its reason and fix
+        zero = jz.ZeRO(
+            exp.tx,
+            mesh,
+            stage=args.stage,
+            precision=precision,
+            layers=exp.layers,
+            offload=offload[0] if offload and len(offload) == 1 else offload,
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     step = jz.make_train_step(exp.loss_fn, zero, ema=ema, accum_steps=args.accum)
 
     run_dir = os.path.abspath(os.path.join(args.out_dir, args.run_name))
@@ -383,6 +401,7 @@ def run_experiment(exp: Experiment, args) -> dict | None:
         "ema_tau": tau,
         "seed": args.seed,
         "precision": precision,
+        "offload": args.offload,
         "smoke": args.smoke,
     }
     history = {"loss": [], "eval": []}
@@ -424,7 +443,8 @@ def run_experiment(exp: Experiment, args) -> dict | None:
     config["stage"] = args.stage
 
     print(
-        f"{exp.name}: {param_count(exp.params):,} params | ZeRO stage {args.stage}, {precision} | "
+        f"{exp.name}: {param_count(exp.params):,} params | ZeRO stage {args.stage}, {precision}"
+        f"{f', offload {args.offload}' if args.offload else ''} | "
         f"{ndev} x {jax.devices()[0].platform} | global batch {args.batch} "
         f"({args.batch // ndev}/device, accum {args.accum}) | {args.epochs} epochs x "
         f"{exp.steps_per_epoch} steps | EMA decay {args.ema_decay} tau {tau:g} | {run_dir}",

@@ -2,6 +2,7 @@
 
     python examples/gpt_zero3.py                   # stage 3, fp32, all devices
     python examples/gpt_zero3.py --bf16 --accum 2 --stage 2
+    python examples/gpt_zero3.py --bf16 --offload optimizer,params   # ZeRO-Offload: host memory
     python examples/gpt_zero3.py --corpus some.txt
     python examples/gpt_zero3.py --smoke           # a handful of steps (CI)
 

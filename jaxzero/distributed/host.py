@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero._tree import check_not_donated
 from jaxzero.ema.storage import to_per_leaf
+from jaxzero.zero.offload import on_host
 
 
 def mesh_of(tree):
@@ -34,11 +35,14 @@ def replicator(mesh, dtype=None, key=None):
     """One jitted "replicate (and cast) every leaf" per mesh; jit caches per tree structure.
 
     A bucketed EMA is first sliced back into its per-leaf form on each device (no
-    communication); ``key`` then picks one entry of the resulting dict ("params")."""
+    communication); ``key`` then picks one entry of the resulting dict ("params"). A leaf in
+    host memory (offload: the EMA, the master, the params) comes back in device memory, where
+    the model that reads it computes (jax refuses a host operand beside a device one)."""
     replicated = NamedSharding(mesh, P())
+    fetch = lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x
 
     def fn(tree):
-        tree = to_per_leaf(tree)
+        tree = jax.tree.map(fetch, to_per_leaf(tree))
         if key is not None:
             tree = tree[key]
         if dtype is not None:
