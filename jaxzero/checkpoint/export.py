@@ -9,8 +9,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
 
+from jaxzero.distributed.host import replicated
 from jaxzero.ema import storage
-from jaxzero.evaluation import gather
 from jaxzero.train.state import TrainState
 
 
@@ -34,7 +34,8 @@ def _export_tree(state_or_tree, which: str):
             raise ValueError(f"which={which!r} must be 'ema', 'params' or 'master'.")
     else:
         tree = state_or_tree
-    tree = gather(tree)  # replicated on its mesh: every process holds the full tree
+    # replicated on its mesh, every process holding the full tree; host leaves stay there
+    tree = replicated(tree, to_device=False)
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
 
 

@@ -31,18 +31,22 @@ def mesh_of(tree):
 
 
 @functools.cache
-def replicator(mesh, dtype=None, key=None):
+def replicator(mesh, dtype=None, key=None, to_device: bool = True):
     """One jitted "replicate (and cast) every leaf" per mesh; jit caches per tree structure.
 
     A bucketed EMA is first sliced back into its per-leaf form on each device (no
-    communication); ``key`` then picks one entry of the resulting dict ("params"). A leaf in
-    host memory (offload: the EMA, the master, the params) comes back in device memory, where
-    the model that reads it computes (jax refuses a host operand beside a device one)."""
+    communication); ``key`` then picks one entry of the resulting dict ("params"). With
+    ``to_device`` a leaf in host memory (offload: the EMA, the master, the params) comes back
+    in device memory, where the model that reads it computes (jax refuses a host operand
+    beside a device one); without, it stays in host memory (a copy bound for numpy, which a
+    model offloaded for its size would not fit on the device)."""
     replicated = NamedSharding(mesh, P())
     fetch = lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x
 
     def fn(tree):
-        tree = jax.tree.map(fetch, to_per_leaf(tree))
+        tree = to_per_leaf(tree)
+        if to_device:
+            tree = jax.tree.map(fetch, tree)
         if key is not None:
             tree = tree[key]
         if dtype is not None:
@@ -53,12 +57,19 @@ def replicator(mesh, dtype=None, key=None):
 
 
 def gather(tree):
-    """Return ``tree`` fully replicated on its mesh: one all-gather per sharded leaf.
+    """Return ``tree`` fully replicated on its mesh: one all-gather per sharded leaf, every
+    leaf in device memory (also one offloaded to host memory), ready for the model.
 
     Accepts an :class:`EmaState` (returns the gathered EMA tree, per leaf also when its small
     leaves are stored in a bucket), a :class:`TrainState` (returns its gathered compute
     params) or any pytree of arrays on a mesh. Compiled once per tree structure and mesh.
     """
+    return replicated(tree, to_device=True)
+
+
+def replicated(tree, *, to_device: bool):
+    """:func:`gather`; with ``to_device=False`` a leaf in host memory stays there (what
+    :func:`gather_to_host` and the exports copy to numpy)."""
     check_not_donated(tree)
     view = getattr(tree, "gather_view", None)
     if callable(view):
@@ -66,19 +77,20 @@ def gather(tree):
     mesh = mesh_of(tree)
     if mesh is None:
         return tree
-    return replicator(mesh)(tree)
+    return replicator(mesh, to_device=to_device)(tree)
 
 
 def gather_to_host(tree):
     """Full numpy copies of every leaf of ``tree``, on every process.
 
     Sharded leaves are replicated first (:func:`jaxzero.gather`: one all-gather per sharded
-    leaf, so every process must call this together), then each process reads its local copy.
+    leaf, so every process must call this together; a leaf in host memory is replicated
+    there), then each process reads its local copy.
     Accepts an :class:`~jaxzero.EmaState` (its per-leaf EMA tree, also when small leaves are
     bucketed), a :class:`~jaxzero.TrainState`
     (its params) or any pytree; non-jax leaves are returned as numpy arrays.
     """
-    tree = gather(tree)
+    tree = replicated(tree, to_device=False)
 
     def leaf(x):
         if not isinstance(x, jax.Array):
