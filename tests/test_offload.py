@@ -153,10 +153,14 @@ def test_state_lives_in_pinned_host_memory():
 
 
 def test_gather_and_ema_params_read_offloaded_state():
-    """``jz.gather`` and ``jz.ema_params`` give the same trees as without offload."""
+    """``jz.gather`` and ``jz.ema_params`` give the same trees as without offload. With the
+    EMA and the master in host memory they return device arrays, every shard in device
+    memory, that a jitted loss reads beside its device batch: a host operand there is a jax
+    error (``memory_space of all inputs ... must be the same``). The loss on the gathered EMA
+    is the loss on the EMA gathered without offload."""
     params, loss_fn, batches = _problem("transformer", steps=2)
     ema = jz.ShardedEMA(0.9)
-    out = {}
+    out, losses = {}, {}
     for off in (None, "optimizer"):
         zero = _zero(off, stage=3, precision=BF16)
         state, _ = _run(zero, loss_fn, zero.init(params, ema=ema), batches, ema)
@@ -165,24 +169,10 @@ def test_gather_and_ema_params_read_offloaded_state():
             _numpy(state.opt_state),
             jax.tree.map(np.asarray, jz.ema_params(state)),
         )
-    chex.assert_trees_all_close(out["optimizer"], out[None], rtol=1e-6, atol=1e-8)
-
-
-def test_gathered_offloaded_state_comes_back_in_device_memory_for_the_model():
-    """With the EMA and the master in host memory, ``jz.gather`` of the EMA (and of the
-    master) and ``jz.ema_params`` return device arrays, every shard in device memory, that a
-    jitted loss reads beside its device batch: a host operand there is a jax error
-    (``memory_space of all inputs ... must be the same``). The loss on the gathered EMA is
-    the loss on the EMA gathered without offload."""
-    params, loss_fn, batches = _problem("transformer", steps=2)
-    ema = jz.ShardedEMA(0.9)
-    losses = {}
-    for off in (None, "optimizer"):
-        zero = _zero(off, stage=3, precision=BF16)
-        state, _ = _run(zero, loss_fn, zero.init(params, ema=ema), batches, ema)
         trees = (jz.gather(state.ema), jz.ema_params(state), jz.gather(state.master))
         assert _host_kinds(trees) == {"device"}, off
         losses[off] = [float(jax.jit(loss_fn)(t, batches[0])) for t in trees[:2]]
+    chex.assert_trees_all_close(out["optimizer"], out[None], rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose(losses["optimizer"], losses[None], rtol=1e-6)
 
 
