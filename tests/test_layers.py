@@ -9,6 +9,8 @@ grows with depth by the activation checkpoints only, not by the layers' weights.
 
 from __future__ import annotations
 
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,15 @@ from models import make_problem, reference_run, stage3_per_layer_and_whole_bf16,
 
 import jaxzero as jz
 from jaxzero.memory import collective_ops
+
+# Cases whose configuration reduces the whole gradient after the backward (micro-batches at
+# stages 0/1, a replica axis) are warned about by design (the two tests below that build one
+# pin the warning), and the test models leave some matmuls in float32 under bf16
+# (tests/test_precision_advice.py pins that warning); here both are expected.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:ZeRO\\(stage=.*reduces no layer's gradient"),
+    pytest.mark.filterwarnings("ignore:the precision policy computes in"),
+]
 
 CHAINS = {
     "sgd_nesterov_cosine": lambda: optax.sgd(
@@ -163,7 +174,11 @@ def test_stage2_reduce_scatters_each_layer_in_the_backward_loop(stage):
         zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(n), stage=stage, layers="layers")
         step = jz.make_train_step(fn, zero)
         x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches[0])
-        hlos[name] = step.jitted.lower(zero.abstract_state(p), x).compile().as_text()
+        # the plain model's fallback to the whole reduction is said, at trace time
+        said = pytest.warns(UserWarning, match="this model never did")
+        with said if name == "plain" else contextlib.nullcontext():
+            lowered = step.jitted.lower(zero.abstract_state(p), x)
+        hlos[name] = lowered.compile().as_text()
     hlo = hlos["per_layer"]
     entry = _entry(hlo)
     ops = collective_ops(hlo)
@@ -208,7 +223,8 @@ def test_stage1_with_micro_batches_keeps_one_all_reduce_after_the_backward(stage
     params, loss_fn, batches = make_problem("scanned", gather_layer=jz.gather_layer, steps=1)
     n = 8
     zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(n), stage=stage, layers="layers")
-    step = jz.make_train_step(loss_fn, zero, accum_steps=2)
+    with pytest.warns(UserWarning, match=f"stage {stage} sums the local gradient over them"):
+        step = jz.make_train_step(loss_fn, zero, accum_steps=2)
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches[0])
     hlo = step.jitted.lower(zero.abstract_state(params), x).compile().as_text()
     ops = collective_ops(hlo)

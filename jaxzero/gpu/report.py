@@ -25,7 +25,7 @@ from jaxzero.memory import format_bytes
 from jaxzero.train.state import TrainState
 from jaxzero.zero.offload import placement as host_memory
 
-__all__ = ["TRITON_GEMM_OFF", "CompileReport", "compile_report", "format_gb"]
+__all__ = ["TRITON_GEMM_OFF", "CompileReport", "compile_report"]
 
 # The XLA:GPU of jax 0.10 finds no Triton tiling for some small dots (a ViT's attention output
 # projection over 4 images x 17 tokens per device: "Couldn't find output tile sizes that satisfy
@@ -33,11 +33,6 @@ __all__ = ["TRITON_GEMM_OFF", "CompileReport", "compile_report", "format_gb"]
 # compile_report retries with this option (tests/test_gpu_fallback.py).
 TRITON_GEMM_OFF = {"xla_gpu_enable_triton_gemm": False}
 _TRITON_TILING = re.compile(r"Couldn't find output tile sizes[^%]*(%\S+ = \S+)?")
-
-
-def format_gb(nbytes: int) -> str:
-    """Bytes as decimal gigabytes (GB = 1e9), two decimals."""
-    return f"{nbytes / 1e9:.2f} GB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,15 +162,16 @@ class CompileReport:
         return {c.dtype for c in self.collectives if c.kind == kind}
 
     def verdict(self) -> str:
-        """``"fits in 85.00 GB with 12.30 GB to spare"`` or ``"short by 3.10 GB of 85.00 GB"``,
-        followed by ``" (without Triton gemms)"`` when :attr:`triton_gemm_fallback` is set."""
+        """``"fits in 85.00 GB with 12.30 GB to spare"`` or ``"short by 3.10 GB of 85.00 GB"``
+        (a figure under 1 GB in MB or KB: ``--gpu-memory 5MB``'s tiny plans), followed by ``" (without Triton gemms)"`` when :attr:`triton_gemm_fallback` is set."""
         note = " (without Triton gemms)" if self.triton_gemm_fallback else ""
         if self.hbm_bytes is None:
-            return f"needs {format_gb(self.peak_bytes)} (no GPU kind to compare with){note}"
+            return f"needs {format_bytes(self.peak_bytes)} (no GPU kind to compare with){note}"
         if self.fits:
-            spare = format_gb(self.headroom_bytes)
-            return f"fits in {format_gb(self.hbm_bytes)} with {spare} to spare{note}"
-        return f"short by {format_gb(-self.headroom_bytes)} of {format_gb(self.hbm_bytes)}{note}"
+            spare = format_bytes(self.headroom_bytes)
+            return f"fits in {format_bytes(self.hbm_bytes)} with {spare} to spare{note}"
+        short, of = format_bytes(-self.headroom_bytes), format_bytes(self.hbm_bytes)
+        return f"short by {short} of {of}{note}"
 
     def collective_summary(self) -> str:
         """``"all-gather bf16 1.20 GB x64, ..."``: payload per step and launches, per kind and
