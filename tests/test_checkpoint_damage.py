@@ -8,6 +8,7 @@ Expected numbers are gathered from the uninterrupted training run before each sa
 written by the worker process from its own run), never from the checkpoint code under test.
 """
 
+import gc
 import glob
 import os
 import shutil
@@ -25,18 +26,20 @@ from digits_problem import digits_problem, host
 import jaxzero as jz
 from jaxzero import checkpoint as ck
 
-# A read of a damaged step fails inside orbax's asyncio restore: the reads of the other arrays,
-# created as coroutines, are then never awaited, and its event loop may be closed before a
-# worker thread's last callback. Python reports both when it collects them, as unraisable.
-pytestmark = [
-    pytest.mark.filterwarnings(
-        "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
-        ":pytest.PytestUnraisableExceptionWarning"
-    ),
-    pytest.mark.filterwarnings(
-        "ignore:Exception ignored in. None:pytest.PytestUnraisableExceptionWarning"
-    ),
-]
+# A read of a damaged step fails inside orbax's asyncio restore: the reads of the other arrays
+# (coroutines, tensorstore futures) are then never awaited, and its event loop may be closed
+# before a worker thread's last callback. Python reports them when it collects them, as
+# unraisable exceptions, at whatever test runs then in this module.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(autouse=True)
+def _collected():
+    """Collect after each test, under the filter above: else a later module's test meets
+    this module's leftovers."""
+    yield
+    gc.collect()
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = (1, 2, 3)
