@@ -32,14 +32,19 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-# One XLA compilation cache per run, made by the process that starts the run and shared by its
-# xdist workers (they inherit the variable), removed when the run ends: many tests compile a
-# step once to read its HLO (`step.lower(...).compile()`) and again when they run it, and jit's
-# own cache does not see the AOT compile. Nothing outlives the run.
+# One XLA compilation cache per run and process, under a directory made by the process that
+# starts the run (xdist workers inherit the variable) and removed when the run ends: many tests
+# compile a step once to read its HLO (`step.lower(...).compile()`) and again when they run it,
+# and jit's own cache does not see the AOT compile. Nothing outlives the run. Each worker has
+# its own directory: with one shared by the two workers, `pytest -n 2 -m slow` over
+# tests/test_offload.py, test_layers.py and test_stages.py crashed (Fatal Python error: Aborted)
+# or hung a stage-3 per-layer bf16 step in 3 runs of 3, where each passes alone; with a
+# directory per worker, 2 runs of 2 passed.
 _OWN_CACHE = "JAXZERO_TESTS_XLA_CACHE" not in os.environ
 if _OWN_CACHE:
     os.environ["JAXZERO_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxzero-tests-xla-cache-")
-CACHE = os.environ["JAXZERO_TESTS_XLA_CACHE"]
+CACHE_ROOT = os.environ["JAXZERO_TESTS_XLA_CACHE"]
+CACHE = os.path.join(CACHE_ROOT, os.environ.get("PYTEST_XDIST_WORKER", "main"))
 jax.config.update("jax_compilation_cache_dir", CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
@@ -82,7 +87,7 @@ _interop_off = False
 
 def pytest_unconfigure(config):
     if _OWN_CACHE:
-        shutil.rmtree(CACHE, ignore_errors=True)
+        shutil.rmtree(CACHE_ROOT, ignore_errors=True)
 
 
 def pytest_deselected(items):
