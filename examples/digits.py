@@ -374,7 +374,6 @@ def run_experiment(exp: Experiment, args) -> dict | None:
     total_steps = args.epochs * exp.steps_per_epoch
     tau = args.ema_tau if args.ema_tau is not None else max(1.0, total_steps / 10)
     ema = jz.ShardedEMA(args.ema_decay, tau=tau)
-    offload = tuple(args.offload.split(",")) if args.offload else None
     try:  # a configuration ZeRO refuses stops here, with its reason and fix
         zero = jz.ZeRO(
             exp.tx,
@@ -382,7 +381,7 @@ def run_experiment(exp: Experiment, args) -> dict | None:
             stage=args.stage,
             precision=precision,
             layers=exp.layers,
-            offload=offload[0] if offload and len(offload) == 1 else offload,
+            offload=args.offload,  # "optimizer" or "optimizer,params", as ZeRO reads them
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None

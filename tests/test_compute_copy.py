@@ -20,10 +20,6 @@ import jaxzero as jz
 from jaxzero import checkpoint as ck
 from jaxzero.memory import device_bytes
 
-# The test models (tests/models.py) leave some matmuls in float32 under a 16-bit policy, which
-# the step warns about (tests/test_precision_advice.py pins the warning); here it is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:the precision policy computes in")
-
 N = 8
 COPY = jz.Precision("bfloat16", "float32", "float32")
 NO_COPY = dataclasses.replace(COPY, compute_copy=False)

@@ -28,10 +28,6 @@ from models import make_problem
 
 import jaxzero as jz
 
-# The test models (tests/models.py) leave some matmuls in float32 under a 16-bit policy, which
-# the step warns about (tests/test_precision_advice.py pins the warning); here it is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:the precision policy computes in")
-
 DOCS = Path(__file__).parents[1] / "docs"
 PAGES = {
     str(p.relative_to(DOCS)): blocks

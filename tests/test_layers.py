@@ -26,12 +26,8 @@ from jaxzero.memory import collective_ops
 
 # Cases whose configuration reduces the whole gradient after the backward (micro-batches at
 # stages 0/1, a replica axis) are warned about by design (the two tests below that build one
-# pin the warning), and the test models leave some matmuls in float32 under bf16
-# (tests/test_precision_advice.py pins that warning); here both are expected.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:ZeRO\\(stage=.*reduces no layer's gradient"),
-    pytest.mark.filterwarnings("ignore:the precision policy computes in"),
-]
+# pin the warning); here it is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:ZeRO\\(stage=.*reduces no layer's gradient")
 
 CHAINS = {
     "sgd_nesterov_cosine": lambda: optax.sgd(

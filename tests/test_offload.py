@@ -18,10 +18,6 @@ import jaxzero as jz
 from jaxzero import checkpoint as ck
 from jaxzero.zero.offload import placement as offload
 
-# The test models (tests/models.py) leave some matmuls in float32 under a 16-bit policy, which
-# the step warns about (tests/test_precision_advice.py pins the warning); here it is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:the precision policy computes in")
-
 N = 8
 BF16 = jz.Precision("bfloat16", "float32", "float32")
 

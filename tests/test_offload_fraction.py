@@ -72,7 +72,6 @@ def test_half_offloaded_is_single_device_optax_and_holds_the_largest_leaves(prob
     assert state.master is None and _host_bytes(state.params) == 0
 
 
-@pytest.mark.filterwarnings("ignore:the precision policy computes in bfloat16")
 def test_a_separate_master_and_the_ema_are_split_with_the_state_and_match_no_offload():
     """bf16 compute params with an fp32 master and an EMA, stage 3, f = 0.3: the same numbers
     as the step without offload, bit for bit, and the host holds exactly the leaves
@@ -267,7 +266,6 @@ def test_half_offloaded_chains_are_single_device_optax(name):
 # slow (two compiles of the streamed stacks, ~17 s on the loaded 2-core machine): stage 3 at a
 # fraction stays in make test with the whole model (the separate-master test above)
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:the precision policy computes in bfloat16")
 def test_per_layer_stage3_at_a_fraction_is_the_step_with_all_of_it_offloaded():
     """Stage 3 per layer (scan_layers stacks, bf16 over 8 devices) at f = 0.5: equal bit for
     bit to f = 1, with the stacks' master and moments split between host and device. (With

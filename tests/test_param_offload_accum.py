@@ -29,10 +29,6 @@ from jaxzero import gpu
 from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
 from jaxzero.zero.offload import placement
 
-# The test models (tests/models.py) leave some matmuls in float32 under a 16-bit policy, which
-# the step warns about (tests/test_precision_advice.py pins the warning); here it is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:the precision policy computes in")
-
 N = 8
 PARAMS = ("optimizer", "params")
 ACCUM = 2

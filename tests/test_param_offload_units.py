@@ -29,10 +29,6 @@ from offload_checks import (
 import jaxzero as jz
 from jaxzero import cli, gpu
 
-# The test models leave some matmuls in float32 under a 16-bit policy, which the step warns
-# about (tests/test_precision_advice.py pins the warning); here it is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:the precision policy computes in")
-
 N = 8
 PARAMS = ("optimizer", "params")
 UNITS = r"model/layers/\d+"

@@ -18,10 +18,6 @@ from models import Residual
 
 import jaxzero as jz
 
-# The test models leave some matmuls in float32 under a 16-bit policy, which the step warns
-# about (tests/test_precision_advice.py pins the warning); here it is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:the precision policy computes in")
-
 README = Path(__file__).parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 

@@ -14,10 +14,6 @@ from test_model_state import cnn_loss, cnn_problem
 import jaxzero as jz
 from jaxzero import checkpoint as ck
 
-# The test models leave some matmuls in float32 under a 16-bit policy, which the step warns
-# about (tests/test_precision_advice.py pins the warning); here it is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:the precision policy computes in")
-
 
 def test_forgotten_model_state_and_rng_are_named(tmp_path):
     params, model_state, batches = cnn_problem(steps=2)

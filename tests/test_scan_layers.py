@@ -23,10 +23,6 @@ from models import reference_run, stack_problem, stage3_per_layer_and_whole_bf16
 
 import jaxzero as jz
 
-# The test models (tests/models.py) leave some matmuls in float32 under a 16-bit policy, which
-# the step warns about (tests/test_precision_advice.py pins the warning); here it is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:the precision policy computes in")
-
 
 def _problem(layers=3, steps=4, xs=None, ys=False):
     return stack_problem(layers=layers, steps=steps, xs=xs, ys=ys)

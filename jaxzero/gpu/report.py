@@ -163,7 +163,8 @@ class CompileReport:
 
     def verdict(self) -> str:
         """``"fits in 85.00 GB with 12.30 GB to spare"`` or ``"short by 3.10 GB of 85.00 GB"``
-        (a figure under 1 GB in MB or KB: ``--gpu-memory 5MB``'s tiny plans), followed by ``" (without Triton gemms)"`` when :attr:`triton_gemm_fallback` is set."""
+        (a figure under 1 GB in MB or KB: ``--gpu-memory 5MB``'s tiny plans), followed by
+        ``" (without Triton gemms)"`` when :attr:`triton_gemm_fallback` is set."""
         note = " (without Triton gemms)" if self.triton_gemm_fallback else ""
         if self.hbm_bytes is None:
             return f"needs {format_bytes(self.peak_bytes)} (no GPU kind to compare with){note}"
