@@ -95,6 +95,23 @@ def test_adopt_flax_train_state_in_memory(problem):
     _assert_same_run(_continued(step, state, rest), ref)
 
 
+def test_replace_opt_state_places_nothing(problem):
+    # what the guide says of state.replace(opt_state=...): an uncommitted optax state (a plain
+    # jit's output) stays whole on one device until the first step moves it into its shards,
+    # which then continues the run as init's does; a committed one is refused by the jit
+    done, ref, step, rest = problem
+    plain = jax.tree.map(jnp.copy, done.opt_state)  # the step donates what it is given
+    assert not any(x.committed for x in jax.tree.leaves(plain))
+    state = step.init(done.params, step=done.step).replace(opt_state=plain)
+    one = {jax.devices()[0]}
+    assert all(x.sharding.device_set == one for x in jax.tree.leaves(state.opt_state))
+    _assert_same_run(_continued(step, state, rest), ref)
+    committed = jax.device_put(jax.tree.map(np.asarray, done.opt_state), jax.devices()[0])
+    state = step.init(done.params, step=done.step).replace(opt_state=committed)
+    with pytest.raises(ValueError, match="incompatible devices"):
+        step(state, rest[0])
+
+
 def test_adopt_refuses_another_optimizer_state(problem, tmp_path):
     done, _, step, _ = problem
     other = optax.sgd(0.1, momentum=0.9).init(done.params)
@@ -168,12 +185,47 @@ def test_adopt_reads_model_state_collections(problem, tmp_path):
     ).replace(opt_state=done.opt_state, step=done.step)
     _save_tree("train_state", tmp_path / "bn", ts)
     for source in (ts, tmp_path / "bn"):
-        state = ck.adopt(source, step.zero, collections=("batch_stats",))
+        state = ck.adopt(source, step.zero, collections=("batch_stats",), ignore=("dropout_rng",))
         assert int(state.step) == K
         chex.assert_trees_all_equal(jax.device_get(state.model_state), {"batch_stats": stats})
         chex.assert_trees_all_equal(jz.gather(state.opt_state), done.opt_state)
     with pytest.raises(ValueError, match=r"no \['ema'\] to read as the model state"):
         ck.adopt(tmp_path / "bn", step.zero, collections=("ema",))
+
+
+def test_adopt_refuses_to_drop_a_collection(problem, tmp_path):
+    # a TrainState subclass's batch_stats left out of collections= would be dropped, and the
+    # stateful loss would fail much later on model_state None: refused, naming it and the fix
+    done, _, step, _ = problem
+    stats = {"bn": {"mean": jnp.arange(8.0), "var": jnp.ones((8,))}}
+    ts = _BNState.create(
+        apply_fn=None, params=done.params, tx=TX, batch_stats=stats, dropout_rng=jax.random.key(3)
+    ).replace(opt_state=done.opt_state, step=done.step)
+    _save_tree("train_state", tmp_path / "bn", ts)
+    as_dict = {"params": done.params, "opt_state": done.opt_state, "step": 3, "batch_stats": stats}
+    both = (
+        r"holds \['batch_stats', 'dropout_rng'\] besides params, opt_state and step.*"
+        r"collections=\('batch_stats',\) reads batch_stats as the model_state of a "
+        r"stateful=True step.*ignore=\('dropout_rng',\) leaves dropout_rng behind"
+    )
+    for source in (ts, tmp_path / "bn"):
+        with pytest.raises(ValueError, match=both):
+            ck.adopt(source, step.zero)
+        with pytest.raises(ValueError, match=r"holds \['batch_stats'\] .*collections="):
+            ck.adopt(source, step.zero, ignore=("dropout_rng",))
+        with pytest.raises(
+            ValueError, match=r"holds \['dropout_rng'\] .*ignore=\('dropout_rng',\)"
+        ):
+            ck.adopt(source, step.zero, collections=("batch_stats",))
+        # both left behind on purpose: read as a plain run
+        state = ck.adopt(source, step.zero, ignore=("batch_stats", "dropout_rng"))
+        assert state.model_state is None and int(state.step) == K
+    with pytest.raises(ValueError, match=r"the adopted dict holds \['batch_stats'\]"):
+        ck.adopt(as_dict, step.zero)
+    with pytest.raises(ValueError, match=r"ignore=\('opt',\) names \['opt'\], which"):
+        ck.adopt(as_dict, step.zero, collections=("batch_stats",), ignore=("opt",))
+    with pytest.raises(ValueError, match=r"\['batch_stats'\] are both in collections="):
+        ck.adopt(as_dict, step.zero, collections=("batch_stats",), ignore=("batch_stats",))
 
 
 def test_adopted_optimizer_state_lands_where_the_placement_keeps_it(problem):

@@ -4,6 +4,7 @@ dict or a Flax ``TrainState``) or from a plain orbax checkpoint, placed into a j
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -103,14 +104,85 @@ def describe_plain(directory) -> str | None:
     )
 
 
+def _has_leaves(tree) -> bool:
+    return bool(jax.tree.leaves(tree))
+
+
+def _looks_like_key(name: str, tree) -> bool:
+    """Whether an entry is a PRNG key (a typed key, raw ``uint32[..., 2]`` data, or named as
+    one): what the refusal suggests ``ignore=`` for rather than ``collections=``."""
+    if "rng" in name.lower() or "key" in name.lower():
+        return True
+    leaves = jax.tree.leaves(tree)
+    if len(leaves) != 1:
+        return False
+    dtype, shape = getattr(leaves[0], "dtype", None), tuple(getattr(leaves[0], "shape", ()))
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return jnp.dtype(dtype) == jnp.uint32 and shape[-1:] == (2,)
+
+
+def check_entries(
+    entries: dict, collections: tuple[str, ...], ignore: tuple[str, ...], where: str
+) -> None:
+    """Refuse the entries of the adopted tree (a Flax ``TrainState``'s fields, a dict's keys,
+    a plain checkpoint's top-level entries) other than params, opt_state and step that are
+    neither read (``collections=``) nor left behind on purpose (``ignore=``), before anything
+    is read or placed: a ``TrainState`` subclass's ``batch_stats`` dropped without a word
+    would fail later, inside the loss. ``entries`` maps each name to its tree (arrays or
+    orbax metadata); entries without arrays (None) do not count."""
+    both = sorted(set(collections) & set(ignore))
+    if both:
+        raise ValueError(
+            f"{both} are both in collections= (read as the model state) and in ignore= (left "
+            f"behind): name each entry in one of them."
+        )
+    present = {k for k, v in entries.items() if k not in (PARAMS, OPT_STATE, STEP)}
+    stray = [k for k in ignore if k not in present]
+    if stray:
+        raise ValueError(
+            f"ignore={tuple(ignore)!r} names {stray}, which {where} does not hold (it holds "
+            f"{sorted(present)} besides {PARAMS}, {OPT_STATE} and {STEP}): drop them."
+        )
+    unread = sorted(
+        k for k in present if k not in collections and k not in ignore and _has_leaves(entries[k])
+    )
+    if not unread:
+        return
+    keys = [k for k in unread if _looks_like_key(k, entries[k])]
+    state = [k for k in unread if k not in keys]
+    fixes = []
+    if state:
+        fixes.append(
+            f"collections={tuple(sorted({*collections, *state}))!r} reads "
+            f"{', '.join(state)} as the model_state of a stateful=True step "
+            f"(make_train_step(loss_fn, zero, stateful=True))"
+        )
+    if keys:
+        fixes.append(
+            f"ignore={tuple(sorted({*ignore, *keys}))!r} leaves {', '.join(keys)} behind "
+            f"(jaxzero's dropout keys come from rng=)"
+        )
+    raise ValueError(
+        f"{where} holds {unread} besides {PARAMS}, {OPT_STATE} and {STEP}, and adopt was not "
+        f"told what to do with them: {'; '.join(fixes)}. Name every such entry in collections= "
+        f"or ignore= (ignore= leaves any entry behind). Nothing was read."
+    )
+
+
 def _abstract(tree):
     return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
 
 
-def _read_plain(path: str, zero: ZeRO, collections: tuple[str, ...]) -> dict:
+def _read_plain(
+    path: str, zero: ZeRO, collections: tuple[str, ...], ignore: tuple[str, ...]
+) -> dict:
     """``{"params", "opt_state"[, "step"], *collections}`` of a plain orbax PyTree checkpoint
-    (its other entries are not read), the optax state in ``zero.tx.init``'s structure, each
-    array read straight into its ZeRO shards (``collections`` replicated)."""
+    (the entries in ``ignore`` are not read; any other refused), the optax state in
+    ``zero.tx.init``'s structure, each array read straight into its ZeRO shards
+    (``collections`` replicated)."""
     with ocp.StandardCheckpointer() as ckptr:
         meta = ckptr.metadata(path).item_metadata
         stored = getattr(meta, "tree", meta)
@@ -122,6 +194,13 @@ def _read_plain(path: str, zero: ZeRO, collections: tuple[str, ...]) -> dict:
                 f"{{'params': params, 'opt_state': opt_state, 'step': step}} saves. Restore "
                 f"it yourself and call step.init(params, opt_state=..., step=...)."
             )
+        missing = [c for c in collections if c not in stored]
+        if missing:
+            raise ValueError(
+                f"the orbax checkpoint {path} has no {missing} to read as the model state; "
+                f"it holds {sorted(stored)}."
+            )
+        check_entries(stored, collections, ignore, f"the orbax checkpoint {path}")
         params = _abstract(stored[PARAMS])
         opt = jax.eval_shape(zero.tx.init, params)
         shapes = lambda t: {_name(k): tuple(v.shape) for k, v in _flat(_abstract(t)).items()}
@@ -142,12 +221,6 @@ def _read_plain(path: str, zero: ZeRO, collections: tuple[str, ...]) -> dict:
         replicated = NamedSharding(mesh, P())
         if STEP in stored:
             target[STEP] = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-        missing = [c for c in collections if c not in stored]
-        if missing:
-            raise ValueError(
-                f"the orbax checkpoint {path} has no {missing} to read as the model state; "
-                f"it holds {sorted(stored)}."
-            )
         for c in collections:
             target[c] = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
@@ -156,18 +229,26 @@ def _read_plain(path: str, zero: ZeRO, collections: tuple[str, ...]) -> dict:
     restore = ocp.args.PyTreeRestore(
         item=target,
         restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True,  # a dropout_rng or other entries of the tree stay unread
+        partial_restore=True,  # the entries in ignore= stay unread
     )
     with ocp.PyTreeCheckpointer() as reader:
         return reader.restore(path, args=restore)
 
 
-def _from_memory(source, collections: tuple[str, ...]) -> dict:
-    if isinstance(source, dict):
-        tree = source
-    else:  # a Flax TrainState (or any object with these attributes)
-        names = (PARAMS, OPT_STATE, STEP, *collections)
-        tree = {k: getattr(source, k) for k in names if hasattr(source, k)}
+def _fields(source) -> dict:
+    """A Flax ``TrainState``'s (or any dataclass's) pytree fields by name: its static ones
+    (``apply_fn``, ``tx``) are not state. Another object: its params, opt_state and step."""
+    if dataclasses.is_dataclass(source) and not isinstance(source, type):
+        return {
+            f.name: getattr(source, f.name)
+            for f in dataclasses.fields(source)
+            if f.metadata.get("pytree_node", True) and hasattr(source, f.name)
+        }
+    return {k: getattr(source, k) for k in (PARAMS, OPT_STATE, STEP) if hasattr(source, k)}
+
+
+def _from_memory(source, collections: tuple[str, ...], ignore: tuple[str, ...]) -> dict:
+    tree = source if isinstance(source, dict) else _fields(source)
     missing = [c for c in collections if c not in tree]
     if missing:
         raise ValueError(f"the adopted run has no {missing} to read as the model state.")
@@ -178,6 +259,8 @@ def _from_memory(source, collections: tuple[str, ...]) -> dict:
             + (f" with keys {sorted(tree)}" if isinstance(source, dict) else "")
             + "."
         )
+    what = "the adopted dict" if isinstance(source, dict) else f"the {type(source).__name__}"
+    check_entries(tree, collections, ignore, what)
     return tree
 
 
@@ -189,6 +272,7 @@ def adopt(
     item: str | None = None,
     train_step: int | None = None,
     collections: tuple[str, ...] = (),
+    ignore: tuple[str, ...] = (),
     rng=None,
 ) -> TrainState:
     """Continue a plain Flax/optax run under jaxzero: its params, optax state and step counter
@@ -209,14 +293,18 @@ def adopt(
         for a manager directory), or to override it.
       collections: entries of the tree that are the model's non-trainable state, read as
         ``model_state={name: tree[name]}`` (e.g. ``("batch_stats",)`` from a ``TrainState``
-        subclass with a ``batch_stats`` field, for a ``stateful=True`` step). Other entries
-        (a ``dropout_rng``, ...) are not read.
+        subclass with a ``batch_stats`` field, for a ``stateful=True`` step).
+      ignore: entries of the tree to leave behind (e.g. ``("dropout_rng",)``: jaxzero's
+        dropout keys come from ``rng=``). Every entry besides params, opt_state and step
+        (a ``TrainState`` subclass's fields) must be in ``collections`` or ``ignore``.
       rng: the key of jaxzero's dropout stream, as for ``init`` (``rng=jax.random.key(0)``).
 
     Raises:
       ValueError: the optax state does not match the ZeRO's ``tx`` (the paths are named),
-        the tree lacks ``params``/``opt_state``, no step counter is known, or the directory
-        is a jaxzero checkpoint (use :func:`jaxzero.checkpoint.restore`).
+        the tree lacks ``params``/``opt_state``, holds entries named in neither
+        ``collections`` nor ``ignore`` (they are named, with the argument to pass), no step
+        counter is known, or the directory is a jaxzero checkpoint (use
+        :func:`jaxzero.checkpoint.restore`). Nothing is read or placed.
       FileNotFoundError: no orbax checkpoint (or no such step / item) in the directory.
     """
     if not isinstance(step_fn, TrainStep | ZeRO):
@@ -227,11 +315,12 @@ def adopt(
     zero = step_fn if isinstance(step_fn, ZeRO) else step_fn.zero
     manager_step = None
     collections = (collections,) if isinstance(collections, str) else tuple(collections)
+    ignore = (ignore,) if isinstance(ignore, str) else tuple(ignore)
     if isinstance(source, str | os.PathLike | epath.Path):
         path, manager_step = find_tree(source, step, item)
-        tree = _read_plain(path, zero, collections)
+        tree = _read_plain(path, zero, collections, ignore)
     else:
-        tree = _from_memory(source, collections)
+        tree = _from_memory(source, collections, ignore)
     counter = train_step if train_step is not None else tree.get(STEP, manager_step)
     if counter is None:
         raise ValueError(
