@@ -31,6 +31,7 @@ from jaxzero.precision import LossScaleState as LossScaleState
 from jaxzero.precision import Precision as Precision
 from jaxzero.precision import StaticLossScale as StaticLossScale
 from jaxzero.simulate import simulate_cpu_devices as simulate_cpu_devices
+from jaxzero.train.loss import GlobalMean as GlobalMean
 from jaxzero.train.optimizer import ZeRO as ZeRO
 from jaxzero.train.state import TrainState as TrainState
 from jaxzero.train.step import TrainStep as TrainStep
@@ -49,6 +50,7 @@ __all__ = [
     "BucketedTree",
     "DynamicLossScale",
     "EmaState",
+    "GlobalMean",
     "LossScaleState",
     "Precision",
     "ShardedEMA",

@@ -363,25 +363,21 @@ def wide_compute_advice(found: list[WideMatmul], name: str) -> str:
     )
 
 
-def warn_wide_compute(fn, args, policy: Precision) -> None:
-    """Under a 16-bit policy, warn when the loss ``fn(*args)`` still runs matmuls in float32.
+def warn_wide_compute(jaxpr, weights: int, policy: Precision) -> None:
+    """Under a 16-bit policy, warn when the loss still runs matmuls in float32.
 
     ``precision="bf16"`` stores and communicates bf16 weights, but a Flax module computes in
     its own ``dtype`` (float32 by default): the weights are upcast again and the matmuls run
-    in float32, costing the speed the policy was chosen for. ``args[0]`` are the params: a
-    matmul whose float32 operand is computed from them alone takes an upcast weight (the
-    warning advises the module's ``dtype=``); one on float32 activations only is the model's
-    own choice (the warning says where, and that it may be deliberate). Traces ``fn`` once
-    more (at trace time of the step, not per step); does nothing for a float32 policy.
+    in float32, costing the speed the policy was chosen for. ``jaxpr`` is the loss's (traced
+    once by the step, at trace time, not per step; None when it did not trace) and its first
+    ``weights`` inputs are the params: a matmul whose float32 operand is computed from them
+    alone takes an upcast weight (the warning advises the module's ``dtype=``); one on float32
+    activations only is the model's own choice (the warning says where, and that it may be
+    deliberate). Does nothing for a float32 policy.
     """
-    if jnp.finfo(policy.param_dtype).bits >= 32:
+    if jaxpr is None or jnp.finfo(policy.param_dtype).bits >= 32:
         return
-    try:
-        jaxpr = jax.make_jaxpr(fn)(*args)
-    except Exception:  # noqa: BLE001 - the check is advice; the real trace reports errors
-        return
-    weights = jaxpr.jaxpr.invars[: len(jax.tree.leaves(args[0]))]
-    found = wide_matmuls(jaxpr.jaxpr, weights)
+    found = wide_matmuls(jaxpr, jaxpr.invars[:weights])
     if found:
         name = jnp.dtype(policy.param_dtype).name
         warnings.warn(wide_compute_advice(found, name), UserWarning, stacklevel=2)

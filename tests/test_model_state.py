@@ -97,7 +97,8 @@ def test_sync_batchnorm_matches_single_device_and_unsynced_differs():
     ref_p, ref_ms = single_device_reference(optax.adam(1e-2), params, model_state, batches)
     np.testing.assert_allclose(flat(jz.gather(state)), flat(ref_p), atol=1e-5)
     np.testing.assert_allclose(flat(state.model_state), flat(ref_ms), atol=1e-5)
-    unsynced, _ = run_cnn(bn_axis=None)
+    with pytest.warns(UserWarning, match=r"batch_stats .* with no reduction over the data axes"):
+        unsynced, _ = run_cnn(bn_axis=None)
     stats_gap = np.abs(flat(unsynced.model_state) - flat(ref_ms)).max()
     assert stats_gap > 1e-3, stats_gap  # per-device statistics of 4 examples differ
 

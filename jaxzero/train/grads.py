@@ -9,88 +9,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxzero._tree import check_same_structure
 from jaxzero.precision import warn_wide_compute
+from jaxzero.train import loss as user_loss
 from jaxzero.zero import hooks as loss_hooks
 from jaxzero.zero.collectives import to_varying
 from jaxzero.zero.config import ZeROConfig
 from jaxzero.zero.offload import on_host
 
 
-def _bad_axis_name(e: Exception) -> bool:
-    """A bare AssertionError, or an unbound-axis NameError: what jax.lax collectives (and
-    Flax's BatchNorm through them) raise for an axis name that is not a mesh axis."""
-    return (isinstance(e, AssertionError) and not str(e)) or "axis name" in str(e)
-
-
-def _axis_hint(zero, e: Exception) -> str:
-    detail = f": {e}" if str(e) else ""
-    return (
-        f"the loss failed inside jaxzero's shard_map, whose mesh axes are "
-        f"{tuple(zero.mesh.axis_names)}, with {type(e).__name__}{detail}. That is what a "
-        f"collective over an axis name the mesh does not have raises, e.g. "
-        f"BatchNorm(axis_name='batch') (Flax's ResNet) on the default 'data' axis. Name the "
-        f"mesh axis as the model does: jz.data_parallel_mesh(axis='batch') with "
-        f"jz.ZeRO(..., axis='batch'); or build the model with axis_name=zero.batch_axes."
-    )
-
-
-def split_out(out):
-    if isinstance(out, tuple):
-        if len(out) != 2:
-            raise ValueError(
-                f"loss_fn returned a tuple of {len(out)} items; return a scalar loss or "
-                f"(loss, aux)."
-            )
-        return out[0], out[1]
-    return out, None
-
-
 def _mean_over(x, axes):
     if jnp.issubdtype(x.dtype, jnp.floating):
         return jax.lax.pmean(x, axes)
     return jax.lax.pmax(x, axes)
-
-
-def _structure(out, depth: int = 0) -> str:
-    """What a loss returned, by structure, never a tracer's class: ``"an array of shape ()"``,
-    ``"(array (), dict)"``."""
-    if isinstance(out, tuple | list) and depth < 2:
-        inner = ", ".join(_structure(x, depth + 1) for x in out)
-        return f"({inner},)" if len(out) == 1 else f"({inner})"
-    if hasattr(out, "shape") and hasattr(out, "dtype"):
-        return (
-            f"an array of shape {tuple(out.shape)}" if depth == 0 else f"array {tuple(out.shape)}"
-        )
-    return type(out).__name__
-
-
-def _call_loss(loss_fn, stateful, params, model_state, batch, rng):
-    if stateful:
-        out = loss_fn(params, model_state, batch, rng)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple)):
-            raise ValueError(
-                "a stateful loss_fn(params, model_state, batch, rng) must return "
-                f"(loss, (new_model_state, aux)); it returned {_structure(out)}. Return "
-                f"(loss, (model_state, None)) for a model with no state to update and no aux."
-            )
-        loss, (new_state, aux) = out
-        check_same_structure(model_state, new_state, "model_state")
-        return loss, aux, new_state
-    loss, aux = split_out(loss_fn(params, batch))
-    return loss, aux, None
-
-
-def _scaled_loss(loss_fn, stateful: bool):
-    """``(params, model_state, batch, rng, scale) -> (scale * loss, (loss, aux, state))``."""
-
-    def scaled(params, model_state, batch, rng, scale):
-        loss, aux, new_state = _call_loss(loss_fn, stateful, params, model_state, batch, rng)
-        if jnp.ndim(loss) != 0:
-            raise ValueError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}.")
-        return loss.astype(jnp.float32) * scale, (loss, aux, new_state)
-
-    return scaled
 
 
 def gradient_zero(zero: ZeROConfig, accum_steps: int) -> ZeROConfig:
@@ -109,7 +39,14 @@ def gradient_zero(zero: ZeROConfig, accum_steps: int) -> ZeROConfig:
     return zero
 
 
-def local_gradients(zero: ZeROConfig, loss_fn, accum_steps: int, *, stateful: bool = False):
+def local_gradients(
+    zero: ZeROConfig,
+    loss_fn,
+    accum_steps: int,
+    *,
+    stateful: bool = False,
+    allow_loss_collectives: bool = False,
+):
     """The per-device gradient computation, to run inside ``jax.shard_map``.
 
     Returns ``fn(params_local, model_state, batch_local, rng, scale, specs)`` ->
@@ -122,6 +59,15 @@ def local_gradients(zero: ZeROConfig, loss_fn, accum_steps: int, *, stateful: bo
     over devices at the end (identical on every device when BatchNorm is synchronised).
     ``rng`` is this device's key (already folded with the step and the device index); each
     micro-batch folds in its index.
+
+    For a :class:`~jaxzero.train.loss.GlobalMean` loss, ``loss`` is ``(global mean, factor)``:
+    the gradients are then the mean over devices and micro-batches of each one's gradient of
+    its ``total``, and ``factor`` (devices x micro-batches / the global count) turns them into
+    the gradient of the global mean (the update multiplies it in where it unscales).
+
+    Before the first step the loss's jaxpr is read once (:func:`jaxzero.train.loss.check`): a
+    reduction over the data axes in the user's loss is refused unless
+    ``allow_loss_collectives``.
     """
     axes = zero.batch_axes
     # stages 2/3, and stage 0 when it all-reduces each layer in the backward (one micro-batch)
@@ -135,19 +81,30 @@ def local_gradients(zero: ZeROConfig, loss_fn, accum_steps: int, *, stateful: bo
         full = zero.path.params_for_loss(params, specs)
         # layers=, vocab_parallel=, units=
         hooks = zero.path.loss_hooks(params, specs, sums, accumulate=on_host_sums)
-        scaled = loss_hooks.wrap(hooks, _scaled_loss(loss_fn, stateful))
-        if not checked:  # once per trace: the loss's matmul dtypes under a 16-bit policy
+        scaled = loss_hooks.wrap(hooks, user_loss.scaled_loss(loss_fn, stateful))
+        if not checked:  # once per trace: what the loss's jaxpr says
             checked.append(True)
             with loss_hooks.scope(hooks):
-                warn_wide_compute(scaled, (full, model_state, batch, rng, scale), zero.precision)
+                traced = user_loss.trace(scaled, (full, model_state, batch, rng, scale))
+            user_loss.check(
+                traced,
+                axes,
+                allow=allow_loss_collectives,
+                stateful_devices=zero.num_batch_shards if model_state is not None else 1,
+            )
+            weights = len(jax.tree.leaves(full))
+            warn_wide_compute(traced and traced.jaxpr, weights, zero.precision)
         grad_fn = jax.value_and_grad(scaled, has_aux=True)
         with loss_hooks.scope(hooks), jax.named_scope("forward_backward"):
             try:
-                (_, (loss, aux, new_state)), g = grad_fn(full, model_state, batch, rng, scale)
+                (_, (loss, count, aux, new_state)), g = grad_fn(
+                    full, model_state, batch, rng, scale
+                )
             except (AssertionError, NameError) as e:
-                if not _bad_axis_name(e):
+                if not user_loss.bad_axis_name(e):
                     raise
-                raise ValueError(_axis_hint(zero, e)) from e
+                hint = user_loss.axis_hint(zero.mesh.axis_names, axes, e)
+                raise ValueError(hint) from e
             except Exception as e:
                 better = loss_hooks.explain(hooks, e)
                 if better is None:
@@ -161,24 +118,28 @@ def local_gradients(zero: ZeROConfig, loss_fn, accum_steps: int, *, stateful: bo
         else:
             # stages 0/1 accumulate the local gradient in output_dtype, reduce once at the end
             g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)
-        return loss, aux, g, new_state
+        return (loss, count), aux, g, new_state
 
     def fn(params, model_state, batch, rng, scale, specs):
         if model_state is not None:
             model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
         run = lambda ms, b, key, sums=None: micro(params, specs, ms, b, key, scale, sums)
         if accum_steps == 1:
-            losses, auxes, g, model_state = run(model_state, batch, rng)
+            (losses, counts), auxes, g, model_state = run(model_state, batch, rng)
         else:
             # the sums in output_dtype (an offloaded step's stacks come in param_dtype)
             out = zero.precision.output_dtype
             run_in = lambda ms, b, key, sums: _with_grads_in(out, run(ms, b, key, sums))
-            losses, auxes, g, model_state = _accumulate(
+            (losses, counts), auxes, g, model_state = _accumulate(
                 run_in, accum_steps, model_state, batch, rng
             )
         if not reduce_each:
             g = zero.path.reduce_gradients(g)
         loss = jax.lax.pmean(losses, axes)
+        if counts is not None:  # a GlobalMean: sum(total) / sum(count) over everything
+            total = jax.lax.psum(counts, axes)
+            factor = jnp.where(total > 0, zero.num_batch_shards * accum_steps / total, 0.0)
+            loss = (loss * factor, factor)
         aux = jax.tree.map(lambda x: _mean_over(x, axes), auxes)
         if model_state is not None:
             model_state = jax.tree.map(lambda x: _mean_over(x, axes), model_state)
@@ -206,7 +167,8 @@ def _accumulate(run, accum_steps: int, model_state, batch, rng):
     carry has the right device-varying type (and, at stages 2/3, the sharded shape) without
     zeros. A gradient leaf in host memory (parameter offload: decision 42) is the sum so far
     already: ``run`` gets the carry (``sums``; None at the first micro-batch) and adds into
-    its host leaves, and the step's update divides them. Returns the mean loss, the aux (float
+    its host leaves, and the step's update divides them. Returns ``(mean loss, summed count)``
+    (the count None but for a :class:`~jaxzero.train.loss.GlobalMean`), the aux (float
     leaves averaged, others from the last micro-batch), the mean gradient (host leaves: the
     sum) and the final model state.
     """
@@ -227,7 +189,9 @@ def _accumulate(run, accum_steps: int, model_state, batch, rng):
     idx = jnp.arange(1, accum_steps)
     (g, model_state), (losses, auxes) = jax.lax.scan(body, (g, model_state), (rest, idx))
     cat = lambda a, b: jnp.concatenate([a[None], b])
-    losses = cat(loss0, losses).mean()
+    (value0, count0), (values, counts) = loss0, losses
+    counts = None if count0 is None else cat(count0, counts).sum()
+    losses = (cat(value0, values).mean(), counts)
     auxes = jax.tree.map(cat, aux0, auxes)
     auxes = jax.tree.map(
         lambda x: x.mean(0) if jnp.issubdtype(x.dtype, jnp.floating) else x[-1], auxes

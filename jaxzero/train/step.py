@@ -18,9 +18,9 @@ from jaxzero._tree import batch_rows
 from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.mesh import mesh_platform
+from jaxzero.train import loss as user_loss
 from jaxzero.train import pmap_leftovers
 from jaxzero.train.grads import gradient_zero, local_gradients
-from jaxzero.train.grads import split_out as split_loss
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh
 from jaxzero.train.update import apply_gradients
@@ -47,6 +47,15 @@ def check_no_torch(batch) -> None:
             f"convert them with .numpy() (.cpu().numpy() for a tensor on a GPU), e.g. "
             f"batch = jax.tree.map(lambda t: t.numpy(), batch)."
         )
+
+
+_NO_MODEL_STATE = (
+    "this step is stateful (make_train_step(..., stateful=True)): it hands "
+    "loss_fn(params, model_state, batch, rng) the model's non-trainable state, but the state "
+    "has none; pass it to init: step.init(params, model_state=variables['batch_stats'] (or "
+    "{k: v for k, v in variables.items() if k != 'params'}), rng=...). A model without state "
+    "that only needs a key: make_train_step(..., rng=True) with loss_fn(params, batch, rng)."
+)
 
 
 # XLA:CPU (simulated devices) admits at most 32 programs in flight per device and launches each
@@ -80,7 +89,10 @@ class TrainStep:
 
     def init(self, params, **kwargs) -> TrainState:
         """``zero.init(params, ema=self.ema, ...)``: ``rng=`` for a step that hands the loss
-        a key, ``opt_state=`` and ``step=`` to continue a plain optax run (adopt it)."""
+        a key, ``model_state=`` for a stateful step (required there), ``opt_state=`` and
+        ``step=`` to continue a plain optax run (adopt it)."""
+        if self.stateful and kwargs.get("model_state") is None:
+            raise ValueError(_NO_MODEL_STATE)
         return self.zero.init(params, ema=self.ema, **kwargs)
 
     def check_batch(self, batch) -> None:
@@ -107,6 +119,8 @@ class TrainStep:
                 "this step updates an EMA but state has none; create the state with "
                 "step.init(params) or zero.init(params, ema=ema)."
             )
+        if self.stateful and state.model_state is None:
+            raise ValueError(_NO_MODEL_STATE)
         if not self.stateful and state.model_state is not None:
             raise ValueError(
                 "state carries a model_state but the step is not stateful; build it with "
@@ -218,6 +232,7 @@ def make_train_step(
     stateful: bool = False,
     rng: bool = False,
     donate: bool = True,
+    allow_loss_collectives: bool = False,
 ) -> TrainStep:
     """Build the jitted ZeRO train step.
 
@@ -237,6 +252,16 @@ def make_train_step(
     seed and N. For BatchNorm over the GLOBAL batch (SyncBatchNorm), build the model's
     ``BatchNorm(axis_name=zero.batch_axes)``: the loss runs inside ``shard_map`` over those axes.
 
+    A loss normalised by a count over the whole global batch (tokens with a mask) returns
+    :class:`jaxzero.GlobalMean` ``(total, count)`` of its rows: the step's gradient is then
+    exactly that of ``sum(total) / sum(count)`` over every device and micro-batch. A loss that
+    itself reduces over the data axes (``jax.lax.pmean(loss, "data")``, a ``psum`` of a
+    count: a ``pmap`` leftover) is refused before the first step, since under the step's mean
+    it would train at 1/N of the gradient; ``allow_loss_collectives=True`` keeps a collective
+    the loss uses on purpose, whose result each device applies to its own rows (a
+    hand-written synchronised BatchNorm). Flax's normalization layers with ``axis_name=``
+    and jaxzero's own hooks need no flag.
+
     Per step: gradients inside ``jax.shard_map`` (stage 3 all-gathers parameters there;
     stages 0/1 all-reduce, 2/3 reduce-scatter), then :meth:`ZeRO.apply_gradients` under jit:
     unscale, global finite check, optax update on the shards, EMA on the same shards,
@@ -247,7 +272,9 @@ def make_train_step(
       ``aux`` (when given), ``grad_norm``, ``step``, ``skipped``, ``finite``.
 
     Raises:
-      ValueError: ``accum_steps < 1``.
+      ValueError: ``accum_steps < 1``; at the first call, a loss that reduces over the data
+        axes (see above).
+      TypeError: ``loss_fn`` cannot take the arguments the step hands it.
     """
     if not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}.")
@@ -261,6 +288,7 @@ def make_train_step(
             "stateful loss_fn(params, model_state, batch, rng) already gets the key. Drop "
             "rng=True."
         )
+    user_loss.check_signature(loss_fn, rng=bool(rng), stateful=stateful)
     if accum_steps > 1 and zero.placement.params_on_host and zero.units:
         raise ValueError(
             f"accum_steps={accum_steps} with ZeRO(offload={zero.offload!r}, units=...): the "
@@ -279,7 +307,13 @@ def make_train_step(
         )
     reducing = gradient_zero(zero, accum_steps)
     inner = _keyed_loss(loss_fn) if rng else loss_fn
-    grads_fn = local_gradients(reducing, inner, accum_steps, stateful=stateful or bool(rng))
+    grads_fn = local_gradients(
+        reducing,
+        inner,
+        accum_steps,
+        stateful=stateful or bool(rng),
+        allow_loss_collectives=allow_loss_collectives,
+    )
     step_fn = _step_fn(zero, reducing, grads_fn, ema, accum_steps)
     jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else ())
     return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful, bool(rng))
@@ -290,7 +324,7 @@ def _keyed_loss(loss_fn):
     the same per-device key, no model state (None in, None out)."""
 
     def stateful(params, model_state, batch, rng):
-        loss, aux = split_loss(loss_fn(params, batch, rng))
+        loss, aux = user_loss.split_out(loss_fn(params, batch, rng))
         return loss, (model_state, aux)
 
     return stateful
@@ -341,8 +375,17 @@ def _step_fn(
         loss, aux, grads, model_state = sm(
             loss_shards(zero, state), state.model_state, batch, state.rng, state.step, scale
         )
+        grad_scale = None
+        if isinstance(loss, tuple):  # a GlobalMean: (its value, the gradient's factor)
+            loss, grad_scale = loss
         new_state, metrics = apply_gradients(
-            zero, state, grads, ema=ema, model_state=model_state, accum_steps=accum_steps
+            zero,
+            state,
+            grads,
+            ema=ema,
+            model_state=model_state,
+            accum_steps=accum_steps,
+            grad_scale=grad_scale,
         )
         metrics = {"loss": loss, **metrics}
         if aux is not None:

@@ -38,12 +38,15 @@ def _pinned(zero: ZeROConfig, grads):
     return jax.tree.map(pin, grads, named)
 
 
-def _unscaled(zero: ZeROConfig, state: TrainState, grads):
-    """The gradients in ``output_dtype``, divided by the loss scale."""
+def _unscaled(zero: ZeROConfig, state: TrainState, grads, grad_scale=None):
+    """The gradients in ``output_dtype``, divided by the loss scale and multiplied by
+    ``grad_scale`` (a :class:`~jaxzero.train.loss.GlobalMean` loss's factor; None: 1)."""
     grads = cast(grads, zero.precision.output_dtype)
-    if state.loss_scale is not None:
-        inv = 1.0 / state.loss_scale.scale
-        grads = jax.tree.map(lambda g: g * inv.astype(g.dtype), grads)
+    factor = None if state.loss_scale is None else 1.0 / state.loss_scale.scale
+    if grad_scale is not None:
+        factor = grad_scale if factor is None else factor * grad_scale
+    if factor is not None:
+        grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
     return grads
 
 
@@ -100,7 +103,15 @@ def _new_ema(zero: ZeROConfig, state: TrainState, ema, new_master, model_state, 
 
 
 def _shard_update(
-    zero: ZeROConfig, ema, state: TrainState, master, grads, model_state, *, sums_of=None
+    zero: ZeROConfig,
+    ema,
+    state: TrainState,
+    master,
+    grads,
+    model_state,
+    grad_scale=None,
+    *,
+    sums_of=None,
 ):
     """``(new_master, opt_state, ema, compute shards, finite, grad_norm)``: the optax and EMA
     updates on the shards (each leaf unchanged where the step is skipped) and
@@ -109,10 +120,11 @@ def _shard_update(
     ``zero.placement`` keeps the state (streamed through the device with offload: decision
     32), so the reductions over the gradients run there too. ``sums_of``: per gradient leaf,
     the number of micro-batches it is the sum of (a host accumulator: decision 42), divided
-    here, where the update streams it; None: every leaf is a mean."""
+    here, where the update streams it; None: every leaf is a mean. ``grad_scale``: a scalar
+    the gradients are multiplied by (None: 1)."""
     if sums_of is not None:
         grads = jax.tree.map(lambda g, k: g if k == 1 else g / k, grads, sums_of)
-    grads = _unscaled(zero, state, grads)
+    grads = _unscaled(zero, state, grads, grad_scale)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
@@ -136,10 +148,13 @@ def apply_gradients(
     ema: ShardedEMA | None = None,
     model_state=None,
     accum_steps: int = 1,
+    grad_scale=None,
 ):
     """:meth:`jaxzero.ZeRO.apply_gradients` (see there). ``accum_steps``: the step's
     micro-batches; with the params offloaded the gradient leaves in host memory are then
-    their sums, in accumulators apart from the params (decision 42), divided by the update."""
+    their sums, in accumulators apart from the params (decision 42), divided by the update.
+    ``grad_scale``: a scalar the gradients are multiplied by before the update (a
+    :class:`~jaxzero.train.loss.GlobalMean` loss's devices x micro-batches / global count)."""
     master = master_view(zero, state)
     with jax.named_scope("optimizer_update"):
         pinned = _pinned(zero, grads)
@@ -152,9 +167,18 @@ def apply_gradients(
         zero.shard_specs(master),
         zero.shard_specs(pinned),
         jax.tree.map(lambda _: P(), model_state),
+        None if grad_scale is None else P(),
     )
     new_master, opt_state, new_ema, compute, finite, norm = zero.placement.run_update(
-        zero, update, state, master, pinned, model_state, specs=specs, grads_in_params=not sums
+        zero,
+        update,
+        state,
+        master,
+        pinned,
+        model_state,
+        grad_scale,
+        specs=specs,
+        grads_in_params=not sums,
     )
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
