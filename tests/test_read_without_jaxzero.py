@@ -1,6 +1,7 @@
-"""The way out (issue 51): a jaxzero checkpoint step, and an export, read in a process that
-never imports jaxzero, with the orbax-only reader docs/guide/checkpoints.md shows; the arrays
-equal the saved ones."""
+"""The way out: a jaxzero checkpoint step, and an export, read in a process that never imports
+jaxzero, with the orbax-only readers docs/guide/checkpoints.md shows; the arrays equal the saved
+ones, and a run read into the user's own Flax ``TrainState`` goes on there with plain optax as
+it goes on under jaxzero."""
 
 import os
 import re
@@ -13,18 +14,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import plain_flax
+import pytest
+import tolerance
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
 
-GUIDE = Path(__file__).parents[1] / "docs" / "guide" / "checkpoints.md"
+TESTS = Path(__file__).parent
+GUIDE = TESTS.parent / "docs" / "guide" / "checkpoints.md"
+K = 3  # jaxzero steps before the checkpoint, and steps after it
 
 
-def _reader_source() -> str:
+def _reader_source(name: str = "restore_without_jaxzero") -> str:
     blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
-    found = [b for b in blocks if "def restore_without_jaxzero" in b]
-    assert len(found) == 1, "docs/guide/checkpoints.md no longer shows restore_without_jaxzero"
+    found = [b for b in blocks if f"def {name}(" in b]
+    assert len(found) == 1, f"docs/guide/checkpoints.md no longer shows {name}"
     return found[0]
+
+
+def _run_without_jaxzero(script: str, cwd) -> str:
+    """Run ``script`` in a fresh one-device process that must never import jaxzero (the tests
+    directory on its path for plain_flax); its stdout."""
+    script = (
+        f"import sys\nsys.path.insert(0, {os.fspath(TESTS)!r})\n"
+        + script
+        + '\nassert "jaxzero" not in sys.modules, "the reader imported jaxzero"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=cwd,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 def test_a_jaxzero_step_reads_with_orbax_alone(tmp_path):
@@ -65,18 +92,86 @@ def test_a_jaxzero_step_reads_with_orbax_alone(tmp_path):
                 np.testing.assert_array_equal(np.asarray(v, np.float32), want)
         assert len(jax.devices()) == 1 and int(state["step"]) == 7
         assert state["params"]["embed"].dtype.name == "bfloat16"
-        assert "jaxzero" not in sys.modules, "the reader imported jaxzero"
         print("read", len(saved.files), "arrays")
         """
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        env={**env, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    assert "read 6 arrays" in _run_without_jaxzero(script, tmp_path)
+
+
+# The child: the user's own TrainState from their own tx.init, the jaxzero step read into it
+# with the guide's reader, compared leaf by leaf (by path) with jaxzero's gathered state, then
+# trained on with plain optax.
+CHILD = """
+import chex
+import jax
+import numpy as np
+import plain_flax
+from flax.training import train_state
+
+model, params = plain_flax.model_and_params()
+tx = plain_flax.chain({chain!r})
+ts = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+ts = restore_into_train_state({ckpt!r}, {k}, ts)
+ema = read_jaxzero_step({ckpt!r}, {k}, {{"ema": {{"ema": params}}}})["ema"]["ema"]
+got = {{"params": ts.params, "opt_state": ts.opt_state, "step": ts.step, "ema": ema}}
+want = np.load({want!r})
+assert sorted(plain_flax.by_path(got)) == sorted(want.files), (plain_flax.by_path(got).keys(), want.files)
+expected = jax.tree_util.tree_map_with_path(lambda k, _: want[jax.tree_util.keystr(k)], got)
+chex.assert_trees_all_equal_shapes_and_dtypes(got, expected)
+chex.assert_trees_all_equal(got, expected)
+assert type(ts.opt_state) is type(tx.init(params)) and len(jax.devices()) == 1
+
+loss = plain_flax.loss_fn(model)
+step = jax.jit(lambda ts, b: ts.apply_gradients(grads=jax.grad(loss)(ts.params, b)))
+for b in plain_flax.batches({n})[{k}:]:
+    ts = step(ts, b)
+np.savez({out!r}, **plain_flax.by_path({{"params": ts.params, "opt_state": ts.opt_state, "step": ts.step}}))
+print("restored", len(want.files), "arrays")
+"""
+
+
+@pytest.mark.parametrize("chain,precision", [("multisteps", "fp32"), ("clip_adamw", "bf16")])
+def test_a_jaxzero_run_goes_on_in_a_flax_train_state(chain, precision, tmp_path):
+    tx = plain_flax.chain(chain)
+    model, params = plain_flax.model_and_params()
+    loss = plain_flax.loss_fn(model)
+    batches = plain_flax.batches(2 * K)
+    zero = jz.ZeRO(tx, jz.data_parallel_mesh(8), stage=3, precision=precision)
+    step = jz.make_train_step(loss, zero, ema=jz.ShardedEMA(0.9))
+    state = step.init(params)
+    for b in batches[:K]:
+        state, _ = step(state, b)
+    # sharded 1/8 in memory (every leaf divides by 8); orbax stores each whole
+    assert not any(x.is_fully_replicated for x in jax.tree.leaves(state.opt_state) if x.ndim)
+    assert (state.master is not None) == (precision == "bf16")
+    ck.save(tmp_path / "ckpt", K, state, zero=zero)
+    weights = lambda s: s.params if s.master is None else s.master
+    view = lambda s: {
+        "params": jz.gather(weights(s)),
+        "opt_state": jz.gather(s.opt_state),
+        "step": s.step,
+    }
+    saved = {**view(state), "ema": jz.ema_params(state, jnp.float32)}
+    want = plain_flax.by_path(jax.device_get(saved))
+    np.savez(tmp_path / "want.npz", **want)
+    child = _reader_source("restore_into_train_state") + CHILD.format(
+        chain=chain,
+        ckpt=os.fspath(tmp_path / "ckpt"),
+        k=K,
+        n=2 * K,
+        want=os.fspath(tmp_path / "want.npz"),
+        out=os.fspath(tmp_path / "flax.npz"),
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "read 6 arrays" in out.stdout
+    assert f"restored {len(want)} arrays" in _run_without_jaxzero(child, tmp_path)
+    if precision != "fp32":  # jaxzero's loss reads bf16 params, the child's fp32 ones
+        return
+    for b in batches[K:]:
+        state, _ = step(state, b)
+    ours = plain_flax.by_path(jax.device_get(view(state)))
+    flax_run = np.load(tmp_path / "flax.npz")
+    assert sorted(flax_run.files) == sorted(ours)
+    _, _, atol = tolerance.reference(tx, params, loss, batches)
+    for k, v in ours.items():
+        np.testing.assert_allclose(flax_run[k], v, rtol=0, atol=atol, err_msg=k)
+    moved = plain_flax.by_path({"params": params})
+    assert max(np.abs(ours[k] - moved[k]).max() for k in moved) > 1000 * atol

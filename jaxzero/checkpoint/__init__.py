@@ -13,7 +13,9 @@ configures it for jaxzero and adds the jaxzero-specific parts:
   lets Orbax read every array straight into the target's shardings, so a checkpoint written
   on N devices at one stage restores on any N / stage / mesh (``ZeRO.abstract_state``
   supplies the shardings).
-* :func:`export` writes a gathered, unsharded tree (EMA or params) for inference.
+* :func:`export` writes a gathered, unsharded tree (EMA, params or master) for inference;
+  with ``opt_state=True`` the optax state and step beside the master, as a Flax
+  ``TrainState`` holds them (:func:`load_export` reads either back).
 * :func:`adopt` continues a plain Flax/optax run (a Flax ``TrainState``, or a plain orbax
   checkpoint of its params, optax state and step) as a jaxzero ``TrainState``.
 * :func:`inspect` renders a checkpoint directory as text (for ``jaxzero inspect``).
