@@ -120,15 +120,16 @@ def test_a_batchnorm_axis_name_the_mesh_lacks_still_says_name_the_axis():
 
 
 @pytest.mark.parametrize(
-    "stage,accum,tx",
+    "stage,accum,tx,offload",
     [
-        (0, 1, "sgd"),
-        (1, 2, "sgd"),
-        (2, 1, "clip_adamw"),
-        (3, 2, "clip_adamw"),
+        (0, 1, "sgd", None),
+        (1, 2, "sgd", None),
+        (2, 1, "clip_adamw", None),
+        (3, 2, "clip_adamw", None),
+        (2, 2, "clip_adamw", "optimizer"),  # the factor streamed with the update
     ],
 )
-def test_global_mean_trains_as_single_device_optax_on_the_token_mean(stage, accum, tx):
+def test_global_mean_trains_as_single_device_optax_on_the_token_mean(stage, accum, tx, offload):
     """sum(total) / sum(count) over every device and micro-batch: the devices' counts differ,
     so a mean of per-device (or per-micro-batch) means would not land here."""
     txs = {
@@ -136,7 +137,8 @@ def test_global_mean_trains_as_single_device_optax_on_the_token_mean(stage, accu
         "clip_adamw": optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
     }
     batches = _batches()
-    step = jz.make_train_step(global_mean, _zero(stage, tx=txs[tx]), accum_steps=accum)
+    zero = jz.ZeRO(txs[tx], jz.data_parallel_mesh(N), stage=stage, offload=offload)
+    step = jz.make_train_step(global_mean, zero, accum_steps=accum)
     state = step.init(PARAMS)
     losses, norms = [], []
     for b in batches:

@@ -191,3 +191,42 @@ def test_vocab_parallel_bf16_is_as_close_to_fp32_optax_as_the_gathered_table():
     for group in truth:
         assert 0 < error[None, group] < 2e-3  # bf16 rounding, not a broken step
         assert error["embed", group] <= 1.25 * error[None, group], group
+
+
+class UnitLM(nn.Module):
+    """The tied embedding and two Python-loop blocks, for units= (stage 3 per module)."""
+
+    plain: bool = False
+
+    @nn.compact
+    def __call__(self, tokens, labels):
+        cls = nn.Embed if self.plain else jz.VocabParallelEmbed
+        embed = cls(VOCAB, WIDTH, name="embed")
+        x = embed(tokens)
+        for i in range(2):
+            x = x + nn.Dense(WIDTH, name=f"block_{i}")(jnp.tanh(x))
+        x = nn.LayerNorm(name="norm")(x)
+        if self.plain:
+            logits = embed.attend(x).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return embed.cross_entropy(x, labels).mean()
+
+
+def test_vocab_parallel_with_units_and_prefetch_matches_single_device_sgd():
+    """units= with prefetch gathers the leaves outside the units where they are read, but the
+    vocabulary table stays rows and its gradient is reduced as complete (SGD, which a gradient
+    N times too large moves N times as far: Adam would hide it)."""
+    _, _, batches = _problem()
+    params = UnitLM().init(jax.random.key(0), batches[0]["x"][:1], batches[0]["y"][:1])["params"]
+    tx = optax.sgd(0.5)
+    zero = jz.ZeRO(
+        tx, jz.data_parallel_mesh(N), stage=3, units=r"block_\d+", vocab_parallel="embed"
+    )
+    assert zero.prefetch
+    step = jz.make_train_step(lambda p, b: UnitLM().apply({"params": p}, b["x"], b["y"]), zero)
+    state = step.init(params)
+    for b in batches:
+        state, _ = step(state, b)
+    plain = lambda p, b: UnitLM(plain=True).apply({"params": p}, b["x"], b["y"])
+    want, _ = reference_run(tx, params, plain, batches)
+    chex.assert_trees_all_close(jz.gather(state.params), want, atol=1e-6)

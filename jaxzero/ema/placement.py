@@ -19,6 +19,15 @@ def specs(zero: ZeROConfig, ema_tree):
     return storage.specs(ema_tree, zero.ema_leaf_specs, zero.axis)
 
 
+def leaf_storage(zero: ZeROConfig, ema: ShardedEMA, params) -> list[str]:
+    """The per-leaf plan's ``ema`` column (:mod:`jaxzero.zero.plan`): per params leaf, whether
+    ``ema`` keeps it in bucketed ``"rows"`` or ``"per_leaf"`` on ``zero``'s mesh and stage."""
+    limit = storage.resolve(ema.bucket_leaves_up_to, zero.mesh, zero.stage, zero.offload)
+    layout = storage.plan(params, zero.mesh, zero.axis, limit, zero.ema_leaf_specs(params))
+    rows = layout.rows if layout is not None else [None] * len(jax.tree.leaves(params))
+    return ["per_leaf" if r is None else "rows" for r in rows]
+
+
 def bucket(zero: ZeROConfig, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
     """``ema_state`` in ``ema``'s storage for ``zero``'s mesh and stage (local, no
     communication); the inverse is :func:`jaxzero.unbucket_ema`."""

@@ -17,7 +17,9 @@ from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.train import state as train_state
 from jaxzero.train import update as train_update
 from jaxzero.train.state import TrainState
+from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero.config import ZeROConfig
+from jaxzero.zero.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +129,16 @@ class ZeRO(ZeROConfig):
         return train_state.init(
             self, params, ema=ema, model_state=model_state, rng=rng, opt_state=opt_state, step=step
         )
+
+    def plan(self, params, *, accum_steps: int = 1, ema: ShardedEMA | None = None) -> Plan:
+        """The per-leaf plan (:mod:`jaxzero.zero.plan`): for every params leaf, its shardings,
+        how the loss gets it and its gradient leaves the backward, how micro-batches
+        accumulate it, where its state and params live, its wire encoding, its EMA storage
+        and its bytes per device. ``params``: arrays or ``jax.ShapeDtypeStruct``s (nothing
+        is allocated); ``accum_steps``: the step's micro-batches; ``ema``: the step's
+        ``ShardedEMA``. ``print(zero.plan(params))`` shows the table."""
+        storage = None if ema is None else lambda p: placement.leaf_storage(self, ema, p)
+        return leaf_plan.build(self, params, accum_steps=accum_steps, ema_storage=storage)
 
     def abstract_state(self, params, *, ema=None, model_state=None, rng=None) -> TrainState:
         """The state's ShapeDtypeStructs, with shardings, without allocating anything."""

@@ -58,7 +58,13 @@ class GradientPath:
         if not (z.per_layer or z.units if on is None else on):
             return None
         if z.units:
-            return unit_patterns.mask(tree, z.units, z.prefetch)
+            # the vocabulary tables stay rows and are reduced as complete, never by the unit
+            # chain, even outside the units with prefetch (unit_plan leaves them out too)
+            units = unit_patterns.mask(tree, z.units, z.prefetch)
+            tables = vocab.mask(z.vocab_parallel, tree)
+            return (
+                units if tables is None else jax.tree.map(lambda u, t: u and not t, units, tables)
+            )
         return sh.subtree_mask(tree, z.layers)
 
     def _whole_mask(self, tree):  # stage 0 per layer: the stacks stay device-invariant

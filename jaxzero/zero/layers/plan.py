@@ -212,6 +212,28 @@ def reduces_in_backward(stage: int, layers, precision, replica_axes=()) -> bool:
     return stage == 0 or (stage == 2 and not replica_axes)
 
 
+def leaf_columns(zero, paths, accum_steps: int) -> list[dict]:
+    """The per-leaf plan's columns ``layers=`` decides (:mod:`jaxzero.zero.plan`), per leaf
+    key path: at stage 3 a stack leaf is gathered a layer at a time and its gradient reduced
+    in the backward; at stages 0-2 its gradient is reduced in the backward where
+    :func:`reduces_in_backward` (stage 1 as stage 2 with one micro-batch; stages 0/1 with
+    micro-batches reduce once), stage 0's stacks entering the loss whole and invariant."""
+    if not zero.layers:
+        return [{} for _ in paths]
+    stage, p, replicas = zero.stage, zero.precision, zero.replica_axes
+    if stage == 3:
+        cols = {"gather": "per_layer", "reduce": "in_backward"}
+    elif stage == 0 and accum_steps == 1 and reduces_in_backward(0, zero.layers, p, replicas):
+        cols = {"gather": "invariant", "reduce": "in_backward"}
+    elif (stage == 2 or (stage == 1 and accum_steps == 1)) and reduces_in_backward(
+        2, zero.layers, p, replicas
+    ):
+        cols = {"reduce": "in_backward"}
+    else:
+        return [{} for _ in paths]
+    return [dict(cols) if is_stacked(k, zero.layers) else {} for k in paths]
+
+
 def unused_reason(zero, accum_steps: int) -> str | None:
     """Why ``zero.layers`` reduces no layer's gradient inside the backward of a step with
     ``accum_steps`` micro-batches at stages 0-2 (see :func:`reduces_in_backward`), as the sentence

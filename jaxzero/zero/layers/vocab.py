@@ -112,6 +112,14 @@ def names(vocab_parallel, stage: int) -> tuple[str, ...]:
     return given
 
 
+def leaf_columns(paths, vocab_names: tuple[str, ...]) -> list[dict]:
+    """The per-leaf plan's columns ``vocab_parallel=`` decides (:mod:`jaxzero.zero.plan`), per
+    leaf key path: a table stays rows (never gathered), and its gradient comes back summed
+    over the data axis by the collectives' transposes (complete)."""
+    tables = {"gather": "vocab_rows", "reduce": "complete"}
+    return [dict(tables) if is_stacked(k, vocab_names) else {} for k in paths]
+
+
 def mask(vocab_names: tuple[str, ...], tree):
     """True for the leaves under one of ``vocab_names`` (None when there are none)."""
     return subtree_mask(tree, vocab_names)

@@ -125,6 +125,40 @@ def check_params(
         )
 
 
+def leaf_columns(zero, rows, owners, sizes, accum_steps: int) -> tuple[list[dict], list[str]]:
+    """The per-leaf plan's columns ``offload=`` decides (:mod:`jaxzero.zero.plan`):
+    ``memory`` of each params row (its master, optimizer-state and EMA leaves: ``owners``,
+    the row of each such leaf in :meth:`HostMemory.host_flags`' order, None for a leaf that
+    mirrors no parameter; ``sizes``: their bytes per device), ``params_memory``, and
+    ``accumulate`` (a stack's or unit's gradient summed into a host accumulator over
+    micro-batches), with ``host_state_bytes`` (the row's optimizer-side bytes on the host);
+    and where each leaf owned by no row lives."""
+    where = zero.placement
+    if not zero.offload:
+        return [{} for _ in rows], ["device"] * sum(o is None for o in owners)
+    flags = host_leaves(sizes, where.fraction)
+    per_row: list[set] = [set() for _ in rows]
+    on_host = [0] * len(rows)
+    other = []
+    for owner, on, size in zip(owners, flags, sizes, strict=True):
+        if owner is None:
+            other.append(HOST if on else "device")
+        else:
+            per_row[owner].add(on)
+            on_host[owner] += size if on else 0
+    kind = lambda s: HOST if s == {True} else "device" if s <= {False} else "split"
+    columns = []
+    for row, s, host in zip(rows, per_row, on_host, strict=True):
+        cols = {"memory": kind(s), "host_state_bytes": host}
+        if where.params_on_host:
+            cols["params_memory"] = HOST
+            fetched = row["gather"] == "per_layer" or row["gather"].startswith("unit:")
+            if accum_steps > 1 and fetched:
+                cols["accumulate"] = "host_sum"
+        columns.append(cols)
+    return columns, other
+
+
 def placement(offload, stage: int, mesh: Mesh, fraction=1.0) -> DeviceMemory | HostMemory:
     """The placement of ``ZeRO(offload=offload, offload_fraction=fraction)``:
     :func:`check_offload` and :func:`~jaxzero.zero.offload.fraction.check_fraction`, then

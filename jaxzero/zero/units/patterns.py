@@ -18,7 +18,7 @@ import warnings
 import jax
 
 from jaxzero._tree import path_strs
-from jaxzero.zero.specs import subtree_paths
+from jaxzero.zero.specs import is_stacked, subtree_paths
 
 _RULE = (
     "a leaf belongs to the deepest prefix of its path that a pattern names (each pattern "
@@ -88,9 +88,13 @@ def _named(keys: tuple[str, ...], compiled) -> list[str | None]:
 def _owners(params, patterns: tuple[str, ...]) -> list[tuple[str | None, list[str | None]]]:
     """Per flat leaf: its unit (the deepest prefix a pattern names, or None) and what each
     pattern names."""
+    return _owners_of(_paths(params), patterns)
+
+
+def _owners_of(paths, patterns: tuple[str, ...]) -> list[tuple[str | None, list[str | None]]]:
     compiled = [re.compile(p) for p in patterns]
     out = []
-    for keys in _paths(params):
+    for keys in paths:
         named = _named(keys, compiled)
         found = [n for n in named if n is not None]
         out.append((max(found, key=lambda n: n.count("/")) if found else None, named))
@@ -107,6 +111,22 @@ def unit_names(params, patterns: tuple[str, ...], outside: bool = False) -> list
     None (gathered whole at the start of the loss), or with ``outside`` :data:`OUTSIDE`."""
     other = OUTSIDE if outside else None
     return [other if unit is None else unit for unit, _ in _owners(params, patterns)]
+
+
+def leaf_columns(paths, units: tuple[str, ...], prefetch, tables=()) -> list[dict]:
+    """The per-leaf plan's columns ``units=`` decides (:mod:`jaxzero.zero.plan`), per leaf
+    key path (a tuple of strings): a unit's leaves, and with ``prefetch`` those outside every
+    unit but the ``vocab_parallel`` ``tables``, are gathered by the unit chain where they are
+    read and their gradients reduced there."""
+    if not units:
+        return [{} for _ in paths]
+    other = OUTSIDE if prefetch else None
+    out = []
+    for keys, (unit, _) in zip(paths, _owners_of(paths, units), strict=True):
+        unit = other if unit is None else unit
+        mine = {"gather": f"unit:{unit}", "reduce": "per_unit"}
+        out.append({} if unit is None or is_stacked(keys, tables) else mine)
+    return out
 
 
 def mask(tree, units: tuple[str, ...], outside: bool = False):

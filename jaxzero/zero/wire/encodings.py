@@ -212,6 +212,26 @@ class Wire:
         return self.grads.all_reduce(g, axes)
 
 
+def leaf_columns(wire: Wire, rows) -> list[dict]:
+    """The per-leaf plan's ``wire`` column (:mod:`jaxzero.zero.plan`): the encoding of each
+    row's all-gather (a sharded leaf gathered at stage 3) and of its gradient's reduction (a
+    sharded gradient reduce-scattered), ``"gather/reduce"`` where they differ; a leaf with no
+    dimension to split stays exact (its gradient is all-reduced)."""
+    name = lambda codec: "exact" if codec.bits is None else f"int{codec.bits}"
+    out = []
+    for row in rows:
+        gathers = row["gather"] not in ("none", "invariant", "vocab_rows")
+        gathered = gathers and spec_dim(row["param_spec"]) is not None
+        scattered = row["reduce"] != "complete" and spec_dim(row["grad_spec"]) is not None
+        g = name(wire.weights) if gathered else "exact"
+        r = name(wire.grads) if scattered and row["reduce"] != "all_reduce" else "exact"
+        text = g if g == r else f"{g}/{r}"
+        if wire.hpz is not None and row["gather"] == "per_layer" and gathered:
+            text += f"+hpZ{wire.hpz}"
+        out.append({} if text == "exact" else {"wire": text})
+    return out
+
+
 def wire(quantize, hpz: int | None = None) -> Wire:
     """The :class:`Wire` of ``ZeRO(quantize=..., hpz_partition_size=...)``: ``quantize`` None
     (exact), ``"weights"`` (int8 gathers), ``"grads"`` (int8 reduce-scatters), ``"both"``,

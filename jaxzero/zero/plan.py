@@ -1,0 +1,364 @@
+"""The per-leaf plan: what happens to every parameter leaf under one ``ZeRO``, decided once.
+
+``ZeRO.plan(params)`` resolves, from the params' shapes alone (arrays or
+``jax.ShapeDtypeStruct``s, nothing allocated), a frozen table with one :class:`Leaf` row per
+params leaf: its shardings, how the loss gets it (``gather``), how its gradient leaves the
+backward (``reduce``), how micro-batches accumulate it, where its optimizer side and its
+params live, how the wire encodes it, how the EMA stores it, and the bytes each device holds
+for it. Each feature fills its own columns (:func:`jaxzero.zero.units.patterns.leaf_columns`,
+:func:`jaxzero.zero.layers.plan.leaf_columns`, :func:`jaxzero.zero.layers.vocab.leaf_columns`,
+:func:`jaxzero.zero.offload.placement.leaf_columns`,
+:func:`jaxzero.zero.wire.encodings.leaf_columns`); two features that decide one column of one
+leaf differently are refused here, in the one place that merges them.
+
+The table is what a user debugging memory or a slow step asks first: ``print(plan)`` shows it,
+and ``plan.totals()`` sums its bytes. Optimizer-state leaves that mirror no parameter (step
+counters, a schedule's state) are the :attr:`Plan.other` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxzero._tree import format_bytes, path_strs
+from jaxzero.zero import specs as sh
+from jaxzero.zero.layers import plan as layers
+from jaxzero.zero.layers import vocab
+from jaxzero.zero.offload import placement as offload
+from jaxzero.zero.units import patterns as units
+from jaxzero.zero.wire import encodings as wire
+
+#: The plan's decision columns, in the order they print.
+DECISIONS = ("gather", "reduce", "accumulate", "memory", "params_memory", "wire", "ema", "layout")
+#: The per-device byte columns of a row.
+BYTES = ("params", "master", "grads", "opt_state", "ema")
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One params leaf's row of the :class:`Plan`.
+
+    Attributes:
+      path: the leaf's ``/``-joined key path (``"layers/attn/kernel"``).
+      shape: its global shape.
+      layer_axis: whether axis 0 is a ``layers=`` stack's layer axis (never split).
+      param_spec: the compute params' PartitionSpec (sharded at stage 3 only).
+      state_spec: the master's, optimizer state's and EMA's PartitionSpec (stages 1-3).
+      grad_spec: the reduced gradient's PartitionSpec (stages 2-3).
+      gather: how the loss gets the leaf: ``"none"`` (whole on every device, stages 0-2),
+        ``"invariant"`` (stage 0 per layer: whole and device-invariant, each layer marked
+        varying where it runs), ``"whole"`` (all-gathered at the start of the loss),
+        ``"per_layer"`` (a layer at a time by ``gather_layer`` / ``scan_layers``),
+        ``"unit:NAME"`` (with its unit, ``units=``) or ``"vocab_rows"`` (stays rows).
+      reduce: how its gradient is reduced: ``"all_reduce"`` or ``"reduce_scatter"`` after the
+        backward (each micro-batch at stages 2/3), ``"in_backward"`` (layer by layer inside
+        the backward: stage 3 per layer, and stages 0-2 with ``layers=`` where the model
+        calls ``gather_layer`` / ``scan_layers``), ``"per_unit"`` (by the unit chain) or
+        ``"complete"`` (a vocabulary table: summed by the collectives' transposes).
+      accumulate: over micro-batches: ``"none"`` (one), ``"device_mean"`` or ``"host_sum"``
+        (the params offloaded: summed into host accumulators).
+      memory: where its master, optimizer state and EMA live: ``"device"``,
+        ``"pinned_host"`` or ``"split"`` (``offload_fraction`` put some on each side).
+      params_memory: where its compute params live.
+      wire: the encoding of its all-gather and gradient reduction (``"exact"``,
+        ``"int8"``, ``"int4"``, ``"int8/int4"``: gather/reduce).
+      ema: how the EMA stores it: ``"none"``, ``"per_leaf"`` or ``"rows"``.
+      layout: how its state is laid out: ``"leaf"`` (optax's tree, leaf by leaf).
+      bytes: per device, ``{"params", "master", "grads", "opt_state", "ema"}``.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    layer_axis: bool
+    param_spec: P
+    state_spec: P
+    grad_spec: P
+    gather: str
+    reduce: str
+    accumulate: str
+    memory: str
+    params_memory: str
+    wire: str
+    ema: str
+    layout: str
+    bytes: dict
+    host_state_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def host_bytes(self) -> int:
+        """Of :attr:`bytes`, those in pinned host memory (the rest are on the device)."""
+        params = self.bytes["params"] if self.params_memory == "pinned_host" else 0
+        return params + self.host_state_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Other:
+    """A state leaf that mirrors no parameter (an optimizer's step counter, a schedule's
+    state, the EMA's counter): its path, shape, bytes per device, where it lives and which
+    part of the state it belongs to (``"opt_state"`` or ``"ema"``)."""
+
+    path: str
+    shape: tuple[int, ...]
+    bytes: int
+    memory: str
+    part: str = "opt_state"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The per-leaf plan of one ``ZeRO`` over one params tree (:func:`build`)."""
+
+    rows: tuple[Leaf, ...]
+    other: tuple[Other, ...]
+    stage: int
+    devices: int
+    accum_steps: int
+
+    def __getitem__(self, path: str) -> Leaf:
+        for row in self.rows:
+            if row.path == path:
+                return row
+        raise KeyError(
+            f"no params leaf {path!r} in the plan; leaves: {[r.path for r in self.rows]}"
+        )
+
+    def column(self, name: str) -> dict[str, Any]:
+        """``{path: value}`` of one column over every row."""
+        return {r.path: getattr(r, name) for r in self.rows}
+
+    def totals(self) -> dict[str, int]:
+        """Bytes per device of each part, summed over the rows (and the :attr:`other` leaves
+        into ``opt_state``)."""
+        out = {k: sum(r.bytes[k] for r in self.rows) for k in BYTES}
+        for o in self.other:
+            out[o.part] += o.bytes
+        return out
+
+    def memory_totals(self) -> dict[str, int]:
+        """Bytes per device by where they live: ``{"device": ..., "pinned_host": ...}``."""
+        host = sum(r.host_bytes for r in self.rows)
+        host += sum(o.bytes for o in self.other if o.memory == "pinned_host")
+        every = sum(self.totals().values())
+        return {"device": every - host, "pinned_host": host}
+
+    def __str__(self) -> str:
+        head = ("leaf", "shape", *DECISIONS[:-1], "per device")
+        body = [
+            (
+                r.path,
+                "x".join(map(str, r.shape)) or "()",
+                *(getattr(r, c) for c in DECISIONS[:-1]),
+                format_bytes(r.total_bytes),
+            )
+            for r in self.rows
+        ]
+        body += [
+            (o.path, "x".join(map(str, o.shape)) or "()", *(["-"] * 3), o.memory, *(["-"] * 3))
+            + (format_bytes(o.bytes),)
+            for o in self.other
+        ]
+        widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
+        line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True))
+        totals = self.totals()
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in totals.items() if v)
+        title = (
+            f"ZeRO stage {self.stage} on {self.devices} devices, "
+            f"{self.accum_steps} micro-batch{'es' if self.accum_steps > 1 else ''}: "
+            f"{len(self.rows)} params leaves"
+        )
+        where = self.memory_totals()
+        kept = f"{format_bytes(where['device'])} on the device"
+        if where["pinned_host"]:
+            kept += f", {format_bytes(where['pinned_host'])} in pinned host memory"
+        return "\n".join(
+            [title, line(head), *map(line, body)]
+            + [f"per device: {format_bytes(sum(totals.values()))} ({parts}): {kept}"]
+        )
+
+
+def _merge(rows: list[dict], filled: Sequence[tuple[str, Sequence[dict]]]) -> None:
+    """Each feature's columns into ``rows``; a column two features set differently on one
+    leaf is refused, naming both."""
+    owner: list[dict] = [{} for _ in rows]
+    for feature, columns in filled:
+        for row, mine, cols in zip(rows, owner, columns, strict=True):
+            for key, value in cols.items():
+                if key in mine and row[key] != value:
+                    raise ValueError(
+                        f"ZeRO: {mine[key]} and {feature} disagree on leaf {row['path']!r}: "
+                        f"{key}={row[key]!r} against {value!r}. Give the leaf to one of them "
+                        f"(e.g. leave it out of one's names or patterns)."
+                    )
+                row[key], mine[key] = value, feature
+
+
+def _shard_bytes(shape, spec: P, n: int, itemsize: int) -> int:
+    d = sh.spec_dim(spec)
+    size = math.prod(shape)
+    return (size // n if d is not None else size) * itemsize
+
+
+def _mirrors(params_paths: list[tuple[str, ...]], state) -> tuple[list[list], list]:
+    """The optimizer-state leaves of each params leaf (its path ends with the param's), and
+    the ones that end with no param's: ``(per param: [(path, leaf)], [(path, leaf)])``."""
+    index = {keys: i for i, keys in enumerate(params_paths)}
+    longest = max((len(k) for k in params_paths), default=0)
+    per: list[list] = [[] for _ in params_paths]
+    other = []
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        keys = path_strs(path)
+        owner = next(
+            (index[keys[-k:]] for k in range(min(longest, len(keys)), 0, -1) if keys[-k:] in index),
+            None,
+        )
+        (per[owner] if owner is not None else other).append((path, x))
+    return per, other
+
+
+def build(
+    zero,
+    params,
+    *,
+    accum_steps: int = 1,
+    ema_storage: Callable[[Any], Sequence[str]] | None = None,
+    ema_itemsize: int = 4,
+) -> Plan:
+    """The :class:`Plan` of ``zero`` (a ``ZeROConfig``) over ``params`` (arrays or shape
+    structs, global shapes) for a step of ``accum_steps`` micro-batches. ``ema_storage``:
+    the EMA's column (``"per_leaf"`` / ``"rows"`` per params leaf, from
+    :mod:`jaxzero.ema`), None without an EMA."""
+    zero.check_layers(params)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = [path_strs(p) for p, _ in flat]
+    n, p = zero.num_shards, zero.precision
+    param_specs = jax.tree.leaves(zero.param_specs(params), is_leaf=lambda s: isinstance(s, P))
+    state_specs = jax.tree.leaves(zero.shard_specs(params), is_leaf=lambda s: isinstance(s, P))
+    reducing = zero  # stage 1 with one micro-batch reduces in the backward as stage 2 does
+    if zero.stage == 1 and accum_steps == 1 and zero.path.reduces_in_backward(stage=2):
+        reducing = dataclasses.replace(zero, stage=2)
+    grad_specs = jax.tree.leaves(reducing.grad_specs(params), is_leaf=lambda s: isinstance(s, P))
+    stage = zero.stage
+    rows = [
+        {
+            "path": "/".join(keys),
+            "shape": tuple(x.shape),
+            "layer_axis": sh.is_stacked(path, zero.layers),
+            "param_spec": ps,
+            "state_spec": ss,
+            "grad_spec": gs,
+            # the stage rule; the features below refine it
+            "gather": "whole" if stage == 3 else "none",
+            "reduce": "reduce_scatter"
+            if reducing.stage >= 2 and sh.spec_dim(gs) is not None
+            else "all_reduce",
+            "accumulate": "device_mean" if accum_steps > 1 else "none",
+            "memory": "device",
+            "params_memory": "device",
+            "wire": "exact",
+            "ema": "none",
+            "layout": "leaf",
+        }
+        for (path, x), keys, ps, ss, gs in zip(
+            flat, paths, param_specs, state_specs, grad_specs, strict=True
+        )
+    ]
+    _merge(
+        rows,
+        [
+            ("layers=", layers.leaf_columns(zero, paths, accum_steps)),
+            ("units=", units.leaf_columns(paths, zero.units, zero.prefetch, zero.vocab_parallel)),
+            ("vocab_parallel=", vocab.leaf_columns(paths, zero.vocab_parallel)),
+        ],
+    )
+    opt_state = jax.eval_shape(zero.tx.init, params)
+    mirrors, others = _mirrors(paths, opt_state)
+    state_bytes = [
+        sum(
+            _shard_bytes(x.shape, s, n, np.dtype(x.dtype).itemsize)
+            for s, (_, x) in zip(
+                jax.tree.leaves(
+                    zero.shard_specs([x for _, x in mine]), is_leaf=lambda s: isinstance(s, P)
+                ),
+                mine,
+                strict=True,
+            )
+        )
+        for mine in mirrors
+    ]
+    master = 4 if p.separate_master else 0
+    item = lambda d: np.dtype(d).itemsize
+    for row, mine_bytes in zip(rows, state_bytes, strict=True):
+        shape = row["shape"]
+        row["bytes"] = {
+            "params": _shard_bytes(shape, row["param_spec"], n, item(p.param_dtype)),
+            "master": _shard_bytes(shape, row["state_spec"], n, master),
+            "grads": _shard_bytes(shape, row["grad_spec"], n, item(p.output_dtype)),
+            "opt_state": mine_bytes,
+            "ema": 0,
+        }
+    if ema_storage is not None:  # the EMA is sharded at every stage
+        ema_specs = jax.tree.leaves(zero.ema_leaf_specs(params), is_leaf=lambda s: isinstance(s, P))
+        for row, how, spec in zip(rows, ema_storage(params), ema_specs, strict=True):
+            row["ema"] = how
+            row["bytes"]["ema"] = _shard_bytes(row["shape"], spec, n, ema_itemsize)
+    # where the optimizer side lives: its leaves in the order the placement reads them
+    owners, sizes = _state_leaves(
+        zero, params, opt_state, mirrors, ema_storage is not None, ema_itemsize
+    )
+    where, other_memory = offload.leaf_columns(zero, rows, owners, sizes, accum_steps)
+    _merge(rows, [("offload=", where)])
+    _merge(rows, [("quantize=", wire.leaf_columns(zero.quantize, rows))])
+    other_specs = jax.tree.leaves(
+        zero.shard_specs([x for _, x in others]), is_leaf=lambda s: isinstance(s, P)
+    )
+    other = [
+        Other(
+            "opt_state/" + "/".join(path_strs(path)),
+            tuple(x.shape),
+            _shard_bytes(x.shape, s, n, np.dtype(x.dtype).itemsize),
+            memory,
+        )
+        for (path, x), s, memory in zip(
+            others, other_specs, other_memory[: len(others)], strict=True
+        )
+    ]
+    if ema_storage is not None:  # its counter, weighed last by the placement
+        other.append(Other("ema/updates", (), 4, other_memory[-1], "ema"))
+    return Plan(tuple(Leaf(**r) for r in rows), tuple(other), stage, n, accum_steps)
+
+
+def _state_leaves(zero, params, opt_state, mirrors, ema: bool, ema_itemsize: int = 4):
+    """The optimizer side's leaves in the order the offload placement weighs them
+    (``(master, opt_state, ema)`` flattened): per leaf, its params row (None for one that
+    mirrors no parameter) and its bytes per device."""
+    n = zero.num_shards
+    specs = lambda tree: jax.tree.leaves(zero.shard_specs(tree), is_leaf=lambda s: isinstance(s, P))
+    rows_of = {id(x): i for i, mine in enumerate(mirrors) for _, x in mine}
+    owners, sizes = [], []
+    flat = jax.tree.leaves(params)
+    if zero.precision.separate_master:
+        for i, (x, s) in enumerate(zip(flat, specs(params), strict=True)):
+            owners.append(i)
+            sizes.append(_shard_bytes(x.shape, s, n, 4))
+    for x, s in zip(jax.tree.leaves(opt_state), specs(opt_state), strict=True):
+        owners.append(rows_of.get(id(x)))
+        sizes.append(_shard_bytes(x.shape, s, n, np.dtype(x.dtype).itemsize))
+    if ema:
+        owners.append(None)  # EmaState.updates, its counter
+        sizes.append(4)
+        ema_specs = jax.tree.leaves(zero.ema_leaf_specs(params), is_leaf=lambda s: isinstance(s, P))
+        for i, (x, s) in enumerate(zip(flat, ema_specs, strict=True)):
+            owners.append(i)
+            sizes.append(_shard_bytes(x.shape, s, n, ema_itemsize))
+    return owners, sizes
