@@ -35,7 +35,7 @@ def test_gpu_plan_offload_auto_picks_the_smallest_fraction_that_fits(capsys, mon
     step with everything offloaded. One bisection (three compiles: the test's time; the
     bisection itself is tests/test_offload_fraction.py's)."""
     monkeypatch.setattr(offload_fraction, "BISECTIONS", 1)
-    assert cli.main([*ARGV, "--offload", "auto", "--gpu-memory", LIMIT]) == 0
+    assert cli.main([*ARGV, "--wide", "--offload", "auto", "--gpu-memory", LIMIT]) == 0
     out = capsys.readouterr().out
     assert "offload the smallest fraction of the optimizer that fits" in out
     assert "8.00 MB per GPU" in out
@@ -74,9 +74,9 @@ def test_gpu_plan_offload_auto_offloads_the_params_too_where_the_optimizer_is_no
     ZeRO does not build the params offload (it writes 16-bit gradients into the params' host
     buffers): the row stays at 1, short of the memory."""
     limit = ["--gpu-memory", "5MB"]
-    assert cli.main([*ARGV, "--offload", "auto", *limit]) == 0
+    assert cli.main([*ARGV, "--wide", "--offload", "auto", *limit]) == 0
     auto = capsys.readouterr().out
-    assert cli.main([*ARGV, "--offload", "optimizer,params", *limit]) == 0
+    assert cli.main([*ARGV, "--wide", "--offload", "optimizer,params", *limit]) == 0
     ref = re.split(r"\s{2,}", _row(capsys.readouterr().out))
     cells = re.split(r"\s{2,}", _row(auto))
     assert cells[1] == "1 + params" and cells[7].startswith("fits in")
@@ -86,7 +86,7 @@ def test_gpu_plan_offload_auto_offloads_the_params_too_where_the_optimizer_is_no
     (one, peak_one), (params, peak_params) = re.findall(r"(1(?: \+ params)?): ([\d.]+) MB", note)
     assert (one, params) == ("1", "1 + params")
     assert float(peak_one) > 5.0 >= float(peak_params) == _mb(ref[1])
-    assert cli.main([*ARGV, "--precision", "fp32", "--offload", "auto", *limit]) == 0
+    assert cli.main([*ARGV, "--wide", "--precision", "fp32", "--offload", "auto", *limit]) == 0
     cells = re.split(r"\s{2,}", _row(capsys.readouterr().out))
     assert cells[1] == "1" and re.fullmatch(r"short by [\d.]+ (MB|KB) of 5\.00 MB", cells[7])
 

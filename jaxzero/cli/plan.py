@@ -10,15 +10,20 @@ import sys
 
 import jaxzero.cli.plan_flags as plan_flags
 from jaxzero.cli.command import Command, param_count, pick, positive_int
+from jaxzero.cli.plan_logs import log_summary, progress, xla_logs_captured
 from jaxzero.cli.plan_offload import add_pcie, add_state_layout, check_offload_args, offload_words
 from jaxzero.cli.plan_output import (
+    compact_table,
     fallback_note,
+    formula_note,
     fraction_note,
+    legend,
     network,
     offload_note,
-    progress,
     table,
+    tries_note,
 )
+from jaxzero.cli.plan_pick import pick_note
 
 DESCRIPTION = """\
 Compile jaxzero's Adam train step of a GPT/LLaMA-shaped model for a GPU cluster with XLA's GPU
@@ -126,6 +131,19 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="compile with jaxzero's recommended XLA GPU flags (jaxzero.gpu.recommended_xla_flags; "
         "what jaxzero.distributed.initialize applies on GPUs) instead of XLA's defaults",
     )
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column (the formula estimate, state, host estimate, kernels, PCIe bytes, "
+        "collectives) and the long notes, instead of the table that fits 100 columns",
+    )
+    out.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the log lines XLA wrote during the compiles (by default captured and "
+        "summed up in a few lines after the table)",
+    )
 
 
 def _shape(args, parser):
@@ -230,7 +248,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     """Compile every requested stage and print the table; returns the exit code."""
     shape = _shape(args, parser)
     from jaxzero.gpu import PluginMissingError, plan, plan_cases, recommended_xla_flags, xla_options
-    from jaxzero.gpu.plan import prefetch_advice
 
     if args.params is not None and abs(shape.num_params - args.params) > 0.1 * args.params:
         print(
@@ -244,54 +261,89 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         parser.error(f"--network-gbps: {args.network_gbps} must be two positive Gbit/s figures")
     cases = plan_cases(stages, args.stage3, args.stage2, args.stage1)
     both = args.prefetch == "both" and (3, True) in cases  # the per-unit row twice
-    on_case, close = progress(len(cases) + both)
+    options = pick(
+        args,
+        "gpu",
+        "devices",
+        "replicas",
+        "stage3",
+        "stage2",
+        "stage1",
+        "precision",
+        "accum",
+        "ema",
+        "compute_copy",
+        "offload",
+        "prefetch",
+        "hpz",
+        "pcie_gbps",
+        "offload_fraction",
+        "gpu_memory",
+    )
+    options["quantize"] = _quantize(args)
+    flags = xla_options(quantized_grads=_qgz(args)) if args.xla_flags else None
     try:
-        options = pick(
-            args,
-            "gpu",
-            "devices",
-            "replicas",
-            "stage3",
-            "stage2",
-            "stage1",
-            "precision",
-            "accum",
-            "ema",
-            "compute_copy",
-            "offload",
-            "prefetch",
-            "hpz",
-            "pcie_gbps",
-            "offload_fraction",
-            "gpu_memory",
-        )
-        options["quantize"] = _quantize(args)
-        flags = xla_options(quantized_grads=_qgz(args)) if args.xla_flags else None
-        rows = plan(shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options)
+        with xla_logs_captured() as logs:  # XLA's C++ log lines: summed up after the table
+            on_case, close = progress(len(cases) + both, logs.stream)
+            try:
+                rows = plan(
+                    shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options
+                )
+            finally:
+                close()
     except PluginMissingError as e:
-        close()
+        _print_logs(logs.lines, args.verbose)
         print(f"jaxzero plan: error: {e}", file=sys.stderr)
         return 1
-    close()
-    print(table(rows, fractions=args.offload == "auto" or args.offload_fraction != 1))
+    _print_tables(rows, args)
+    _print_logs(logs.lines, args.verbose)
+    return 0
+
+
+def _print_tables(rows, args) -> None:
+    """The table (compact, or every column with ``--wide``), the network lines and the notes,
+    then the pick and its ``ZeRO(...)`` line."""
+    from jaxzero.gpu.plan import prefetch_advice
+
+    fractions = args.offload == "auto" or args.offload_fraction != 1
+    print(table(rows, fractions) if args.wide else compact_table(rows, fractions))
     if args.network_gbps or args.hpz:
         print(network(rows, args))
-    notes = (fallback_note(rows), prefetch_advice(rows), offload_note(rows), fraction_note(rows))
+    notes = [fallback_note(rows), prefetch_advice(rows)]
+    if args.wide:
+        notes += [offload_note(rows), fraction_note(rows), formula_note(rows), WIDE_LEGEND]
+    else:
+        notes += [tries_note(rows), legend(rows)]
     for note in notes:
         if note:
             print(note)
-    print(
-        "GPU-compiled: arguments + outputs - donated aliases + temporaries per device "
-        "(XLA:GPU memory_analysis); estimate: jaxzero.estimate_memory with activations "
-        "(ckpt_every=1) and f32 logits (stage 3: the whole model gathered; per layer: one "
-        "layer with its gradient; per unit: that, the next unit's weights and, "
-        "with prefetch, the last unit's, jaxzero.gpu.plan.unit_bound); state: persistent arguments less the batch; host "
-        "(with --offload): the same sum in pinned host memory, next to the estimate's; hidden: "
-        "the share of collective bytes per step whose start and done the GPU schedule "
-        "separates by a gemm/conv/attention kernel (jaxzero.gpu.overlap), of max the share "
-        "any schedule of the step's data flow could hide; kernels: device launches per step."
-    )
-    return 0
+    print(pick_note(rows, args), flush=True)
+
+
+def _print_logs(lines, verbose: bool) -> None:
+    """XLA's captured log lines: all of them with ``--verbose``, else their summary."""
+    if not lines:
+        return
+    if verbose:
+        print("XLA's log lines during the compiles:", file=sys.stderr)
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    else:
+        print("\n".join(log_summary(lines)), file=sys.stderr, flush=True)
+
+
+WIDE_LEGEND = (
+    "GPU-compiled: the compiled step's peak per device, arguments + outputs - donated aliases + "
+    "temporaries (XLA:GPU memory_analysis), which the verdict judges; formula est.: "
+    "jaxzero.estimate_memory with activations (ckpt_every=1) and f32 logits (stage 3: the whole "
+    "model gathered; per layer: one layer with its gradient; per unit: that, the next unit's "
+    "weights and, with prefetch, the last unit's, jaxzero.gpu.plan.unit_bound), every buffer "
+    "counted as live at once: a bound to check the compile against, not the verdict's; state: "
+    "persistent arguments less the batch; host (with --offload): the same sum in pinned host "
+    "memory, next to the formula's (host est.); hidden: the share of collective bytes per step "
+    "whose start and done the GPU schedule separates by a gemm/conv/attention kernel "
+    "(jaxzero.gpu.overlap), of max the share any schedule of the step's data flow could hide; "
+    "kernels: device launches per step."
+)
 
 
 COMMAND = Command(

@@ -1,34 +1,13 @@
-"""What ``jaxzero plan`` prints around the compiled figures: the progress bar, the table, the
-network cost lines and the notes (:mod:`jaxzero.cli.plan` runs the command)."""
+"""What ``jaxzero plan`` prints around the compiled figures: the table (compact, or every
+column with ``--wide``), the network cost lines and the notes (:mod:`jaxzero.cli.plan` runs the
+command; :mod:`jaxzero.cli.plan_pick` prints the row to use, :mod:`jaxzero.cli.plan_logs` the
+progress and XLA's log lines)."""
 
 from __future__ import annotations
 
-import sys
+import textwrap
 
-
-def progress(total_hint: int):
-    """``(on_case, close)``: a tqdm bar on stderr, or plain lines where tqdm is absent."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is None:
-
-        def on_case(label, i, total):
-            print(f"[{i + 1}/{total}] compiling stage {label} ...", file=sys.stderr, flush=True)
-
-        return on_case, lambda: None
-    bar = tqdm(total=total_hint, desc="compiling", unit="stage", file=sys.stderr, leave=False)
-
-    def on_case(label, i, total):
-        bar.n = i
-        bar.set_postfix_str(f"stage {label}")  # refreshes the bar
-
-    def close():
-        bar.n = bar.total
-        bar.close()
-
-    return on_case, close
+WIDTH = 100  # the compact table and its notes fit a terminal this wide
 
 
 def hidden(report) -> str:
@@ -88,12 +67,97 @@ def _fraction(f) -> str:
     return "none" if f is None else f if isinstance(f, str) else f"{f:g}"
 
 
-def table(rows, fractions: bool = False) -> str:
-    """The plan's table; ``fractions``: a column of each row's offload fraction (``--offload
-    auto`` or ``--offload-fraction``)."""
+def _format(header: list[str], body: list[list[str]], last_free: bool) -> str:
+    """Columns two spaces apart, a rule under the header; ``last_free``: the last column is
+    not padded (the wide table's collectives)."""
+    n = len(header) - last_free
+    widths = [max(len(x[i]) for x in [header, *body]) for i in range(n)]
+    rule = ["-" * w for w in widths] + (["-" * 20] if last_free else [])
+    fmt = lambda cells: "  ".join(
+        [c.ljust(w) for c, w in zip(cells[:n], widths, strict=True)] + cells[n:]
+    ).rstrip()
+    return "\n".join([fmt(header), fmt(rule)] + [fmt(b) for b in body])
+
+
+def short_verdict(report) -> str:
+    """The compact table's verdict: ``"fits, 2.35 GB spare"``, ``"short by 17.79 MB"`` (the
+    memory it is judged against is said once, in the legend)."""
     from jaxzero.memory import format_bytes
 
-    header = ["stage", "GPU-compiled", "estimate", "state", "verdict", "hidden AG+RS", "kernels"]
+    if report.fits is None:
+        return f"needs {format_bytes(report.peak_bytes)}"
+    if report.fits:
+        return f"fits, {format_bytes(report.headroom_bytes)} spare"
+    return f"short by {format_bytes(-report.headroom_bytes)}"
+
+
+def _step(cost) -> str:
+    return "-" if cost is None else f"{_ms(cost.step_seconds)}, {cost.slowdown:.2f}x"
+
+
+def _columns(rows, fractions: bool) -> list[tuple[str, list[str]]]:
+    """The compact table's columns, ``(header, cells)``, most important first."""
+    from jaxzero.memory import format_bytes
+
+    cols = [("stage", [r.label for r in rows])]
+    if fractions:
+        cells = [_fraction(r.fraction) + (" + params" * r.params_offloaded) for r in rows]
+        cols.append(("offloaded", cells))
+    cols.append(("GPU peak", [format_bytes(r.gpu_bytes) for r in rows]))
+    cols.append(("verdict", [short_verdict(r.report) for r in rows]))
+    cost = [r.cost for r in rows if r.cost is not None]
+    if cost:
+        cols.append((f"step @{cost[0].gbps:g} GB/s", [_step(r.cost) for r in rows]))
+    if any(r.report.host_bytes for r in rows):
+        cols.append(("host", [format_bytes(r.report.host_bytes) for r in rows]))
+    cols.append(("hidden AG+RS", [hidden(r.report) for r in rows]))
+    return cols
+
+
+def compact_table(rows, fractions: bool = False, width: int = WIDTH) -> str:
+    """The default table: stage, offloaded share (``fractions``), the compiled peak, the
+    verdict, with offload the predicted step and the host bytes, and the hidden AG+RS share;
+    the last columns dropped while a line would be wider than ``width``."""
+    cols = _columns(rows, fractions)
+    while True:
+        body = [[cells[i] for _, cells in cols] for i in range(len(rows))]
+        text = _format([h for h, _ in cols], body, False)
+        if len(cols) <= 3 or max(map(len, text.splitlines())) <= width:
+            return text
+        cols.pop()
+
+
+def legend(rows, wrap: int = WIDTH) -> str:
+    """What the compact table's columns are, wrapped to ``wrap`` columns."""
+    from jaxzero.memory import format_bytes
+
+    memory = rows[0].report.hbm_bytes
+    judged = f"against {format_bytes(memory)} per GPU" if memory else "(no GPU memory given)"
+    text = (
+        f"GPU peak: the compiled step's peak bytes per GPU (XLA:GPU), which the verdict judges "
+        f"{judged}."
+    )
+    cost = next((r.cost for r in rows if r.cost is not None), None)
+    if cost is not None:
+        text += (
+            f" step: the compute plus the PCIe transfers left exposed at {cost.gbps:g} GB/s, and "
+            "its ratio to the compute alone. host: pinned host bytes per GPU."
+        )
+    text += (
+        " hidden AG+RS: the share of all-gather + reduce-scatter bytes the schedule hides "
+        "behind compute, of the most any schedule could. --wide: every column (the formula "
+        "estimate, state, kernels, PCIe bytes, collectives) and its notes."
+    )
+    return textwrap.fill(text, wrap, break_on_hyphens=False)
+
+
+def table(rows, fractions: bool = False) -> str:
+    """The ``--wide`` table, every column; ``fractions``: a column of each row's offload
+    fraction (``--offload auto`` or ``--offload-fraction``)."""
+    from jaxzero.memory import format_bytes
+
+    header = ["stage", "GPU-compiled", "formula est.", "state", "verdict", "hidden AG+RS"]
+    header.append("kernels")
     host = any(r.report.host_bytes or r.estimate.host for r in rows)
     header[4:4] = ["host", "host est."] if host else []
     header[1:1] = ["offloaded"] if fractions else []
@@ -124,12 +188,31 @@ def table(rows, fractions: bool = False) -> str:
         ]
         for r in rows
     ]
-    widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header) - 1)]
-    fmt = lambda cells: "  ".join(
-        [c.ljust(w) for c, w in zip(cells[:-1], widths, strict=True)] + [cells[-1]]
+    return _format(header, body, True)
+
+
+def formula_note(rows) -> str | None:
+    """Where the formula estimate and the verdict disagree (the formula over the GPU's memory
+    on a row that fits, or under it on a row that does not), why; None where they agree."""
+    from jaxzero.memory import format_bytes
+
+    odd = [
+        r
+        for r in rows
+        if r.report.fits is not None and (r.estimate.total <= r.report.hbm_bytes) != r.report.fits
+    ]
+    if not odd:
+        return None
+    said = "; ".join(
+        f"{r.label} {'fits' if r.report.fits else 'is short'} at a compiled peak of "
+        f"{format_bytes(r.gpu_bytes)} where the formula says {format_bytes(r.estimate.total)}"
+        for r in odd
     )
-    return "\n".join(
-        [fmt(header), fmt(["-" * w for w in widths] + ["-" * 20])] + [fmt(b) for b in body]
+    return (
+        f"formula est. against the verdict: {said}. The verdict judges the compiled peak, never "
+        "the formula: the formula adds every buffer the step holds as if all were live at once "
+        "(all activations, the f32 logits, the gathered weights), where XLA frees and reuses "
+        "them, and it leaves out XLA's own temporaries."
     )
 
 
@@ -199,3 +282,24 @@ def fraction_note(rows) -> str | None:
         "jaxzero.gpu.offload_fraction; "
         "per fraction tried: compiled peak, hidden AG+RS: " + " | ".join(lines) + ")."
     )
+
+
+def tries_note(rows, wrap: int = WIDTH) -> str | None:
+    """``--offload auto``'s compiles in short, each fraction tried with its peak and hidden
+    share, wrapped to ``wrap`` columns (``--wide``: :func:`fraction_note`); None without."""
+    from jaxzero.memory import format_bytes
+
+    tried = [(r.label, r.tries) for r in rows if r.tries]
+    if not tried:
+        return None
+    one = lambda t: "; ".join(f"{_fraction(f)} -> {format_bytes(p)} ({h:.0%})" for f, p, h in t)
+    width = max(len(label) for label, _ in tried)
+    lines = ["auto's compiles per stage: offloaded share -> GPU peak (hidden AG+RS)"]
+    for label, t in tried:
+        lines += textwrap.wrap(
+            f"{label + ':':<{width + 1}}  {one(t)}",
+            wrap,
+            initial_indent="  ",
+            subsequent_indent=" " * (width + 5),
+        )
+    return "\n".join(lines)

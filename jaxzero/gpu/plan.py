@@ -40,6 +40,7 @@ __all__ = [
     "stage_quantize",
     "unit_bound",
     "wire_time",
+    "zero_options",
 ]
 
 UNITS = r"block_\d+"  # the unscanned decoder's blocks (jaxzero.gpu.models, loop="python")
@@ -63,6 +64,8 @@ class PlanRow:
     (:func:`jaxzero.gpu.offload_cost.offload_cost`; None without offload). ``fraction``: the
     row's ``ZeRO(offload_fraction=...)`` with a fraction or ``auto`` (None: not offloaded);
     ``params_offloaded``: ``auto`` offloaded the params too, as nothing less fits.
+    ``zero_options``: the keyword arguments the row's step was compiled with,
+    ``ZeRO(tx, mesh, **zero_options)`` (:func:`zero_options`).
     """
 
     stage: int
@@ -78,6 +81,7 @@ class PlanRow:
     fraction: float | None = 1.0
     tries: tuple = ()  # auto: every (fraction, compiled peak bytes) it compiled
     params_offloaded: bool = False  # auto: the params offloaded too (offload_fraction.or_params)
+    zero_options: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def label(self) -> str:
@@ -184,15 +188,15 @@ def unit_bound(
     return row_estimate(*args, per="unit", prefetch=prefetch).total
 
 
-def _zero(
+def zero_options(
     shape: ModelShape, mesh, stage, per, precision, copy, offload, quantize, prefetch, hpz, f=1.0
-):
-    """The plan's ``ZeRO`` for one case; ``per``: False (whole), ``"layer"`` (the scanned
-    stack, ``layers=``, with ``hpz``) or ``"unit"`` (the Python loop's blocks, ``units=``,
-    with ``prefetch``)."""
-    return ZeRO(
-        optax.adam(1e-4),
-        mesh,
+) -> dict:
+    """The keyword arguments of the plan's ``ZeRO(tx, mesh, ...)`` for one case (``mesh``
+    unused: a case carries it); ``per``: False (whole), ``"layer"`` (the scanned stack,
+    ``layers=``, with ``hpz``) or ``"unit"`` (the Python loop's blocks, ``units=``, with
+    ``prefetch``); ``f``: the offload fraction (None: not offloaded)."""
+    del mesh
+    return dict(
         stage=stage,
         precision=Precision.create(precision, compute_copy=copy),
         layers="layers" if per == "layer" else None,
@@ -206,6 +210,11 @@ def _zero(
     )
 
 
+def _zero(shape: ModelShape, mesh, *case, f=1.0):
+    """The plan's ``ZeRO`` for one case (:func:`zero_options`)."""
+    return ZeRO(optax.adam(1e-4), mesh, **zero_options(shape, mesh, *case, f))
+
+
 def _step_args(shape: ModelShape, devices, accum, ema: bool, gpu, options, gpu_memory) -> tuple:
     """:func:`_compile`'s arguments after the case: the loss, the EMA, the micro-batches, the
     abstract params and batch, the GPU kind, the compiler options and the memory."""
@@ -217,7 +226,7 @@ def _step_args(shape: ModelShape, devices, accum, ema: bool, gpu, options, gpu_m
 def _compile(case, loss_fn, ema, accum, params, batch, gpu, options, gpu_memory, fraction):
     """The compile report of one plan ``case`` (:func:`_zero`'s arguments) at ``fraction``
     (None: without offload), judged against ``gpu_memory``."""
-    step = make_train_step(loss_fn, _zero(*case, fraction), ema=ema, accum_steps=accum)
+    step = make_train_step(loss_fn, _zero(*case, f=fraction), ema=ema, accum_steps=accum)
     report = compile_report(step, params, batch, kind=gpu, compiler_options=options)
     return limited(report, gpu_memory)
 
@@ -386,9 +395,10 @@ def plan(
         case = (shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf, g)
         f, report, tries, params = _fraction(case, step_args, auto, fraction)
         off = ("optimizer", "params") if params else offload if f is not None else None
+        options = zero_options(*case[:6], off, *case[7:], f)
         args = (shape, n, stage, per_layer, precision, ema, copy, off, per, pf is not False, accum)
         cost = off and _cost(report, shape, accum, gpu, pcie_gbps)
         est, state = fraction_estimate(row_estimate(*args), f), report.argument_bytes - batch_bytes
         head = (stage, per_layer, shape.num_params, report, est, state)
-        rows.append(PlanRow(*head, per, pf, g, cost, f, tries, params))
+        rows.append(PlanRow(*head, per, pf, g, cost, f, tries, params, options))
     return rows
