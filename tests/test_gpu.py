@@ -286,7 +286,7 @@ def test_gpu_hlo_reader_multiplies_nested_trip_counts_and_counts_async_pairs_onc
 def test_gpu_plan_cli_prints_compiled_bytes_and_verdict(capsys):
     from jaxzero import cli
 
-    argv = ["plan", "--devices", "8", "--layers", "2", "--hidden", "64", "--heads", "2"]
+    argv = ["plan", "--devices", "8", "--layers", "2", "--hidden", "64", "--heads", "2", "--wide"]
     assert cli.main([*argv, "--vocab", "128", "--seq", "16", "--stage", "1", "--xla-flags"]) == 0
     out = capsys.readouterr().out
     assert f"XLA flags {' '.join(gpu.recommended_xla_flags())}" in out
@@ -807,7 +807,7 @@ def test_gpu_plan_without_compute_copy_compiles_and_estimates_fsdps_layout(capsy
     argv += ["--vocab", "128", "--seq", "16", "--stage", "3", "--stage3", "per-layer"]
     states = {}
     for extra in ([], ["--no-compute-copy"]):
-        assert cli.main([*argv, *extra]) == 0
+        assert cli.main([*argv, *extra, "--wide"]) == 0
         out = capsys.readouterr().out
         cells = [re.split(r"\s{2,}", line) for line in out.splitlines() if line[:1] in "23"]
         states[bool(extra)] = {c[0]: c[3] for c in cells}  # the "state" column
@@ -860,7 +860,7 @@ def test_gpu_plan_cli_prints_stage2_per_layer_hidden_share(stage, capsys):
 
     argv = ["plan", "--devices", "8", "--layers", "4", "--hidden", "64", "--heads", "2"]
     argv += ["--vocab", "128", "--seq", "16", "--stage", stage, f"--stage{stage}", "both"]
-    assert cli.main([*argv, "--xla-flags"]) == 0
+    assert cli.main([*argv, "--xla-flags", "--wide"]) == 0
     out = capsys.readouterr().out
     rows = {line.split("  ")[0]: line for line in out.splitlines() if line.startswith(stage)}
     assert set(rows) == {stage, f"{stage} per layer"}, rows

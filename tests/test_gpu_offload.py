@@ -133,7 +133,7 @@ def test_gpu_compile_report_refuses_a_compile_without_the_host_state():
 def test_gpu_plan_cli_offload_prints_device_and_host_bytes(capsys):
     argv = ["plan", "--devices", "8", "--layers", "2", "--hidden", "256", "--heads", "2"]
     argv += ["--vocab", "512", "--seq", "16", "--stage", "3", "--stage3", "per-layer"]
-    assert cli.main([*argv, "--offload", "optimizer"]) == 0
+    assert cli.main([*argv, "--offload", "optimizer", "--wide"]) == 0
     out = capsys.readouterr().out
     assert "offload optimizer to pinned host memory" in out
     header = next(line for line in out.splitlines() if line.startswith("stage"))

@@ -215,7 +215,7 @@ def test_gpu_plan_cli_prints_the_pcie_columns(capsys, monkeypatch):
         cli.main([*argv, "--pcie-gbps", "20"])
     assert e.value.code == 2
     assert "--pcie-gbps 20 needs --offload" in capsys.readouterr().err
-    assert cli.main([*argv, "--offload", "optimizer", "--pcie-gbps", "20"]) == 0
+    assert cli.main([*argv, "--offload", "optimizer", "--pcie-gbps", "20", "--wide"]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("stage"))
     for col in ("PCIe h2d", "PCIe d2h", "PCIe hidden", "step @20 GB/s", "x compute", "ZI eff."):

@@ -221,7 +221,7 @@ def test_plan_cli_offloads_the_params_at_stage_3_only(capsys):
     the state's counters and the batch-free device state; stage 2 is refused."""
     argv = ["plan", "--devices", "8", "--layers", "4", "--hidden", "512", "--heads", "4"]
     argv += ["--vocab", "512", "--seq", "64", "--stage3", "per-layer"]
-    assert cli.main([*argv, "--offload", "optimizer,params"]) == 0
+    assert cli.main([*argv, "--offload", "optimizer,params", "--wide"]) == 0
     out = capsys.readouterr().out
     assert "offload optimizer and params to pinned host memory" in out
     row = next(line for line in out.splitlines() if line.startswith("3 per layer"))
