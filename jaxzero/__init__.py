@@ -7,6 +7,12 @@ and step), ``ema/`` (the sharded EMA), ``checkpoint/``, ``interop/``, ``memory/`
 ``distributed/`` and ``cli/``.
 """
 
+# First, before anything below imports jax: a quiet start on a machine without a GPU where
+# jax's CUDA plugin is installed (jaxzero/_startup.py says what it prints otherwise).
+from jaxzero import _startup  # noqa: F401
+
+# isort: split
+
 from jaxzero import checkpoint as checkpoint
 from jaxzero import gpu as gpu
 from jaxzero import layouts as layouts

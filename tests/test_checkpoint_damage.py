@@ -1,5 +1,5 @@
-"""Checkpoints that survive damage (issue 17): a damaged step is refused with an error naming
-the step and the leaf, never loaded silently; ``fallback=True`` takes the newest step that
+"""Checkpoints that survive damage: a damaged step is refused with an error naming the step, the
+damaged file and the leaf, never loaded silently; ``fallback=True`` takes the newest step that
 verifies; ``verify`` reports the damaged steps; a save that fails (file-size limit: EFBIG)
 reaches the caller, leaves no step that restore would pick, and the previous step restores
 bit for bit. On the demo's model (examples/digits.py's CNN, stage 2, 8 devices, adam + EMA).
@@ -8,7 +8,6 @@ Expected numbers are gathered from the uninterrupted training run before each sa
 written by the worker process from its own run), never from the checkpoint code under test.
 """
 
-import gc
 import glob
 import os
 import shutil
@@ -25,21 +24,6 @@ from digits_problem import digits_problem, host
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
-
-# A read of a damaged step fails inside orbax's asyncio restore: the reads of the other arrays
-# (coroutines, tensorstore futures) are then never awaited, and its event loop may be closed
-# before a worker thread's last callback. Python reports them when it collects them, as
-# unraisable exceptions, at whatever test runs then in this module.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
-
-@pytest.fixture(autouse=True)
-def _collected():
-    """Collect after each test, under the filter above: else a later module's test meets
-    this module's leftovers."""
-    yield
-    gc.collect()
-
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = (1, 2, 3)
@@ -79,7 +63,8 @@ def data_files(directory, step):
 
 def damage(directory, step, how, at=None):
     """Damage the largest array file of ``step`` (it holds most leaves' chunks); ``flip``
-    inverts 16 bytes at ``at`` (default: the middle)."""
+    inverts 16 bytes at ``at`` (default: the middle). Returns the file's path relative to
+    ``directory``."""
     path = data_files(directory, step)[0]
     size = os.path.getsize(path)
     at = size // 2 if at is None else at
@@ -93,6 +78,7 @@ def damage(directory, step, how, at=None):
             chunk = bytearray(f.read(16))
             f.seek(at)
             f.write(bytes(b ^ 0xFF for b in chunk))
+    return os.path.relpath(path, directory)
 
 
 def restore(run, directory, **kw):
@@ -119,11 +105,14 @@ def test_every_leaf_has_a_checksum_in_the_metadata(run):
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
-def test_damaged_step_fails_naming_step_and_leaf(run, copy, how):
-    damage(copy, 3, how)
-    with pytest.raises(ck.CheckpointDamagedError, match=r"step 3 .* is damaged: leaf ") as e:
+def test_damaged_step_fails_naming_step_file_and_leaf(run, copy, how):
+    file = damage(copy, 3, how)
+    with pytest.raises(ck.CheckpointDamagedError, match=r"step 3 .* is damaged: ") as e:
         restore(run, copy)
     assert e.value.step == 3
+    assert e.value.file == file and f"file {file}" in str(e.value)
+    why = {"flip": "reads back other numbers", "truncate": "is truncated", "delete": "is missing"}
+    assert why[how] in str(e.value)
     assert e.value.leaf in leaf_names(run)
     assert e.value.leaf in str(e.value)
     # The undamaged steps still restore, bit for bit.
@@ -185,11 +174,13 @@ def test_verify_reports_the_damaged_steps(run, copy):
     assert clean.ok and clean.damaged == ()
     assert [s.step for s in clean.steps] == [3, 2, 1]
     assert all(s.checked == s.leaves == len(leaf_names(run)) for s in clean.steps)
-    damage(copy, 3, "flip")
-    damage(copy, 1, "delete")
+    flipped = damage(copy, 3, "flip")
+    deleted = damage(copy, 1, "delete")
     report = ck.verify(copy)
     assert not report.ok and report.damaged == (3, 1)
     assert report.steps[0].leaf in leaf_names(run)
+    assert (report.steps[0].file, report.steps[2].file) == (flipped, deleted)
+    assert f"file {deleted} is missing" in report.steps[2].problem
     text = str(report)
     assert "step 3: DAMAGED" in text and "step 2: ok" in text and "damaged steps: [3, 1]" in text
     assert ck.verify(copy, step=2).ok

@@ -24,15 +24,25 @@ does not depend on how the leaf is cut into shards, so
 
 Steps saved before checksums existed carry none; they restore unchecked (a read error is still
 reported with the step and the leaf).
+
+A damaged step's error names the damaged file (relative to the checkpoint directory).
+:func:`step_files` reads the OCDBT index of the step's items (its manifest and B+tree nodes,
+through tensorstore's ``ocdbt.dump``): which data file holds each leaf's chunks and how many
+bytes of each file the index refers to. A file that is missing or shorter than that is found
+before any array is read; altered bytes are traced from the key a failed read names, or from
+the leaf whose checksum differs, to the file that holds them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 
 ALGORITHM = "jaxzero.addhash-2x32/1"
 KEY = "checksums"
@@ -43,12 +53,20 @@ class CheckpointDamagedError(ValueError):
 
     Attributes:
       step: the step; leaf: the leaf's path (None when unknown); directory: the checkpoint
-        directory.
+        directory; file: the damaged file, relative to ``directory`` (None when unknown).
     """
 
-    def __init__(self, message: str, *, step: int, leaf: str | None = None, directory=None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        leaf: str | None = None,
+        directory=None,
+        file: str | None = None,
+    ):
         super().__init__(message)
-        self.step, self.leaf, self.directory = step, leaf, directory
+        self.step, self.leaf, self.directory, self.file = step, leaf, directory, file
 
 
 _M1, _M2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
@@ -162,15 +180,17 @@ def checksums(flat: dict) -> dict[str, str]:
     return {n: f"{int(a):08x}{int(b):08x}" for n, (a, b) in zip(names, sums, strict=True)}
 
 
-def check(flat: dict, stored: dict | None, *, step: int, directory) -> int:
+def check(flat: dict, stored: dict | None, *, step: int, directory, files=None) -> int:
     """Compare the checksums of the restored arrays ``flat`` with those saved (``stored``,
-    the metadata's ``checksums`` entry; None for a step saved without them).
+    the metadata's ``checksums`` entry; None for a step saved without them); ``files`` (a
+    :class:`StepFiles`) names the file that holds a leaf whose numbers differ.
 
     Returns:
       The number of leaves checked (0 when the step has no checksums).
 
     Raises:
-      CheckpointDamagedError: naming the step and the first leaf whose numbers differ.
+      CheckpointDamagedError: naming the step, the first leaf whose numbers differ and the
+        file holding it.
     """
     if not stored:
         return 0
@@ -180,16 +200,23 @@ def check(flat: dict, stored: dict | None, *, step: int, directory) -> int:
     got = checksums({name: x for name, x in flat.items() if name in want})
     for name, digest in got.items():
         if digest != want[name]:
+            held = () if files is None else files.leaf_files.get(name, ())
+            where = (
+                f"its bytes in file {' or '.join(held)} were" if held else "its array files were"
+            )
             raise CheckpointDamagedError(
                 f"checkpoint step {step} in {directory} is damaged: leaf {name} reads back "
-                f"other numbers than were saved (checksum {digest}, saved {want[name]}). Its "
-                f"array files were altered or truncated after the save; restore another step "
-                f"(restore(..., fallback=True) picks the newest step that verifies).",
+                f"other numbers than were saved (checksum {digest}, saved {want[name]}): "
+                f"{where} altered or truncated after the save. {_ADVICE}",
                 step=step,
                 leaf=name,
                 directory=directory,
+                file=held[0] if held else None,
             )
     return len(got)
+
+
+_ADVICE = "Restore another step (restore(..., fallback=True) picks the newest step that verifies)."
 
 
 def any_process_failed(error: BaseException | None) -> bool:
@@ -203,19 +230,185 @@ def any_process_failed(error: BaseException | None) -> bool:
     return failed
 
 
-def read_error(error: BaseException | None, *, step: int, directory) -> CheckpointDamagedError:
+def read_error(
+    error: BaseException | None, *, step: int, directory, files=None
+) -> CheckpointDamagedError:
     """The :class:`CheckpointDamagedError` of a failed read (``error`` None: another process's
-    read failed; that process names the leaf)."""
-    leaf = None if error is None else leaf_of(error)
-    where = f"leaf {leaf}" if leaf else "an array"
-    why = "on another process" if error is None else f"({first_line(error)})"
+    read failed; that process names the leaf), naming the file that holds the key the read
+    failed on (``files``: the step's :class:`StepFiles`)."""
+    if error is None:
+        return CheckpointDamagedError(
+            f"checkpoint step {step} in {directory} is damaged: an array could not be read on "
+            f"another process. {_ADVICE}",
+            step=step,
+            directory=directory,
+        )
+    failed = _failed_key(error)
+    leaf = leaf_of(error)
+    file = None
+    if failed is not None:
+        item, key, why = failed
+        leaf = leaf or key.split("/")[0]
+        if files is not None:
+            file = files.key_files.get((item, key))
+            if file is None and (held := files.leaf_files.get(_leaf_name(item, leaf))):
+                file = held[0]
+    else:
+        why = first_line(error)
+    what = f"leaf {leaf}" if leaf else "an array"
+    where = (
+        f"file {file} (holding {what}) could not be read" if file else f"{what} could not be read"
+    )
     return CheckpointDamagedError(
-        f"checkpoint step {step} in {directory} is damaged: {where} could not be read {why}. "
-        f"Restore another step (restore(..., fallback=True) picks the newest step that "
-        f"verifies).",
+        f"checkpoint step {step} in {directory} is damaged: {where} ({why}). {_ADVICE}",
         step=step,
         leaf=leaf,
         directory=directory,
+        file=file,
+    )
+
+
+# tensorstore's message of a failed OCDBT read: the key, the database and why.
+_OCDBT_READ = re.compile(
+    r'Error reading "([^"]+)" in OCDBT database at local file "([^"]*)": ?(.*)', re.DOTALL
+)
+
+
+def _failed_key(error: BaseException) -> tuple[str, str, str] | None:
+    """``(item, key, why)`` of the tensorstore read error in ``error``'s chain (orbax wraps
+    it), if any: ``item`` is the database directory's name (``state``, ``extra``)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        m = _OCDBT_READ.search(str(error))
+        if m:
+            key, database, why = m.groups()
+            why = why.strip().splitlines()[0] if why.strip() else "unreadable"
+            why = why.split(" [source locations=")[0]
+            return os.path.basename(database.rstrip("/\\")), key, why
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _leaf_name(item: str, leaf: str) -> str:
+    """The jaxzero leaf name of OCDBT key prefix ``leaf`` in ``item``."""
+    return f"extra.{leaf}" if item == "extra" else leaf
+
+
+# ------------------------------------------------------------------- where the damage is
+@dataclasses.dataclass(frozen=True)
+class StepFiles:
+    """Where one step's array bytes are on disk (paths relative to the checkpoint directory).
+
+    Attributes:
+      leaf_files: leaf name -> the files holding its chunks (chunks small enough to sit in
+        the index itself have none).
+      key_files: ``(item, OCDBT key)`` -> the file holding that chunk.
+      damaged: ``(file, what is wrong)`` for each file that is missing or shorter than the
+        index says, or whose index cannot be read.
+    """
+
+    leaf_files: dict[str, tuple[str, ...]]
+    key_files: dict[tuple[str, str], str]
+    damaged: tuple[tuple[str, str], ...]
+
+
+def _ref(location: str) -> tuple[str, int, int]:
+    """``(path under the item directory, offset, length)`` of an OCDBT location
+    ``"<kind>:<base path>:<relative path>:<offset>:<length>"``."""
+    head, offset, length = location.rsplit(":", 2)
+    _kind, base, relative = head.split(":", 2)
+    return base + relative, int(offset), int(length)
+
+
+def _scan_item(item_dir: str):
+    """``(keys, need, damaged)`` of one OCDBT item directory: key -> file, file -> bytes the
+    index refers to, and the files whose index could not be read (paths under ``item_dir``)."""
+    keys: dict[str, str] = {}
+    need: dict[str, int] = {}
+    damaged: list[tuple[str, str]] = []
+    base = ts.KvStore.open({"driver": "file", "path": item_dir.rstrip("/") + "/"}).result()
+    try:
+        manifest = ts.ocdbt.dump(base).result()
+    except Exception as e:  # noqa: BLE001 - a damaged manifest is reported, not raised
+        return keys, need, [("manifest.ocdbt", f"cannot be read ({first_line(e)})")]
+    versions = manifest.get("versions") or []
+    root = max(versions, key=lambda v: v.get("generation_number", 0)) if versions else {}
+    pending = [(root["root"]["location"], b"")] if "location" in root.get("root", {}) else []
+    while pending:
+        location, prefix = pending.pop()
+        path, offset, length = _ref(location)
+        need[path] = max(need.get(path, 0), offset + length)
+        if not os.path.isfile(os.path.join(item_dir, path)):
+            continue  # reported below as missing
+        try:
+            node = ts.ocdbt.dump(base, location).result()
+        except Exception as e:  # noqa: BLE001 - reported below, or as unreadable
+            damaged.append((path, f"cannot be read ({first_line(e)})"))
+            continue
+        for entry in node.get("entries", ()):
+            key = prefix + entry.get("key", b"")
+            if "location" in entry:  # an inner node: its keys are relative to its prefix
+                pending.append(
+                    (entry["location"], prefix + entry.get("subtree_common_prefix", b""))
+                )
+            elif "indirect_value" in entry:
+                value_path, offset, length = _ref(entry["indirect_value"])
+                need[value_path] = max(need.get(value_path, 0), offset + length)
+                keys[key.decode("utf-8", "replace")] = value_path
+    return keys, need, damaged
+
+
+def step_files(directory, step: int, items=("state", "extra")) -> StepFiles:
+    """Read the OCDBT index of ``step``'s ``items`` (those present) and check that every
+    file it refers to exists and holds the bytes it refers to; no array is read."""
+    directory = os.fspath(directory)
+    leaf_files: dict[str, list[str]] = {}
+    key_files: dict[tuple[str, str], str] = {}
+    damaged: list[tuple[str, str]] = []
+    for item in items:
+        item_dir = os.path.join(directory, str(step), item)
+        if not os.path.isfile(os.path.join(item_dir, "manifest.ocdbt")):
+            continue  # absent item, or not an OCDBT item: nothing to index
+        keys, need, bad = _scan_item(item_dir)
+
+        def rel(path, item=item):
+            return "/".join((str(step), item, path))
+
+        for key, path in keys.items():
+            key_files[(item, key)] = rel(path)
+            held = leaf_files.setdefault(_leaf_name(item, key.split("/")[0]), [])
+            if rel(path) not in held:
+                held.append(rel(path))
+        damaged.extend((rel(path), why) for path, why in bad)
+        for path, size in sorted(need.items()):
+            full = os.path.join(item_dir, path)
+            if not os.path.isfile(full):
+                damaged.append((rel(path), "is missing"))
+            elif (have := os.path.getsize(full)) < size:
+                damaged.append(
+                    (rel(path), f"is truncated: {have} bytes, the step's index refers to {size}")
+                )
+    return StepFiles(
+        {k: tuple(v) for k, v in leaf_files.items()}, key_files, tuple(dict.fromkeys(damaged))
+    )
+
+
+def files_error(files: StepFiles, *, step: int, directory) -> CheckpointDamagedError:
+    """The :class:`CheckpointDamagedError` of a step whose files are missing or truncated
+    (``files.damaged`` is not empty), naming the first such file and a leaf it holds."""
+    file, why = files.damaged[0]
+    held = [leaf for leaf, paths in files.leaf_files.items() if file in paths]
+    holds = f"; it holds leaf {held[0]}" + (f" and {len(held) - 1} more" if len(held) > 1 else "")
+    more = len(files.damaged) - 1
+    others = f" ({more} more damaged file{'s' if more > 1 else ''})" if more else ""
+    return CheckpointDamagedError(
+        f"checkpoint step {step} in {directory} is damaged: file {file} {why}"
+        f"{holds if held else ''}{others}. {_ADVICE}",
+        step=step,
+        leaf=held[0] if held else None,
+        directory=directory,
+        file=file,
     )
 
 

@@ -15,6 +15,7 @@ from etils import epath
 
 import jaxzero.checkpoint.guards as guards
 import jaxzero.checkpoint.integrity as integrity
+import jaxzero.checkpoint.quiet as quiet
 from jaxzero.checkpoint.adopt import describe_plain
 from jaxzero.checkpoint.structure import EXTRA, METADATA, STATE, _flat, _name, describe
 from jaxzero.checkpoint.trust import check_metadata
@@ -79,9 +80,10 @@ def manager(
     )
     opts.update(options)
     path = epath.Path(os.fspath(directory)).absolute()
-    return ocp.CheckpointManager(
-        path, options=ocp.CheckpointManagerOptions(**opts), handler_registry=_registry()
-    )
+    with quiet.orbax_calls():
+        return ocp.CheckpointManager(
+            path, options=ocp.CheckpointManagerOptions(**opts), handler_registry=_registry()
+        )
 
 
 def _open(manager_or_dir, *, read_only: bool) -> tuple[ocp.CheckpointManager, bool]:
@@ -116,15 +118,17 @@ def _settle(mngr: ocp.CheckpointManager) -> None:
 def _opened(manager_or_dir, *, read_only: bool = True) -> Iterator[ocp.CheckpointManager]:
     """The manager to use inside a ``with``: a directory opens one that is closed on leaving
     (closing waits for its saves); a caller's manager is used as is and left open, after its
-    in-flight save has finished when reading (:func:`_settle`)."""
-    mngr, owned = _open(manager_or_dir, read_only=read_only)
-    try:
-        if read_only and not owned:
-            _settle(mngr)
-        yield mngr
-    finally:
-        if owned:
-            mngr.close()
+    in-flight save has finished when reading (:func:`_settle`). Orbax's routine warnings are
+    dropped inside (:func:`jaxzero.checkpoint.quiet.orbax_calls`)."""
+    with quiet.orbax_calls():
+        mngr, owned = _open(manager_or_dir, read_only=read_only)
+        try:
+            if read_only and not owned:
+                _settle(mngr)
+            yield mngr
+        finally:
+            if owned:
+                mngr.close()
 
 
 def _partial_saves(directory) -> list[str]:

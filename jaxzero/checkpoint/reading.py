@@ -12,10 +12,12 @@ import orbax.checkpoint as ocp
 
 import jaxzero.checkpoint.guards as guards
 import jaxzero.checkpoint.integrity as integrity
+import jaxzero.checkpoint.quiet as quiet
 from jaxzero.checkpoint.integrity import CheckpointDamagedError
 from jaxzero.checkpoint.io import _has_item, _opened, _read_metadata, _resolve_step
 from jaxzero.checkpoint.structure import (
     EXTRA,
+    METADATA,
     STATE,
     _flat,
     _mismatch_hints,
@@ -87,7 +89,7 @@ def restore(
       ValueError: the stored tree differs from the target (the first missing / mis-shaped /
         extra leaf path is named); nothing is restored.
       CheckpointDamagedError: (a ValueError) the step (with ``fallback``: every step) is
-        damaged; the step and the leaf are named.
+        damaged; the step, the damaged file and the leaf are named.
     """
     if not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}.")
@@ -133,6 +135,7 @@ def _first_that_verifies(mngr, step, target, fallback: bool, **read):
         step=passed[0].step,
         leaf=passed[0].leaf,
         directory=os.fspath(mngr.directory),
+        file=passed[0].file,
     )
 
 
@@ -150,43 +153,68 @@ def _restore_step(
     verified against the saved checksums, then cast / given a master as ``target`` needs;
     warns when ``ema``'s settings differ from those saved with the step."""
     directory = os.fspath(mngr.directory)
-    meta = _damaged_if_raises(lambda: _read_metadata(mngr, step), step, directory, "metadata")
-    stored = _damaged_if_raises(lambda: _stored_tree(mngr, step), step, directory, "state tree")
+    meta = _damaged_if_raises(
+        lambda: _read_metadata(mngr, step), step, directory, "metadata", f"{METADATA}/metadata"
+    )
+    stored = _damaged_if_raises(
+        lambda: _stored_tree(mngr, step), step, directory, "state tree", f"{STATE}/_METADATA"
+    )
     read_target, finish = _read_plan(stored, target, check_dtypes)
     context = "" if meta is None else _mismatch_hints(meta, target)
     _missing_parts(stored, read_target, step=step, directory=directory)
     check_compatible(stored, read_target, check_dtypes=True, context=context)
-    error = None
-    try:
-        state, extra = _read_state(mngr, step, read_target, with_extra=with_extra)
-    except Exception as e:  # noqa: BLE001 - any read failure of a step that passed the checks
-        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
-            raise
-        error = e
+    items = (STATE, EXTRA) if with_extra else (STATE,)
+    files = integrity.step_files(directory, step, items)
+    state = extra = None
+    if files.damaged:  # a missing or truncated file: found before any array is read
+        problem = integrity.files_error(files, step=step, directory=directory)
+    else:
+        state, extra, problem = _read_state_quietly(mngr, step, read_target, with_extra, files)
     # Every process reads other files: all learn whether any read failed, so that all raise
     # (none waits in the checksum all-gather for one that gave up).
-    if integrity.any_process_failed(error):
-        raise integrity.read_error(error, step=step, directory=directory) from error
+    if integrity.any_process_failed(problem):
+        raise problem or integrity.read_error(None, step=step, directory=directory)
     sums = (meta or {}).get(integrity.KEY)
-    integrity.check(_named(state), sums, step=step, directory=directory)
+    integrity.check(_named(state), sums, step=step, directory=directory, files=files)
     if extra is not None and sums:
-        integrity.check(_named(extra, "extra."), sums, step=step, directory=directory)
+        integrity.check(_named(extra, "extra."), sums, step=step, directory=directory, files=files)
     guards.warn_ema_changed(meta, ema, step, directory)
     return finish(state), extra
 
 
-def _damaged_if_raises(fn, step: int, directory: str, what: str):
+def _damaged_if_raises(fn, step: int, directory: str, what: str, file: str):
+    """``fn()``; a failure to read ``what`` (its ``file`` under the step directory) is a
+    CheckpointDamagedError naming the file, raised without Orbax's traceback."""
     try:
         return fn()
     except (ValueError, TypeError) as e:
         if isinstance(e, CheckpointDamagedError) or "has no 'state' item" in str(e):
             raise
-        raise CheckpointDamagedError(
-            f"checkpoint step {step} in {directory} is damaged: its {what} could not be read "
-            f"({integrity.first_line(e)}).",
-            step=step,
-            directory=directory,
-        ) from e
+        why = integrity.first_line(e)
+    raise CheckpointDamagedError(
+        f"checkpoint step {step} in {directory} is damaged: its {what} (file {step}/{file}) "
+        f"could not be read ({why}).",
+        step=step,
+        directory=directory,
+        file=f"{step}/{file}",
+    )
+
+
+def _read_state_quietly(mngr, step: int, target: TrainState, with_extra: bool, files):
+    """``(state, extra, None)``, or ``(None, None, error)`` when the read fails: a
+    CheckpointDamagedError naming the file the failed key is in. Orbax's error is not
+    chained to it (its traceback is asyncio's and tensorstore's, not the user's), and what
+    the failed read left behind is collected at once, unreported (:mod:`.quiet`)."""
+    directory = os.fspath(mngr.directory)
+    try:
+        state, extra = _read_state(mngr, step, target, with_extra=with_extra)
+        return state, extra, None
+    except Exception as e:  # noqa: BLE001 - any read failure of a step that passed the checks
+        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
+            raise
+        problem = integrity.read_error(e, step=step, directory=directory, files=files)
+    quiet.collect_leftovers()
+    return None, None, problem
 
 
 def _named(tree, prefix: str = "") -> dict[str, Any]:

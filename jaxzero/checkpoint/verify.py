@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxzero.checkpoint.integrity as integrity
+import jaxzero.checkpoint.quiet as quiet
 from jaxzero.checkpoint.integrity import CheckpointDamagedError
 from jaxzero.checkpoint.io import _has_item, _opened, _partial_saves, _read_metadata, _resolve_step
 from jaxzero.checkpoint.structure import EXTRA, STATE, _flat, _name, _stored_tree
@@ -29,6 +30,7 @@ class StepReport:
       leaves: array leaves read.
       problem: why the step is damaged (None when ok).
       leaf: the damaged leaf, when known.
+      file: the damaged file (relative to the checkpoint directory), when known.
     """
 
     step: int
@@ -37,6 +39,7 @@ class StepReport:
     leaves: int
     problem: str | None = None
     leaf: str | None = None
+    file: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,26 +107,39 @@ def _verify_step(mngr, step: int, mesh: Mesh) -> StepReport:
         meta = _read_metadata(mngr, step) or {}
         stored = _stored_tree(mngr, step)
         leaves = len(stored)
-        items = {STATE: ocp.args.StandardRestore(_target_from(mngr, step, mesh))}
-        if _has_item(mngr, step, EXTRA):
-            items[EXTRA] = ocp.args.StandardRestore()
-        error = out = None
-        try:
-            out = mngr.restore(step, args=ocp.args.Composite(**items))
-        except Exception as e:  # noqa: BLE001 - reported
-            error = e
-        if integrity.any_process_failed(error):
-            raise integrity.read_error(error, step=step, directory=directory) from error
+        files = integrity.step_files(directory, step, (STATE, EXTRA))
+        problem = out = None
+        if files.damaged:  # a missing or truncated file: found before any array is read
+            problem = integrity.files_error(files, step=step, directory=directory)
+        else:
+            out, problem = _read_quietly(mngr, step, mesh, files)
+        if integrity.any_process_failed(problem):
+            raise problem or integrity.read_error(None, step=step, directory=directory)
         sums = meta.get(integrity.KEY)
         named = {_name(k): v for k, v in _flat(out[STATE]).items()}
         if out.get(EXTRA) is not None:
             named.update({"extra." + _name(k): v for k, v in _flat(out[EXTRA]).items()})
-        checked = integrity.check(named, sums, step=step, directory=directory)
+        checked = integrity.check(named, sums, step=step, directory=directory, files=files)
     except CheckpointDamagedError as e:
-        return StepReport(step, False, 0, leaves, str(e), e.leaf)
+        return StepReport(step, False, 0, leaves, str(e), e.leaf, e.file)
     except (ValueError, TypeError, OSError) as e:
         return StepReport(step, False, 0, leaves, integrity.first_line(e))
     return StepReport(step, True, checked, leaves)
+
+
+def _read_quietly(mngr, step: int, mesh: Mesh, files):
+    """``(every item read, None)`` or ``(None, the read's CheckpointDamagedError)``, with what
+    a failed read leaves behind collected at once, unreported (:mod:`.quiet`)."""
+    items = {STATE: ocp.args.StandardRestore(_target_from(mngr, step, mesh))}
+    if _has_item(mngr, step, EXTRA):
+        items[EXTRA] = ocp.args.StandardRestore()
+    directory = os.fspath(mngr.directory)
+    try:
+        return mngr.restore(step, args=ocp.args.Composite(**items)), None
+    except Exception as e:  # noqa: BLE001 - reported
+        problem = integrity.read_error(e, step=step, directory=directory, files=files)
+    quiet.collect_leftovers()
+    return None, problem
 
 
 def verify(directory, step: int | None = None) -> VerifyReport:

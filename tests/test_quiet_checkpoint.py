@@ -1,0 +1,109 @@
+"""What a plain user script sees of jaxzero's checkpoint reads on stderr: a routine save and
+restore print nothing (also of a step saved without Orbax's step metadata file, whose every
+read makes Orbax log a warning), and a damaged step ends the script with the one
+CheckpointDamagedError traceback, naming the damaged file, and nothing of asyncio or
+tensorstore around it.
+
+Each script runs as a child process with the environment a user has (this process's
+``JAX_PLATFORMS=cpu`` and ``XLA_FLAGS`` removed); it damages the file itself and prints its
+path, so the expected name does not come from jaxzero.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+# jaxzero first: jax's own import prints the CUDA stub's lines when it runs before jaxzero's
+# (tests/test_quiet_startup.py, jaxzero/_startup.py).
+PRELUDE = """
+import glob, os, sys
+import jaxzero as jz
+import jax, jax.numpy as jnp, optax
+from jaxzero import checkpoint as ck
+
+jz.simulate_cpu_devices(2)
+directory = sys.argv[1]
+keys = jax.random.split(jax.random.key(0), 2)
+params = {"w": jax.random.normal(keys[0], (64, 64)), "b": jax.random.normal(keys[1], (64,))}
+zero = jz.ZeRO(optax.adam(1e-3), jz.data_parallel_mesh(2), stage=2)
+"""
+
+# Two steps saved; step 1 loses Orbax's step metadata file (_CHECKPOINT_METADATA, which
+# Orbax reads first at every read of a step); every reading function on both steps.
+ROUTINE = (
+    PRELUDE
+    + """
+ck.save(directory, 1, zero.init(params), zero=zero)
+mngr = ck.manager(directory)
+ck.save(mngr, 2, zero.init(params), zero=zero)
+ck.wait(mngr)
+os.remove(os.path.join(directory, "1", "_CHECKPOINT_METADATA"))
+for step in (1, 2):
+    state = ck.restore(directory, zero, params, step=step)
+    ck.restore(mngr, zero, params, step=step)
+    ck.load_metadata(directory, step)
+assert ck.verify(directory).ok and ck.latest_step(directory) == 2
+mngr.close()
+print("OK", float(jnp.abs(state.params["w"] - params["w"]).max()))
+"""
+)
+
+# One step saved, its largest data file damaged (HOW), then restored without a try.
+DAMAGED = (
+    PRELUDE
+    + """
+ck.save(directory, 1, zero.init(params), zero=zero)
+files = glob.glob(os.path.join(directory, "1", "state", "ocdbt.process_*", "d", "*"))
+path = max(files, key=os.path.getsize)
+print("DAMAGED", os.path.relpath(path, directory), flush=True)
+if HOW == "truncate":
+    os.truncate(path, os.path.getsize(path) // 2)
+else:  # the first zstd frame's magic number zeroed: that chunk cannot be decoded
+    data = bytearray(open(path, "rb").read())
+    at = data.index(b"\\x28\\xb5\\x2f\\xfd")
+    data[at : at + 4] = bytes(4)
+    open(path, "wb").write(bytes(data))
+ck.restore(directory, zero, params)
+"""
+)
+
+
+def user_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+
+
+def run_script(code: str, directory):
+    return subprocess.run(
+        [sys.executable, "-c", code, str(directory)],
+        capture_output=True,
+        text=True,
+        env=user_env(),
+        timeout=300,
+    )
+
+
+def test_routine_saves_and_reads_print_nothing_on_stderr(tmp_path):
+    out = run_script(ROUTINE, tmp_path / "ckpt")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["OK", "0.0"], out.stdout
+    assert out.stderr == "", f"stderr of routine checkpoint calls:\n{out.stderr}"
+
+
+@pytest.mark.parametrize("how", ["truncate", "undecodable"])
+def test_damaged_step_prints_one_error_naming_the_file(tmp_path, how):
+    out = run_script(f"HOW = {how!r}\n" + DAMAGED, tmp_path / "ckpt")
+    assert out.returncode == 1, out.stdout + out.stderr
+    damaged = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("DAMAGED")]
+    assert len(damaged) == 1, out.stdout
+    lines = out.stderr.splitlines()
+    assert sum("Traceback" in line for line in lines) == 1, out.stderr
+    assert "asyncio" not in out.stderr and "tensorstore" not in out.stderr, out.stderr
+    error = lines[-1]
+    assert error.startswith("jaxzero.checkpoint.integrity.CheckpointDamagedError: "), out.stderr
+    assert f"is damaged: file {damaged[0]} " in error, error
+    why = "is truncated" if how == "truncate" else "could not be read"
+    assert why in error, error
