@@ -155,7 +155,9 @@ def cuda_plugin_installed() -> bool:
 def gpu_present(environ=None) -> bool:
     """Whether jax would start its CUDA backend in this process, decided without starting it:
     jax's CUDA plugin is installed, ``JAX_PLATFORMS`` (when set) allows cuda/gpu,
-    ``CUDA_VISIBLE_DEVICES`` (when set) names a device, and an NVIDIA device node exists."""
+    ``CUDA_VISIBLE_DEVICES`` (when set) names a device, and an NVIDIA device node exists (or,
+    under WSL2, its GPU paravirtualisation node ``/dev/dxg``: never taken for "no GPU", since
+    ``import jaxzero`` selects the CPU platform where this says there is none)."""
     env = os.environ if environ is None else environ
     platforms = env.get("JAX_PLATFORMS", "").lower()
     if platforms and not any(p in platforms for p in ("cuda", "gpu")):
@@ -164,7 +166,7 @@ def gpu_present(environ=None) -> bool:
         return False
     if not cuda_plugin_installed():
         return False
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/dxg")
 
 
 def with_xla_flags(environ: dict, flags: list[str] | None = None) -> tuple[dict, list[str]]:

@@ -22,7 +22,7 @@ configures it for jaxzero and adds the jaxzero-specific parts:
 
 Every array's checksum is saved in the step's metadata and checked when it is read back
 (:mod:`jaxzero.checkpoint.integrity`): a damaged step fails to restore with
-:class:`CheckpointDamagedError` naming the step and the leaf (``restore(..., fallback=True)``
+:class:`CheckpointDamagedError` naming the step, the damaged file and the leaf (``restore(..., fallback=True)``
 takes the newest step that verifies instead), and :func:`verify` reads every step and reports
 the damaged ones. A failed write (disk full) raises OSError from ``save`` (or, for an
 asynchronous save, from the next ``save`` or :func:`wait`).
