@@ -49,8 +49,9 @@ def local_gradients(
 ):
     """The per-device gradient computation, to run inside ``jax.shard_map``.
 
-    Returns ``fn(params_local, model_state, batch_local, rng, scale, specs)`` ->
-    ``(loss, aux, grads, new_model_state)`` where ``grads`` are already reduced by
+    Returns ``fn(params_local, model_state, batch_local, rng, scale, specs, plan)`` ->
+    ``(loss, aux, grads, new_model_state)`` (``plan``: the step's per-leaf plan,
+    :meth:`jaxzero.ZeRO.plan`, which the gathers and reductions read) where ``grads`` are already reduced by
     :meth:`ZeRO.reduce_gradients` (all-reduced for stages 0/1, reduce-scattered for stages
     2/3). With ``accum_steps > 1`` the local batch is split into micro-batches scanned with
     ``lax.scan``: stages 0/1 accumulate the full local gradient and all-reduce once; stages 2/3
@@ -77,10 +78,10 @@ def local_gradients(
 
     checked = []
 
-    def micro(params, specs, model_state, batch, rng, scale, sums=None):
-        full = zero.path.params_for_loss(params, specs)
+    def micro(path, params, specs, model_state, batch, rng, scale, sums=None):
+        full = path.params_for_loss(params, specs)
         # layers=, vocab_parallel=, units=
-        hooks = zero.path.loss_hooks(params, specs, sums, accumulate=on_host_sums)
+        hooks = path.loss_hooks(params, specs, sums, accumulate=on_host_sums)
         scaled = loss_hooks.wrap(hooks, user_loss.scaled_loss(loss_fn, stateful))
         if not checked:  # once per trace: what the loss's jaxpr says
             checked.append(True)
@@ -114,16 +115,17 @@ def local_gradients(
         if reduce_each:
             # reduce_gradients casts to reduce_dtype for the collective and to output_dtype
             # after it: no full-size upcast of the local gradient before a 16-bit scatter.
-            g = zero.path.reduce_gradients(g, hooks)
+            g = path.reduce_gradients(g, hooks)
         else:
             # stages 0/1 accumulate the local gradient in output_dtype, reduce once at the end
             g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)
         return (loss, count), aux, g, new_state
 
-    def fn(params, model_state, batch, rng, scale, specs):
+    def fn(params, model_state, batch, rng, scale, specs, plan=None):
+        path = dataclasses.replace(zero.path, plan=plan)  # each leaf's fate: the plan's rows
         if model_state is not None:
             model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
-        run = lambda ms, b, key, sums=None: micro(params, specs, ms, b, key, scale, sums)
+        run = lambda ms, b, key, sums=None: micro(path, params, specs, ms, b, key, scale, sums)
         if accum_steps == 1:
             (losses, counts), auxes, g, model_state = run(model_state, batch, rng)
         else:
@@ -134,7 +136,7 @@ def local_gradients(
                 run_in, accum_steps, model_state, batch, rng
             )
         if not reduce_each:
-            g = zero.path.reduce_gradients(g)
+            g = path.reduce_gradients(g)
         loss = jax.lax.pmean(losses, axes)
         if counts is not None:  # a GlobalMean: sum(total) / sum(count) over everything
             total = jax.lax.psum(counts, axes)

@@ -350,17 +350,20 @@ def _step_fn(
     :meth:`ZeRO.apply_gradients` under jit."""
     axes = zero.batch_axes
 
-    def sharded(params, model_state, batch, rng, step, scale, specs):
+    def sharded(params, model_state, batch, rng, step, scale, specs, plan):
         key = None if rng is None else device_key(rng, step, axes)
-        return grads_fn(params, model_state, batch, key, scale, specs)
+        return grads_fn(params, model_state, batch, key, scale, specs, plan)
 
     def step_fn(state: TrainState, batch):
         specs = zero.param_specs(state.params)
+        # each leaf's fate, decided once per trace from the params' shapes
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
+        plan = zero.plan(shapes, accum_steps=accum_steps)
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale.scale
         batch_spec = zero.batch_spec()
         replicated = lambda t: jax.tree.map(lambda _: P(), t)
         sm = jax.shard_map(
-            lambda p, m, b, r, t, s: sharded(p, m, b, r, t, s, specs),
+            lambda p, m, b, r, t, s: sharded(p, m, b, r, t, s, specs, plan),
             mesh=zero.mesh,
             in_specs=(
                 specs,

@@ -16,21 +16,25 @@ from typing import Any
 
 import jax
 
+from jaxzero._tree import path_strs
 from jaxzero.zero import collectives
-from jaxzero.zero import specs as sh
+from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero.hooks import LossHook
 from jaxzero.zero.layers import plan as layers
 from jaxzero.zero.layers import vocab
 from jaxzero.zero.offload.sums import HostSums
-from jaxzero.zero.units import patterns as unit_patterns
 from jaxzero.zero.units import plan as units
 
 
 @dataclasses.dataclass(frozen=True)
 class GradientPath:
-    """The gathers, loss hooks and gradient reductions of one :class:`ZeROConfig`."""
+    """The gathers, loss hooks and gradient reductions of one :class:`ZeROConfig`, reading
+    each leaf's fate from the per-leaf plan (:mod:`jaxzero.zero.plan`): the step's ``plan``,
+    built once from the global params, or, for a step written by hand from ``ZeRO``'s pieces
+    (no plan given), the plan's feature columns of the tree at hand."""
 
     zero: Any  # the ZeROConfig it belongs to (which imports this module)
+    plan: Any = None  # the step's jaxzero.zero.plan.Plan
 
     # -- which reductions a step runs -------------------------------------------------------
     def reduces_in_backward(self, stage: int | None = None) -> bool:
@@ -53,23 +57,26 @@ class GradientPath:
         return layers.unused_reason(self.zero, accum_steps)
 
     # -- inside shard_map ---------------------------------------------------------------------
-    def _stacked_mask(self, tree, on: bool | None = None):  # the loss gets them as shards
-        z = self.zero
-        if not (z.per_layer or z.units if on is None else on):
-            return None
-        if z.units:
-            # the vocabulary tables stay rows and are reduced as complete, never by the unit
-            # chain, even outside the units with prefetch (unit_plan leaves them out too)
-            units = unit_patterns.mask(tree, z.units, z.prefetch)
-            tables = vocab.mask(z.vocab_parallel, tree)
-            return (
-                units if tables is None else jax.tree.map(lambda u, t: u and not t, units, tables)
-            )
-        return sh.subtree_mask(tree, z.layers)
+    def _rows(self, tree) -> dict:
+        """Each leaf path's plan row: the step's plan, or the feature columns of ``tree``."""
+        if self.plan is not None:
+            return {r.path: r for r in self.plan.rows}
+        paths = [path_strs(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        return {r["path"]: r for r in leaf_plan.decisions(self.zero, paths)}
+
+    def _where(self, tree, predicate):
+        """``predicate`` of each leaf's row, as a tree like ``tree``; None when none holds."""
+        found = leaf_plan.mask(self._rows(tree), tree, predicate)
+        return found if any(jax.tree.leaves(found)) else None
+
+    def _stacked_mask(self, tree):  # the loss gets them as shards, gathered where used
+        return self._where(tree, leaf_plan.gathered_by_a_hook)
 
     def _whole_mask(self, tree):  # stage 0 per layer: the stacks stay device-invariant
-        on = self.zero.stage == 0 and self.reduces_in_backward(0)
-        return self._stacked_mask(tree, on)
+        return self._where(tree, lambda r: _get(r, "gather") == "invariant")
+
+    def _tables(self, tree):  # vocab_parallel=: the tables stay rows, reduced as complete
+        return self._where(tree, lambda r: _get(r, "gather") == "vocab_rows")
 
     def gather_params(self, local_params, specs):
         """All-gather stage-3 parameter shards (``specs``: ``param_specs(params)``)."""
@@ -86,7 +93,7 @@ class GradientPath:
             stacks = self._stacked_mask(local_params)
             fetch = lambda stack, x: x if stack else where.fetch(x)
             local_params = jax.tree.map(fetch, stacks, local_params)
-        tables = vocab.mask(z.vocab_parallel, local_params)  # stay rows, like the stacks
+        tables = self._tables(local_params)  # stay rows, like the stacks
         args = (vocab.either(self._stacked_mask(local_params), tables),)
         keep_dtype = not where.master_on_device  # the stacks are params: decision 32
         args += (self._whole_mask(local_params), keep_dtype)
@@ -140,5 +147,10 @@ class GradientPath:
         z = self.zero
         plan = next((h for h in hooks if isinstance(h, layers.LayerPlan)), None)
         masks = (self._stacked_mask(grads), layers.scattered_mask(plan, grads))
-        masks += (vocab.mask(z.vocab_parallel, grads),)  # complete on every device
+        masks += (self._tables(grads),)  # complete on every device
         return collectives.reduce_gradients(z.comm, grads, z.grad_specs(grads), *masks)
+
+
+def _get(row, name: str):
+    """A plan row's column: a :class:`~jaxzero.zero.plan.Leaf` or a decisions dict."""
+    return row[name] if isinstance(row, dict) else getattr(row, name)

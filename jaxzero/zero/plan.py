@@ -133,6 +133,11 @@ class Plan:
             f"no params leaf {path!r} in the plan; leaves: {[r.path for r in self.rows]}"
         )
 
+    def mask(self, tree, predicate):
+        """:func:`mask` over this plan's rows: ``predicate(row)`` per leaf of ``tree`` (a tree of
+        the params' structure: the params, their gradients or this device's shards)."""
+        return mask({r.path: r for r in self.rows}, tree, predicate)
+
     def column(self, name: str) -> dict[str, Any]:
         """``{path: value}`` of one column over every row."""
         return {r.path: getattr(r, name) for r in self.rows}
@@ -226,6 +231,49 @@ def _mirrors(params_paths: list[tuple[str, ...]], state) -> tuple[list[list], li
     return per, other
 
 
+#: The columns the features decide (:func:`decisions`): what the step's gathers and
+#: reductions read. ``reduce`` is None where no feature decides it (the stage rule then does,
+#: from the gradient's spec).
+FEATURE_COLUMNS = ("gather", "reduce")
+
+
+def decisions(zero, paths, accum_steps: int = 1) -> list[dict]:
+    """Per leaf key path (a tuple of strings), the columns the features decide:
+    ``{"path", "gather", "reduce"}``, ``reduce`` None where the stage rule decides it. The
+    plan's rows start from these (:func:`build`); a step without a plan (one written by hand
+    from ``ZeRO``'s pieces, on local shards) reads them directly."""
+    rows = [
+        {"path": "/".join(keys), "gather": "whole" if zero.stage == 3 else "none", "reduce": None}
+        for keys in paths
+    ]
+    tables = zero.vocab_parallel
+    _merge(
+        rows,
+        [
+            ("layers=", layers.leaf_columns(zero, paths, accum_steps)),
+            ("units=", units.leaf_columns(paths, zero.units, zero.prefetch, tables)),
+            ("vocab_parallel=", vocab.leaf_columns(paths, tables)),
+        ],
+    )
+    return rows
+
+
+def mask(rows_by_path: dict, tree, predicate):
+    """A tree of ``tree``'s structure (the params', their gradients' or local shards') with,
+    per leaf, ``predicate(row)`` of the row its key path names in ``rows_by_path``."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree.unflatten(
+        treedef, [predicate(rows_by_path["/".join(path_strs(p))]) for p, _ in flat]
+    )
+
+
+def gathered_by_a_hook(row) -> bool:
+    """Whether the loss gets the leaf as shards, gathered where it is used (a layer at a time,
+    or with its unit) and its gradient reduced there."""
+    gather = row["gather"] if isinstance(row, dict) else row.gather
+    return gather == "per_layer" or gather.startswith("unit:")
+
+
 def build(
     zero,
     params,
@@ -249,38 +297,26 @@ def build(
         reducing = dataclasses.replace(zero, stage=2)
     grad_specs = jax.tree.leaves(reducing.grad_specs(params), is_leaf=lambda s: isinstance(s, P))
     stage = zero.stage
-    rows = [
-        {
-            "path": "/".join(keys),
-            "shape": tuple(x.shape),
-            "layer_axis": sh.is_stacked(path, zero.layers),
-            "param_spec": ps,
-            "state_spec": ss,
-            "grad_spec": gs,
-            # the stage rule; the features below refine it
-            "gather": "whole" if stage == 3 else "none",
-            "reduce": "reduce_scatter"
-            if reducing.stage >= 2 and sh.spec_dim(gs) is not None
-            else "all_reduce",
-            "accumulate": "device_mean" if accum_steps > 1 else "none",
-            "memory": "device",
-            "params_memory": "device",
-            "wire": "exact",
-            "ema": "none",
-            "layout": "leaf",
-        }
-        for (path, x), keys, ps, ss, gs in zip(
-            flat, paths, param_specs, state_specs, grad_specs, strict=True
+    rows = decisions(zero, paths, accum_steps)
+    for row, (path, x), ps, ss, gs in zip(
+        rows, flat, param_specs, state_specs, grad_specs, strict=True
+    ):
+        scatters = reducing.stage >= 2 and sh.spec_dim(gs) is not None
+        row.update(
+            shape=tuple(x.shape),
+            layer_axis=sh.is_stacked(path, zero.layers),
+            param_spec=ps,
+            state_spec=ss,
+            grad_spec=gs,
+            # the stage rule where no feature decided
+            reduce=row["reduce"] or ("reduce_scatter" if scatters else "all_reduce"),
+            accumulate="device_mean" if accum_steps > 1 else "none",
+            memory="device",
+            params_memory="device",
+            wire="exact",
+            ema="none",
+            layout="leaf",
         )
-    ]
-    _merge(
-        rows,
-        [
-            ("layers=", layers.leaf_columns(zero, paths, accum_steps)),
-            ("units=", units.leaf_columns(paths, zero.units, zero.prefetch, zero.vocab_parallel)),
-            ("vocab_parallel=", vocab.leaf_columns(paths, zero.vocab_parallel)),
-        ],
-    )
     opt_state = jax.eval_shape(zero.tx.init, params)
     mirrors, others = _mirrors(paths, opt_state)
     state_bytes = [
