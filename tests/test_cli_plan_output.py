@@ -243,3 +243,21 @@ def test_paste_builds_the_zero_the_plan_compiled(case):
     want = jz.ZeRO(ns["tx"], ns["mesh"], **options)
     for field in ["stage", "precision", *options]:
         assert getattr(ns["zero"], field) == getattr(want, field), field
+
+
+def test_a_failed_compile_prints_xlas_lines_as_written(capfd, monkeypatch):
+    """When a compile raises, XLA's captured lines may say why: they are printed whole, the
+    error goes on, and file descriptor 2 is back."""
+    fatal = "E1128 17:04:28.424257    4041 gpu_compiler.cc:1234] Compilation failed: out of tiles"
+
+    def failing(*a, **kw):
+        kw["on_case"]("3 per layer", 0, 1)
+        os.write(2, f"{fatal}\n".encode())
+        raise RuntimeError("INTERNAL: compilation failed")
+
+    monkeypatch.setattr(gpu, "plan", failing)
+    with pytest.raises(RuntimeError, match="compilation failed"):
+        cli.main(ARGV)
+    os.write(2, b"fd 2 restored\n")
+    err = capfd.readouterr().err
+    assert f"XLA's log lines during the compiles:\n{fatal}\nfd 2 restored" in err

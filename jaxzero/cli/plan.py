@@ -28,8 +28,10 @@ from jaxzero.cli.plan_pick import pick_note
 DESCRIPTION = """\
 Compile jaxzero's Adam train step of a GPT/LLaMA-shaped model for a GPU cluster with XLA's GPU
 compiler, on a machine without GPUs (needs jax's CUDA plugin: pip install "jax[cuda12]==0.10.2"),
-and print per stage the compiled bytes per device next to jaxzero.estimate_memory's, whether it
-fits in the GPU's memory, and the collectives per step. Nothing is allocated or run.
+and print per stage the compiled peak per device, whether it fits in the GPU's memory and the
+share of the collectives hidden (--wide: next to jaxzero.estimate_memory's formula, with the
+collectives per step), then the row to use as a jaxzero.ZeRO(...) line. Nothing is allocated
+or run.
 
 The model: rematerialised decoder layers (LLaMA: RMSNorm, SwiGLU MLP, untied head; GPT:
 LayerNorm, GELU MLP, tied head), --batch sequences of --seq tokens per device and micro-batch,
@@ -142,7 +144,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--verbose",
         action="store_true",
         help="print the log lines XLA wrote during the compiles (by default captured and "
-        "summed up in a few lines after the table)",
+        "summed up in a few lines after the table; all of them when a compile fails; a process "
+        "XLA aborts leaves them in $TMPDIR/jaxzero-plan-xla-*.log)",
     )
 
 
@@ -282,6 +285,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     )
     options["quantize"] = _quantize(args)
     flags = xla_options(quantized_grads=_qgz(args)) if args.xla_flags else None
+    logs = None
     try:
         with xla_logs_captured() as logs:  # XLA's C++ log lines: summed up after the table
             on_case, close = progress(len(cases) + both, logs.stream)
@@ -295,6 +299,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         _print_logs(logs.lines, args.verbose)
         print(f"jaxzero plan: error: {e}", file=sys.stderr)
         return 1
+    except BaseException:  # a failed compile: XLA's lines as written, they may say why
+        if logs is not None:
+            _print_logs(logs.lines, True)
+        raise
     _print_tables(rows, args)
     _print_logs(logs.lines, args.verbose)
     return 0

@@ -56,25 +56,29 @@ def xla_logs_captured():
     """Point file descriptor 2 at a temporary file; yield a :class:`Captured` whose ``stream``
     still reaches the original stderr (``sys.stderr`` itself where it does not write to
     descriptor 2, e.g. under pytest's capsys). Descriptor 2 is restored on the way out,
-    exceptions included, and ``lines`` holds what it received."""
+    exceptions included, and ``lines`` holds what it received. The lines go to
+    ``$TMPDIR/jaxzero-plan-xla-*.log``, removed then; a process XLA aborts leaves it behind."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(2)
     stream = os.fdopen(os.dup(saved), "w", buffering=1) if _writes_fd2(sys.stderr) else sys.stderr
     captured = Captured(stream)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield captured
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            if stream is not sys.stderr:
-                stream.close()
-            tmp.seek(0)
-            text = tmp.read().decode("utf-8", errors="replace")
-            captured.lines = [line for line in text.splitlines() if line.strip()]
+    # a named file, removed on the way out: if XLA aborts the process, its lines stay there
+    fd, path = tempfile.mkstemp(prefix="jaxzero-plan-xla-", suffix=".log")
+    os.dup2(fd, 2)
+    try:
+        yield captured
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        if stream is not sys.stderr:
+            stream.close()
+        with os.fdopen(fd, "rb") as f:
+            f.seek(0)
+            text = f.read().decode("utf-8", errors="replace")
+        os.unlink(path)
+        captured.lines = [line for line in text.splitlines() if line.strip()]
 
 
 def _kind(line: str) -> tuple[str, str, str]:
