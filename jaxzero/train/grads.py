@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from jaxzero.precision import warn_wide_compute
 from jaxzero.train import loss as user_loss
 from jaxzero.zero import hooks as loss_hooks
+from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero.collectives import to_varying
 from jaxzero.zero.config import ZeROConfig
-from jaxzero.zero.offload import on_host
 
 
 def _mean_over(x, axes):
@@ -121,7 +121,7 @@ def local_gradients(
             g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)
         return (loss, count), aux, g, new_state
 
-    def fn(params, model_state, batch, rng, scale, specs, plan=None):
+    def fn(params, model_state, batch, rng, scale, specs, plan):
         path = dataclasses.replace(zero.path, plan=plan)  # each leaf's fate: the plan's rows
         if model_state is not None:
             model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
@@ -129,11 +129,13 @@ def local_gradients(
         if accum_steps == 1:
             (losses, counts), auxes, g, model_state = run(model_state, batch, rng)
         else:
-            # the sums in output_dtype (an offloaded step's stacks come in param_dtype)
+            # the sums in output_dtype (an offloaded step's stacks come in param_dtype); the
+            # leaves the plan sums into host accumulators are those sums already
+            host = plan.mask(params, leaf_plan.host_sum)
             out = zero.precision.output_dtype
-            run_in = lambda ms, b, key, sums: _with_grads_in(out, run(ms, b, key, sums))
+            run_in = lambda ms, b, key, sums: _with_grads_in(out, run(ms, b, key, sums), host)
             (losses, counts), auxes, g, model_state = _accumulate(
-                run_in, accum_steps, model_state, batch, rng
+                run_in, accum_steps, model_state, batch, rng, host
             )
         if not reduce_each:
             g = path.reduce_gradients(g)
@@ -150,25 +152,26 @@ def local_gradients(
     return fn
 
 
-def _with_grads_in(dtype, out):
+def _with_grads_in(dtype, out, host):
     """``(loss, aux, grads, model_state)`` with the grads cast to ``dtype`` (micro-batch sums
-    accumulate in it; a host accumulator already holds it)."""
+    accumulate in it; a host accumulator, where ``host`` is True, already holds it)."""
     loss, aux, g, model_state = out
-    return loss, aux, jax.tree.map(lambda x: x if on_host(x) else x.astype(dtype), g), model_state
+    cast = lambda x, h: x if h else x.astype(dtype)
+    return loss, aux, jax.tree.map(cast, g, host), model_state
 
 
 def _fold(rng, i):
     return None if rng is None else jax.random.fold_in(rng, i)
 
 
-def _accumulate(run, accum_steps: int, model_state, batch, rng):
+def _accumulate(run, accum_steps: int, model_state, batch, rng, host):
     """Scan ``run(model_state, micro_batch, key, sums) -> (loss, aux, grads, model_state)``
     over ``accum_steps`` micro-batches of the local batch, summing gradients.
 
     The first micro-batch runs outside the scan and its gradient becomes the carry, so the
     carry has the right device-varying type (and, at stages 2/3, the sharded shape) without
-    zeros. A gradient leaf in host memory (parameter offload: decision 42) is the sum so far
-    already: ``run`` gets the carry (``sums``; None at the first micro-batch) and adds into
+    zeros. A gradient leaf where ``host`` is True (the plan's host sums: parameter offload,
+    decision 42) is the sum so far already: ``run`` gets the carry (``sums``; None at the first micro-batch) and adds into
     its host leaves, and the step's update divides them. Returns ``(mean loss, summed count)``
     (the count None but for a :class:`~jaxzero.train.loss.GlobalMean`), the aux (float
     leaves averaged, others from the last micro-batch), the mean gradient (host leaves: the
@@ -180,13 +183,13 @@ def _accumulate(run, accum_steps: int, model_state, batch, rng):
     first = jax.tree.map(lambda x: x[0], mbs)
     rest = jax.tree.map(lambda x: x[1:], mbs)
     loss0, aux0, g, model_state = run(model_state, first, _fold(rng, 0), None)
-    add = lambda acc, gi: gi if on_host(gi) else acc + gi
+    add = lambda acc, gi, h: gi if h else acc + gi
 
     def body(carry, xs):
         acc, ms = carry
         mb, i = xs
         loss, aux, gi, ms = run(ms, mb, _fold(rng, i), acc)
-        return (jax.tree.map(add, acc, gi), ms), (loss, aux)
+        return (jax.tree.map(add, acc, gi, host), ms), (loss, aux)
 
     idx = jnp.arange(1, accum_steps)
     (g, model_state), (losses, auxes) = jax.lax.scan(body, (g, model_state), (rest, idx))
@@ -198,5 +201,5 @@ def _accumulate(run, accum_steps: int, model_state, batch, rng):
     auxes = jax.tree.map(
         lambda x: x.mean(0) if jnp.issubdtype(x.dtype, jnp.floating) else x[-1], auxes
     )
-    g = jax.tree.map(lambda x: x if on_host(x) else x / accum_steps, g)
+    g = jax.tree.map(lambda x, h: x if h else x / accum_steps, g, host)
     return losses, auxes, g, model_state

@@ -389,6 +389,7 @@ def _step_fn(
             model_state=model_state,
             accum_steps=accum_steps,
             grad_scale=grad_scale,
+            plan=plan,
         )
         metrics = {"loss": loss, **metrics}
         if aux is not None:

@@ -15,9 +15,9 @@ from jaxzero._tree import check_same_structure
 from jaxzero.ema import placement as ema_placement
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.train.state import TrainState, cast, constrain, ema_target, state_specs
+from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig
-from jaxzero.zero.offload import on_host
 
 
 def master_view(zero: ZeROConfig, state: TrainState):
@@ -29,13 +29,14 @@ def master_view(zero: ZeROConfig, state: TrainState):
     return jax.lax.with_sharding_constraint(state.params, sh.named(zero.mesh, specs))
 
 
-def _pinned(zero: ZeROConfig, grads):
-    """The gradients in the master's shards. Leaves in host memory (parameter offload: the
-    stacks' gradients, written into their params' host buffers) are left where they are:
-    they already have the master's shards, and a constraint would fetch them."""
+def _pinned(zero: ZeROConfig, grads, host):
+    """The gradients in the master's shards. Leaves in host memory (``host``, the plan's
+    ``grads_memory``; parameter offload: the stacks' gradients, written into their params'
+    host buffers) are left where they are: they already have the master's shards, and a
+    constraint would fetch them."""
     named = sh.named(zero.mesh, zero.shard_specs(grads))
-    pin = lambda g, s: g if on_host(g) else jax.lax.with_sharding_constraint(g, s)
-    return jax.tree.map(pin, grads, named)
+    pin = lambda g, s, h: g if h else jax.lax.with_sharding_constraint(g, s)
+    return jax.tree.map(pin, grads, named, host)
 
 
 def _unscaled(zero: ZeROConfig, state: TrainState, grads, grad_scale=None):
@@ -149,17 +150,23 @@ def apply_gradients(
     model_state=None,
     accum_steps: int = 1,
     grad_scale=None,
+    plan=None,
 ):
     """:meth:`jaxzero.ZeRO.apply_gradients` (see there). ``accum_steps``: the step's
     micro-batches; with the params offloaded the gradient leaves in host memory are then
     their sums, in accumulators apart from the params (decision 42), divided by the update.
     ``grad_scale``: a scalar the gradients are multiplied by before the update (a
-    :class:`~jaxzero.train.loss.GlobalMean` loss's devices x micro-batches / global count)."""
+    :class:`~jaxzero.train.loss.GlobalMean` loss's devices x micro-batches / global count).
+    ``plan``: the step's per-leaf plan (built here from the params' shapes when None), which
+    says which gradients sit in host memory and which are host sums over micro-batches."""
+    if plan is None:
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
+        plan = leaf_plan.build(zero, shapes, accum_steps=accum_steps)
     master = master_view(zero, state)
     with jax.named_scope("optimizer_update"):
-        pinned = _pinned(zero, grads)
+        pinned = _pinned(zero, grads, plan.mask(grads, leaf_plan.grads_on_host))
     sums = zero.path.accumulates_on_host(accum_steps)
-    sums_of = jax.tree.map(lambda g: accum_steps if sums and on_host(g) else 1, pinned)
+    sums_of = plan.mask(pinned, lambda r: accum_steps if leaf_plan.host_sum(r) else 1)
     # unscales where the state lives
     update = lambda *a: _shard_update(zero, ema, *a, sums_of=sums_of)
     specs = (

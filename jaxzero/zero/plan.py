@@ -36,7 +36,17 @@ from jaxzero.zero.units import patterns as units
 from jaxzero.zero.wire import encodings as wire
 
 #: The plan's decision columns, in the order they print.
-DECISIONS = ("gather", "reduce", "accumulate", "memory", "params_memory", "wire", "ema", "layout")
+DECISIONS = (
+    "gather",
+    "reduce",
+    "accumulate",
+    "memory",
+    "params_memory",
+    "grads_memory",
+    "wire",
+    "ema",
+    "layout",
+)
 #: The per-device byte columns of a row.
 BYTES = ("params", "master", "grads", "opt_state", "ema")
 
@@ -67,6 +77,9 @@ class Leaf:
       memory: where its master, optimizer state and EMA live: ``"device"``,
         ``"pinned_host"`` or ``"split"`` (``offload_fraction`` put some on each side).
       params_memory: where its compute params live.
+      grads_memory: where its reduced gradient lands: ``"pinned_host"`` for a stack's or a
+        unit's leaf whose params are offloaded (written into its params' host buffer, or a
+        host accumulator over micro-batches), else ``"device"``.
       wire: the encoding of its all-gather and gradient reduction (``"exact"``,
         ``"int8"``, ``"int4"``, ``"int8/int4"``: gather/reduce).
       ema: how the EMA stores it: ``"none"``, ``"per_leaf"`` or ``"rows"``.
@@ -85,6 +98,7 @@ class Leaf:
     accumulate: str
     memory: str
     params_memory: str
+    grads_memory: str
     wire: str
     ema: str
     layout: str
@@ -169,7 +183,7 @@ class Plan:
             for r in self.rows
         ]
         body += [
-            (o.path, "x".join(map(str, o.shape)) or "()", *(["-"] * 3), o.memory, *(["-"] * 3))
+            (o.path, "x".join(map(str, o.shape)) or "()", *(["-"] * 3), o.memory, *(["-"] * 4))
             + (format_bytes(o.bytes),)
             for o in self.other
         ]
@@ -267,6 +281,17 @@ def mask(rows_by_path: dict, tree, predicate):
     )
 
 
+def host_sum(row) -> bool:
+    """Whether the leaf's gradient is summed over micro-batches into a host accumulator (the
+    update divides it)."""
+    return row.accumulate == "host_sum"
+
+
+def grads_on_host(row) -> bool:
+    """Whether the leaf's reduced gradient lands in pinned host memory."""
+    return row.grads_memory == "pinned_host"
+
+
 def gathered_by_a_hook(row) -> bool:
     """Whether the loss gets the leaf as shards, gathered where it is used (a layer at a time,
     or with its unit) and its gradient reduced there."""
@@ -313,6 +338,7 @@ def build(
             accumulate="device_mean" if accum_steps > 1 else "none",
             memory="device",
             params_memory="device",
+            grads_memory="device",
             wire="exact",
             ema="none",
             layout="leaf",

@@ -130,9 +130,9 @@ def leaf_columns(zero, rows, owners, sizes, accum_steps: int) -> tuple[list[dict
     ``memory`` of each params row (its master, optimizer-state and EMA leaves: ``owners``,
     the row of each such leaf in :meth:`HostMemory.host_flags`' order, None for a leaf that
     mirrors no parameter; ``sizes``: their bytes per device), ``params_memory``, and
-    ``accumulate`` (a stack's or unit's gradient summed into a host accumulator over
-    micro-batches), with ``host_state_bytes`` (the row's optimizer-side bytes on the host);
-    and where each leaf owned by no row lives."""
+    ``grads_memory`` and ``accumulate`` (a stack's or unit's gradient lands in host memory,
+    summed into a host accumulator over micro-batches), with ``host_state_bytes`` (the row's
+    optimizer-side bytes on the host); and where each leaf owned by no row lives."""
     where = zero.placement
     if not zero.offload:
         return [{} for _ in rows], ["device"] * sum(o is None for o in owners)
@@ -153,6 +153,8 @@ def leaf_columns(zero, rows, owners, sizes, accum_steps: int) -> tuple[list[dict
         if where.params_on_host:
             cols["params_memory"] = HOST
             fetched = row["gather"] == "per_layer" or row["gather"].startswith("unit:")
+            if fetched:  # its gradient goes back into host memory where it was fetched
+                cols["grads_memory"] = HOST
             if accum_steps > 1 and fetched:
                 cols["accumulate"] = "host_sum"
         columns.append(cols)
