@@ -14,6 +14,7 @@ import sys
 import textwrap
 import types
 
+import jax
 import optax
 import pytest
 
@@ -126,9 +127,23 @@ def test_plan_wide_has_every_column_and_verbose_prints_xlas_lines(capfd, monkeyp
     table. The pick without offload fraction: ``ZeRO(..., offload="optimizer")``."""
     rows = []
     _noisy_plan(monkeypatch, rows)
-    assert cli.main([*ARGV, "--offload", "optimizer", "--wide", "--verbose"]) == 0
+    assert cli.main([*ARGV, "--offload", "optimizer", "--wide", "--verbose", "--leaves"]) == 0
     out, err = capfd.readouterr()
     assert "\r" not in out + err
+    # --leaves: the picked row's per-leaf plan, every params leaf of the model once
+    from jaxzero.gpu.models import abstract_params, model_shape
+
+    leaves = out.split("per-leaf plan of 3 per layer (ZeRO.plan):")[1]
+    shape = model_shape(layers=2, hidden=256, heads=2, vocab=512, seq=16)
+    paths = [
+        "/".join(str(k.key) for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(abstract_params(shape))[0]
+    ]
+    for path in paths:
+        (line,) = [x for x in leaves.splitlines() if x.startswith(path + " ")]
+        assert "pinned_host" in line, line  # the optimizer side offloaded
+        assert ("per_layer" in line) == path.startswith("layers/"), line
+    assert "in pinned host memory" in leaves.splitlines()[-1]
     assert REMAT in err and REMAT not in out and "XLA printed" not in err
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("stage"))

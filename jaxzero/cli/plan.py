@@ -141,6 +141,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         "collectives) and the long notes, instead of the table that fits 100 columns",
     )
     out.add_argument(
+        "--leaves",
+        action="store_true",
+        help="after the table, the picked configuration's per-leaf plan (ZeRO.plan): every "
+        "params leaf's gather, reduction, accumulation, memory, wire, EMA storage and bytes "
+        "per device (every row's plan when none fits)",
+    )
+    out.add_argument(
         "--verbose",
         action="store_true",
         help="print the log lines XLA wrote during the compiles (by default captured and "
@@ -304,8 +311,32 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             _print_logs(logs.lines, True)
         raise
     _print_tables(rows, args)
+    if args.leaves:
+        _print_leaves(rows, shape, args)
     _print_logs(logs.lines, args.verbose)
     return 0
+
+
+def _print_leaves(rows, shape, args) -> None:
+    """The per-leaf plan (:meth:`jaxzero.ZeRO.plan`) of the picked row, or of every row when
+    none fits: the same ``ZeRO`` options the row was compiled with, on the model's abstract
+    params (nothing allocated)."""
+    import optax
+
+    from jaxzero.cli.plan_pick import chosen
+    from jaxzero.ema import ShardedEMA
+    from jaxzero.gpu.models import abstract_params
+    from jaxzero.gpu.topology import compile_only_mesh
+    from jaxzero.train.optimizer import ZeRO
+
+    pick = chosen(rows)
+    mesh = compile_only_mesh(args.gpu, args.devices, replicas=args.replicas)
+    params = abstract_params(shape)
+    ema = ShardedEMA(0.999) if args.ema else None
+    for row in [pick] if pick is not None else rows:
+        zero = ZeRO(optax.adam(1e-4), mesh, **row.zero_options)
+        print(f"\nper-leaf plan of {row.label} (ZeRO.plan):")
+        print(zero.plan(params, accum_steps=args.accum, ema=ema), flush=True)
 
 
 def _print_tables(rows, args) -> None:
