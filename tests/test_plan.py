@@ -202,9 +202,12 @@ def test_the_plan_agrees_with_the_step_and_the_placed_state(name):
     if not zero.offload:
         assert {r.memory for r in plan.rows} == {"device"}
     # the printed table names every leaf once, with its bytes and where they live
-    text = str(plan)
+    text, wide = str(plan), plan.table(wide=True)
     assert all(text.count(f"\n{r.path} ") == 1 for r in plan.rows), text
-    assert "per device:" in text and "on the device" in text
+    assert "per device:" in text and "on the device" in " ".join(text.split())
+    for row in plan.rows:  # every decision on the leaf's own line when wide
+        (line,) = [x for x in wide.splitlines() if x.startswith(row.path + " ")]
+        assert row.gather in line and row.memory in line and row.wire in line, line
 
 
 def test_the_columns_each_feature_decides():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -172,23 +173,33 @@ class Plan:
         return {"device": every - host, "pinned_host": host}
 
     def __str__(self) -> str:
-        head = ("leaf", "shape", *DECISIONS[:-1], "per device")
+        return self.table()
+
+    def table(self, wide: bool = False) -> str:
+        """The printed plan: a row per leaf. A column with the same value on every leaf is
+        said once, in the line under the title, unless ``wide``."""
+        shown = [c for c in DECISIONS[:-1] if wide or len({getattr(r, c) for r in self.rows}) > 1]
+        same = [c for c in DECISIONS[:-1] if c not in shown]
+        head = ("leaf", "shape", *shown, "per device")
         body = [
             (
                 r.path,
                 "x".join(map(str, r.shape)) or "()",
-                *(getattr(r, c) for c in DECISIONS[:-1]),
+                *(getattr(r, c) for c in shown),
                 format_bytes(r.total_bytes),
             )
             for r in self.rows
         ]
         body += [
-            (o.path, "x".join(map(str, o.shape)) or "()", *(["-"] * 3), o.memory, *(["-"] * 4))
+            (o.path, "x".join(map(str, o.shape)) or "()")
+            + tuple(o.memory if c == "memory" else "-" for c in shown)
             + (format_bytes(o.bytes),)
             for o in self.other
         ]
         widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
-        line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True))
+        line = lambda cells: "  ".join(
+            str(c).ljust(w) for c, w in zip(cells, widths, strict=True)
+        ).rstrip()
         totals = self.totals()
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in totals.items() if v)
         title = (
@@ -196,13 +207,19 @@ class Plan:
             f"{self.accum_steps} micro-batch{'es' if self.accum_steps > 1 else ''}: "
             f"{len(self.rows)} params leaves"
         )
+        said = ", ".join(f"{c}={getattr(self.rows[0], c)}" for c in same)
+        every = textwrap.wrap(f"every leaf: {said}", 100, subsequent_indent="  ")
         where = self.memory_totals()
         kept = f"{format_bytes(where['device'])} on the device"
         if where["pinned_host"]:
             kept += f", {format_bytes(where['pinned_host'])} in pinned host memory"
         return "\n".join(
-            [title, line(head), *map(line, body)]
-            + [f"per device: {format_bytes(sum(totals.values()))} ({parts}): {kept}"]
+            [title, *(every if same and self.rows else []), line(head), *map(line, body)]
+            + textwrap.wrap(
+                f"per device: {format_bytes(sum(totals.values()))} ({parts}): {kept}",
+                100,
+                subsequent_indent="  ",
+            )
         )
 
 
