@@ -1,5 +1,5 @@
 """A Flax NNX module trained with ZeRO stage 3 and a sharded EMA (split/merge handled by
-jaxzero.nnx)."""
+jaxzero.flax_nnx)."""
 
 import os
 
@@ -23,7 +23,7 @@ class MLP(nnx.Module):
         return self.fc2(nnx.relu(self.fc1(x)))
 
 
-model_def, params, _ = jz.nnx.split(MLP(nnx.Rngs(0)))
+model_def, params, _ = jz.flax_nnx.split(MLP(nnx.Rngs(0)))
 
 
 def loss(module, batch):

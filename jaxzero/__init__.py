@@ -14,11 +14,9 @@ from jaxzero import _startup  # noqa: F401
 # isort: split
 
 from jaxzero import checkpoint as checkpoint
+from jaxzero import flax_nnx as flax_nnx
 from jaxzero import gpu as gpu
-from jaxzero import layouts as layouts
 from jaxzero import memory as memory
-from jaxzero import nnx as nnx
-from jaxzero import torch_interop as torch_interop
 from jaxzero._version import __version__ as __version__
 from jaxzero.ema.ema import EmaState as EmaState
 from jaxzero.ema.ema import ShardedEMA as ShardedEMA
@@ -28,7 +26,7 @@ from jaxzero.evaluation import ema_model_state as ema_model_state
 from jaxzero.evaluation import ema_params as ema_params
 from jaxzero.evaluation import gather as gather
 from jaxzero.interop import deepspeed as deepspeed
-from jaxzero.layouts import greedy_partition as greedy_partition
+from jaxzero.interop.torch.partition import greedy_partition as greedy_partition
 from jaxzero.memory import estimate_memory as estimate_memory
 from jaxzero.memory import measure as measure
 from jaxzero.mesh import data_parallel_mesh as data_parallel_mesh
@@ -71,6 +69,7 @@ __all__ = [
     "ema_model_state",
     "ema_params",
     "estimate_memory",
+    "flax_nnx",
     "gather",
     "gather_layer",
     "scan_layers",
@@ -78,13 +77,10 @@ __all__ = [
     "stacked_params",
     "gpu",
     "greedy_partition",
-    "layouts",
     "make_train_step",
     "measure",
     "memory",
-    "nnx",
     "simulate_cpu_devices",
-    "torch_interop",
     "unbucket_ema",
     "VocabParallelEmbed",
     "vocab_parallel_cross_entropy",

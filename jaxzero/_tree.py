@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 # dtype name -> the short precision name used by Precision.create, the CLI and metadata.
@@ -124,14 +123,6 @@ def format_bytes(n: int | float, *, binary: bool = False) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
-
-
-def precision_name(dtype) -> str:
-    """``"fp32"``, ``"bf16"`` or ``"fp16"`` for a float dtype (or its name)."""
-    name = jnp.dtype(dtype).name
-    if name not in PRECISION_NAMES:
-        raise ValueError(f"dtype {name!r} has no precision name; use one of {PRECISION_NAMES}.")
-    return PRECISION_NAMES[name]
 
 
 def node_types(tree) -> list[str]:

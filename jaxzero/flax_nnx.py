@@ -12,7 +12,7 @@ module with ``rngs=nnx.Rngs(<collection>=fold_in(rng, i))``. The stored key is k
 stored counter advances by the draws made, so it counts them across steps.
 
 Example:
-  >>> model_def, params, model_state = jaxzero.nnx.split(MyModule(nnx.Rngs(0)))
+  >>> model_def, params, model_state = jz.flax_nnx.split(MyModule(nnx.Rngs(0)))
   >>> loss_fn = model_def.loss(lambda module, batch: ((module(batch["x"]) - batch["y"]) ** 2).mean())
   >>> step = jz.make_train_step(loss_fn, zero)
   >>> state = step.init(params)

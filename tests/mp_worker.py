@@ -1,6 +1,6 @@
 """One process of the multi-process tests (tests/test_multiprocess.py).
 
-    python -m jaxzero.launch --processes 2 --devices-per-process 4 tests/mp_worker.py \\
+    python -m jaxzero.cli.launch --processes 2 --devices-per-process 4 tests/mp_worker.py \\
         --out DIR [--steps 10] [--ckpt DIR --save-at 5] [--resume] [--die-at K]
 
 Trains an MLP (tests/models.py, hidden width 32 so that most leaves are sharded; stage 2,

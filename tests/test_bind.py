@@ -1,6 +1,6 @@
 """Issue 19: a one-machine run listens on loopback only.
 
-The multi-process tests start ``python -m jaxzero.launch`` and, while its processes run, read
+The multi-process tests start ``python -m jaxzero.cli.launch`` and, while its processes run, read
 their listening TCP sockets from ``/proc`` (the socket inodes in ``/proc/<pid>/fd``, matched
 against ``/proc/<pid>/net/tcp`` and ``tcp6``), then check the run's numbers. The address
 choice itself (``coordinator_bind_address``) is checked without starting jax.
@@ -17,8 +17,7 @@ import time
 import jax
 import pytest
 
-from jaxzero import launch
-from jaxzero.distributed import bind, runtime
+from jaxzero.distributed import bind, launch, runtime
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -92,7 +91,7 @@ def is_loopback(address: str) -> bool:
 def launch_and_watch(tmp_path, argv, *, host=None, timeout=mp.RUN_TIMEOUT):
     """Run the launcher CLI on ``argv``; while it runs, poll its children's listeners.
     Returns (exit code, log text, {pid: {(address, port), ...}})."""
-    cmd = [sys.executable, "-m", "jaxzero.launch", "--processes", "2"]
+    cmd = [sys.executable, "-m", "jaxzero.cli.launch", "--processes", "2"]
     cmd += ["--devices-per-process", "4", "--timeout", str(timeout)]
     cmd += ["--host", host] if host else []
     log_path = tmp_path / "launch.log"

@@ -355,7 +355,7 @@ def test_checkpoint_round_trip_any_mode_any_n(tmp_path):
 @pytest.mark.interop
 def test_torch_export_import_match_per_leaf():
     torch = require("torch", "torch")
-    from jaxzero import torch_interop as ti
+    from jaxzero.interop import torch as ti
 
     params, _, _ = base.problem("mlp32")
     zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=2)

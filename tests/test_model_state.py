@@ -244,7 +244,7 @@ def test_nnx_module_matches_linen_twin_stage3_with_ema():
         def __call__(self, x):
             return self.fc2(jnp.tanh(self.fc1(x)))
 
-    model_def, params, model_state = jz.nnx.split(NnxMLP(nnx.Rngs(0)))
+    model_def, params, model_state = jz.flax_nnx.split(NnxMLP(nnx.Rngs(0)))
     assert model_state is None
     rng = np.random.default_rng(0)
     batches = [
@@ -284,4 +284,4 @@ def test_nnx_non_array_state_refused():
             self.note = nnx.Variable("a string")
 
     with pytest.raises(TypeError, match=r"\['note'\] \(str\)"):
-        jz.nnx.split(Bad(nnx.Rngs(0)))
+        jz.flax_nnx.split(Bad(nnx.Rngs(0)))

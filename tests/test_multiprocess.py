@@ -1,7 +1,7 @@
 """Multi-process training: 2 processes x 4 simulated CPU devices on localhost.
 
 The expected numbers come from a 1 process x 8 devices run in this (pytest) process; the
-workers (tests/mp_worker.py, started by jaxzero.launch) write what they trained with
+workers (tests/mp_worker.py, started by jaxzero.cli.launch) write what they trained with
 ``np.savez``. Tests that start jax processes are marked ``multiprocess``; the launcher and
 single-process API checks below them are quick and unmarked.
 """
@@ -22,7 +22,8 @@ import pytest
 import jaxzero as jz
 from jaxzero import checkpoint as ck
 from jaxzero import distributed as dist
-from jaxzero import launch
+from jaxzero.cli import launch as launch_cli
+from jaxzero.distributed import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -99,7 +100,7 @@ def test_two_processes_equal_one_and_checkpoint_restores_on_one(tmp_path):
     """2 x 4 devices == 1 x 8 (params and EMA), through the launcher CLI; the 2-process
     checkpoint restores on 1 process with 8 and with 4 devices and continues identically."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "jaxzero.launch"]
+    cmd = [sys.executable, "-m", "jaxzero.cli.launch"]
     cmd += f"--processes 2 --devices-per-process 4 --timeout {RUN_TIMEOUT}".split()
     cmd += [WORKER, "--out", str(out), "--ckpt", str(ckpt), "--save-at", str(SAVE_AT)]
     cmd += ["--check-mismatch"]
@@ -244,12 +245,12 @@ def test_launch_timeout():
 
 
 def test_launch_command_line():
-    a = launch.parse_args(
+    a = launch_cli.parse_args(
         "--processes 2 --devices-per-process 4 --timeout 60 train.py --lr 1e-3 -m x".split()
     )
     assert (a.processes, a.devices_per_process, a.timeout, a.module) == (2, 4, 60.0, False)
     assert (a.script, a.args) == ("train.py", ["--lr", "1e-3", "-m", "x"])
-    a = launch.parse_args(["-n", "2", "-m", "pkg.train", "--steps", "3"])
+    a = launch_cli.parse_args(["-n", "2", "-m", "pkg.train", "--steps", "3"])
     assert (a.module, a.script, a.args) == (True, "pkg.train", ["--steps", "3"])
     with pytest.raises(ValueError, match="processes"):
         launch.launch(["x.py"], processes=0)

@@ -39,7 +39,7 @@ def _mse(module, batch, rngs=None):
 
 def _run(own_streams: bool, steps=3, state=None, start=0):
     model = Net(nnx.Rngs(0), nnx.Rngs(123) if own_streams else None)
-    model_def, params, model_state = jz.nnx.split(model)
+    model_def, params, model_state = jz.flax_nnx.split(model)
     if own_streams:
         loss = model_def.stateful_loss(lambda m, b, rng: _mse(m, b))
     else:  # the reference: the same model, fed the step's key at call time
@@ -77,7 +77,7 @@ def test_own_rng_streams_train_and_equal_call_time_rngs():
 
 
 def test_own_rng_streams_need_the_step_rng():
-    model_def, params, model_state = jz.nnx.split(Net(nnx.Rngs(0), nnx.Rngs(123)))
+    model_def, params, model_state = jz.flax_nnx.split(Net(nnx.Rngs(0), nnx.Rngs(123)))
     loss = model_def.stateful_loss(lambda m, b, rng: _mse(m, b))
     step = jz.make_train_step(
         loss, jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=2), stateful=True
@@ -91,7 +91,7 @@ def test_own_rng_streams_checkpoint_and_resume(tmp_path):
     _, _, full = _run(own_streams=True, steps=3)
     step, zero, half = _run(own_streams=True, steps=2)
     jz.checkpoint.save(tmp_path / "ck", 2, half, zero=zero, wait=True)
-    model_def, params, model_state = jz.nnx.split(Net(nnx.Rngs(0), nnx.Rngs(123)))
+    model_def, params, model_state = jz.flax_nnx.split(Net(nnx.Rngs(0), nnx.Rngs(123)))
     restored = jz.checkpoint.restore(
         tmp_path / "ck", zero, params, model_state=model_state, rng=jax.random.key(7)
     )

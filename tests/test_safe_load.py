@@ -32,7 +32,7 @@ from conftest import fixture_case, missing, require
 
 import jaxzero as jz
 from jaxzero import cli
-from jaxzero import torch_interop as ti
+from jaxzero.interop import torch as ti
 from jaxzero.interop.deepspeed import read_checkpoint
 from jaxzero.interop.safe_pickle import UnsafeFileError, load_torch_file
 

@@ -25,7 +25,7 @@ import pytest
 from conftest import FIXTURES, fixture_case, missing, require
 
 import jaxzero as jz
-from jaxzero import torch_interop as ti
+from jaxzero.interop import torch as ti
 
 pytestmark = pytest.mark.interop  # torch and DeepSpeed (tests/conftest.py)
 torch = require("torch", "torch")
@@ -357,7 +357,7 @@ def test_bf16_modelema_checkpoint_is_upcast_not_rejected():
     entry for itemsize 2 -> KeyError). jaxzero accepts a bf16 EMA state dict and upcasts it
     exactly to the EMA's float32 (every bf16 value is representable in float32), and the
     bucket layout for 2-byte items uses a 4-element grid."""
-    from jaxzero.layouts import greedy_partition
+    from jaxzero import greedy_partition
 
     w = torch.randn(6, 5).to(torch.bfloat16)
     b = torch.randn(5).to(torch.bfloat16)

@@ -19,7 +19,7 @@ import pytest
 from conftest import fixture_case, require
 
 import jaxzero as jz
-from jaxzero import torch_interop as ti
+from jaxzero.interop import torch as ti
 
 pytestmark = pytest.mark.interop  # torch and DeepSpeed (tests/conftest.py)
 torch = require("torch", "torch")

@@ -126,7 +126,7 @@ def _problem(kind):
             [{"x": tokens(), "y": tokens()} for _ in range(4)],
             r"transformer/h/\d+",
         )
-    model_def, params, _ = jz.nnx.split(NnxModel(nnx.Rngs(0)))
+    model_def, params, _ = jz.flax_nnx.split(NnxModel(nnx.Rngs(0)))
     loss_fn = model_def.loss(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
     return params, loss_fn, _batches((16,), (4,)), r"layers/\d+"
 

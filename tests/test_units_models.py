@@ -106,7 +106,7 @@ def test_nnx_list_params_match_the_formula(shape):
 )
 def test_nnx_list_loss_equals_the_linen_loop_on_the_same_weights(shape, loop):
     """The Linen loop's params with block_i moved to layers/i: the same loss and gradients
-    through jz.nnx.split's model_def.loss, in fp32."""
+    through jz.flax_nnx.split's model_def.loss, in fp32."""
     shape = dataclasses.replace(shape, loop=loop)
     linen = _init(shape, seed=1)
     blocks = {f"block_{i}" for i in range(shape.layers)}

@@ -40,7 +40,7 @@ def nnx_list_params():
         def __init__(self, rngs):
             self.layers = nnx.List([Block(rngs) for _ in range(2)])
 
-    return jz.nnx.split(Model(nnx.Rngs(0)))[1]
+    return jz.flax_nnx.split(Model(nnx.Rngs(0)))[1]
 
 
 @pytest.mark.parametrize("stage", [3, 2, 0])

@@ -1,7 +1,7 @@
 """Start a multi-process jax program on this machine.
 
-    python -m jaxzero.launch --processes 2 --devices-per-process 4 train.py [args...]
-    python -m jaxzero.launch --processes 2 -m mypackage.train [args...]
+    python -m jaxzero.cli.launch --processes 2 --devices-per-process 4 train.py [args...]
+    python -m jaxzero.cli.launch --processes 2 -m mypackage.train [args...]
 
 Starts ``--processes`` copies of ``python -u train.py args...``, each with the environment
 :func:`jaxzero.distributed.initialize` reads:
@@ -26,14 +26,14 @@ This is a single-node launcher (for testing and one multi-GPU machine); on a clu
 scheduler (``srun``) and let :func:`jaxzero.distributed.initialize` auto-detect it.
 
 This is the command line only (``build_parser``, ``parse_args``, ``main``); the library side
-(``launch``, ``process_env``, ``free_port``) is :mod:`jaxzero.distributed.launch`. ``python -m
-jaxzero.launch`` runs :func:`main` through the thin module :mod:`jaxzero.launch`.
+(``launch``, ``process_env``, ``free_port``) is :mod:`jaxzero.distributed.launch`.
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import sys
 from collections.abc import Sequence
 
 from jaxzero.cli.command import pick
@@ -41,9 +41,9 @@ from jaxzero.distributed.launch import launch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The launcher's argument parser (``python -m jaxzero.launch --help``)."""
+    """The launcher's argument parser (``python -m jaxzero.cli.launch --help``)."""
     ap = argparse.ArgumentParser(
-        prog="python -m jaxzero.launch",
+        prog="python -m jaxzero.cli.launch",
         description="Run a jax program in several local processes (jaxzero.distributed).",
     )
     ap.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
@@ -95,3 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = ("processes", "devices_per_process", "host", "port", "timeout", "heartbeat_timeout")
     names += ("xla_flags",)
     return launch(run, grace=a.grace, **pick(a, *names))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

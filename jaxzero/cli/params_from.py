@@ -9,7 +9,7 @@ into: arrays, or their shapes (``jax.eval_shape``, which allocates nothing), e.g
         return jax.eval_shape(lambda: Model().init(jax.random.key(0), x)["params"])
 
 ``jaxzero convert deepspeed2jax RUN --out CKPT --params-from mymodel:params`` then pairs the
-checkpoint's torch names with that tree's leaves (:func:`jaxzero.torch_interop.build_name_map`:
+checkpoint's torch names with that tree's leaves (:func:`jaxzero.interop.torch.build_name_map`:
 Linear ``weight`` -> transposed ``kernel``, LayerNorm ``weight`` -> ``scale``, ...; ``--name-map``
 entries override single names) and refuses, naming them, torch params without a leaf and
 leaves without a torch param. ``MODULE`` is imported from the current directory or

@@ -6,10 +6,10 @@ holds, in each process, only the shards of that process's devices. jaxzero's ste
 checkpoint code run unchanged; three things differ, and this module covers them:
 
 * **Start-up**: :func:`initialize` before any other jax call (it reads the environment set by
-  ``python -m jaxzero.launch``, or lets jax auto-detect SLURM / Open MPI / TPU clusters, and
-  selects gloo collectives for CPU processes; a loopback coordinator binds every listener to
-  that address, see :mod:`jaxzero.distributed.bind`). It returns False (and does nothing) when no
-  multi-process environment is found, so the same script runs on one process too.
+  ``python -m jaxzero.cli.launch``, or lets jax auto-detect SLURM / Open MPI / TPU clusters,
+  and selects gloo collectives for CPU processes; a loopback coordinator binds every listener
+  to that address, see :mod:`jaxzero.distributed.bind`). It returns False (and does nothing)
+  when no multi-process environment is found, so the same script runs on one process too.
 * **Data**: each process loads only its rows of the global batch
   (:func:`process_batch_slice`) and :func:`global_batch` assembles the global arrays from
   every process's slice without moving data between processes.

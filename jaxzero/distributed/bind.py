@@ -2,10 +2,10 @@
 
 Process 0 serves jax's coordination service; ``jax.distributed.initialize`` binds it to
 ``[::]:port`` (every interface) unless it is given ``coordinator_bind_address``. A run whose
-coordinator is a loopback address (every ``python -m jaxzero.launch`` run on one machine) has
-no reason to accept connections from other hosts, so :func:`coordinator_bind_address` binds it
-to that address; otherwise the user chooses (``bind_address=`` / ``JAXZERO_BIND_ADDRESS``, or
-jax's ``JAX_COORDINATOR_BIND_ADDRESS``) and jax's default stays.
+coordinator is a loopback address (every ``python -m jaxzero.cli.launch`` run on one machine)
+has no reason to accept connections from other hosts, so :func:`coordinator_bind_address` binds
+it to that address; otherwise the user chooses (``bind_address=`` / ``JAXZERO_BIND_ADDRESS``,
+or jax's ``JAX_COORDINATOR_BIND_ADDRESS``) and jax's default stays.
 
 The CPU backend's gloo collectives open one listener per process on the address this
 machine's hostname resolves to (often 127.0.x.1, but the public address on many cloud

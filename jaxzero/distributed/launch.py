@@ -1,4 +1,5 @@
-"""The library side of the one-machine launcher (its command line: ``python -m jaxzero.launch``).
+"""The library side of the one-machine launcher (its command line:
+``python -m jaxzero.cli.launch``).
 
 :func:`launch` starts ``processes`` copies of ``python -u *argv``, each with the environment
 :func:`jaxzero.distributed.initialize` reads (built by :func:`process_env`):

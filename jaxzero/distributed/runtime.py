@@ -92,7 +92,7 @@ def initialize(
     Call it first, before anything that starts a jax backend (``jax.devices()``, creating
     arrays, ``model.init``). Unset arguments come from, in order:
 
-    1. the environment ``python -m jaxzero.launch`` sets: ``JAXZERO_COORDINATOR``
+    1. the environment ``python -m jaxzero.cli.launch`` sets: ``JAXZERO_COORDINATOR``
        (``host:port`` of process 0), ``JAXZERO_NUM_PROCESSES``, ``JAXZERO_PROCESS_ID``,
        ``JAXZERO_LOCAL_DEVICE_IDS`` (comma-separated), ``JAXZERO_HEARTBEAT_TIMEOUT`` and
        ``JAXZERO_INIT_TIMEOUT`` (seconds), ``JAXZERO_BIND_ADDRESS``;
@@ -167,7 +167,7 @@ def _pin_gloo_on_one_machine(coordinator_address: str | None) -> None:
 
 def _from_launch_env(args: dict) -> tuple[dict, bool]:
     """:func:`initialize`'s ``args`` with the unset ones read from the environment
-    ``python -m jaxzero.launch`` sets, and whether any of the three connection arguments
+    ``python -m jaxzero.cli.launch`` sets, and whether any of the three connection arguments
     (coordinator, number of processes, process id) came from it."""
     args = dict(args)
     from_env = False
@@ -207,7 +207,7 @@ def _check_complete(explicit: tuple) -> None:
         ]
         raise ValueError(
             f"incomplete jaxzero launch environment: {', '.join(missing)} not set (set all "
-            f"three, or start the processes with `python -m jaxzero.launch`)."
+            f"three, or start the processes with `python -m jaxzero.cli.launch`)."
         )
 
 

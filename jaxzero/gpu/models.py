@@ -24,7 +24,7 @@ Unscanned, as most Flax code is written: ``"python"`` is a Python loop of ``nn.r
 named ``block_0`` ... ``block_{L-1}`` (``params["block_3"]`` is one layer's params, no layer
 axis; no :func:`jaxzero.gather_layer`), ``"python_noremat"`` the same loop without
 ``nn.remat``. :func:`nnx_model` is the NNX twin: an ``nnx.List`` of blocks under ``layers``
-(``params["layers"][3]``), split by :func:`jaxzero.nnx.split`.
+(``params["layers"][3]``), split by :func:`jaxzero.flax_nnx.split`.
 """
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ def nnx_model(shape: ModelShape, dtype=jnp.bfloat16):
     """The NNX twin of ``Decoder(shape)`` for ``loop="python"`` (``nnx.remat`` per block) or
     ``"python_noremat"``: ``(params, loss_fn)``, the float32 params' ``ShapeDtypeStruct``s
     (``nnx.eval_shape``: nothing allocated; ``params["layers"][i]`` is block i) and
-    ``loss_fn(params, {"x", "y"})`` through ``jaxzero.nnx.split``'s ``model_def.loss``.
+    ``loss_fn(params, {"x", "y"})`` through ``jaxzero.flax_nnx.split``'s ``model_def.loss``.
 
     Every module is built with ``dtype=dtype``, the compute dtype, as NNX models for bf16
     training are written (an ``nnx.Embed`` without ``dtype=`` computes in its float32 param

@@ -1,4 +1,4 @@
-"""DeepSpeed checkpoints <-> jaxzero ``TrainState`` (names through :mod:`jaxzero.torch_interop`)."""
+"""DeepSpeed checkpoints <-> jaxzero ``TrainState`` (names through :mod:`jaxzero.interop.torch`)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def name_map_for(ckpt_or_names, params_template=None, name_map=None) -> ti_names
     """The :class:`NameMap` from DeepSpeed's names to ``params_template``'s leaves.
 
     ``params_template=None`` keys the tree by the torch names in torch layout. ``name_map`` is a
-    NameMap, or overrides for :func:`jaxzero.torch_interop.build_name_map` (torch name ->
+    NameMap, or overrides for :func:`jaxzero.interop.torch.build_name_map` (torch name ->
     ``"a/b/kernel"``), or None (Linear ``weight`` -> transposed ``kernel``, norm ``weight`` ->
     ``scale``, ...).
     """

@@ -1,7 +1,7 @@
 """PyTorch <-> JAX names and weights: the name map and state-dict conversion.
 
 See :mod:`jaxzero.interop.torch` for the naming rules and the transpose kinds
-(``jaxzero.torch_interop`` re-exports the public names).
+(the package re-exports the public names).
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def import_zero_optimizer_state(
     """Load ``ZeroRedundancyOptimizer``'s per-rank local state dicts (``zero.optim``).
 
     Rank r's local optimizer numbers its params 0..k-1 across its groups in the rank's
-    assignment order (:func:`jaxzero.layouts.greedy_partition` with ``sort=True``, one running
+    assignment order (:func:`jaxzero.greedy_partition` with ``sort=True``, one running
     total over all groups). The numels come from ``opt_state``, so the partition is known
     before anything is read; a rank's file is read only if that rank owns params, and each is
     checked against the partition (group sizes, shapes) before anything is placed.

@@ -1,4 +1,5 @@
-"""Golden tests of jaxzero.layouts against real PyTorch fixtures, plus properties and bad input."""
+"""Golden tests of torch's parameter-to-rank partitions (jaxzero.interop.torch.partition,
+jaxzero.greedy_partition) against real PyTorch fixtures, plus properties and bad input."""
 
 import glob
 import json
@@ -12,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh
 
-from jaxzero.layouts import (
+from jaxzero import greedy_partition
+from jaxzero.interop.torch.partition import (
     ContiguousPlan,
     GreedyPlan,
     contiguous_partition,
-    greedy_partition,
     pack,
     stacked_sharding,
     unpack,
