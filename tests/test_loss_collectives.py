@@ -230,8 +230,14 @@ def test_a_stateful_step_refuses_an_init_without_model_state():
         return mean_loss(p, b), (ms, None)
 
     step = jz.make_train_step(loss, _zero(2), stateful=True)
-    with pytest.raises(ValueError, match=r"stateful .* the state has none; pass it to init"):
+    with pytest.raises(ValueError, match=r"stateful .* init was not given one; pass it"):
         step.init(PARAMS)
+    # a model with no state says so (jz.flax_nnx.split gives None for an nnx module without)
+    state = step.init(PARAMS, model_state=None)
+    b = _batches(1)[0]
+    state, _ = step(state, b)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, PARAMS, jax.grad(mean_loss)(PARAMS, b))
+    assert max_distance(jz.gather(state.params), want) < 1e-6
 
 
 def test_rng_with_a_two_argument_loss_is_refused_with_the_fix():

@@ -51,10 +51,12 @@ def check_no_torch(batch) -> None:
 
 _NO_MODEL_STATE = (
     "this step is stateful (make_train_step(..., stateful=True)): it hands "
-    "loss_fn(params, model_state, batch, rng) the model's non-trainable state, but the state "
-    "has none; pass it to init: step.init(params, model_state=variables['batch_stats'] (or "
-    "{k: v for k, v in variables.items() if k != 'params'}), rng=...). A model without state "
-    "that only needs a key: make_train_step(..., rng=True) with loss_fn(params, batch, rng)."
+    "loss_fn(params, model_state, batch, rng) the model's non-trainable state, but init was "
+    "not given one; pass it: step.init(params, model_state={k: v for k, v in "
+    "variables.items() if k != 'params'} (e.g. {'batch_stats': ...}), rng=...), or "
+    "model_state=None where the model has none (what jz.flax_nnx.split returns for a module "
+    "without state). A model without state that only needs a key: make_train_step(..., "
+    "rng=True) with loss_fn(params, batch, rng)."
 )
 
 
@@ -91,7 +93,7 @@ class TrainStep:
         """``zero.init(params, ema=self.ema, ...)``: ``rng=`` for a step that hands the loss
         a key, ``model_state=`` for a stateful step (required there), ``opt_state=`` and
         ``step=`` to continue a plain optax run (adopt it)."""
-        if self.stateful and kwargs.get("model_state") is None:
+        if self.stateful and "model_state" not in kwargs:
             raise ValueError(_NO_MODEL_STATE)
         return self.zero.init(params, ema=self.ema, **kwargs)
 
@@ -119,8 +121,6 @@ class TrainStep:
                 "this step updates an EMA but state has none; create the state with "
                 "step.init(params) or zero.init(params, ema=ema)."
             )
-        if self.stateful and state.model_state is None:
-            raise ValueError(_NO_MODEL_STATE)
         if not self.stateful and state.model_state is not None:
             raise ValueError(
                 "state carries a model_state but the step is not stateful; build it with "
