@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero._tree import path_keys, path_strs
 from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying, varying_axes
-from jaxzero.zero.hooks import CalledHook, plan_var, scoped
+from jaxzero.zero.hooks import CalledHook, plan_var
 from jaxzero.zero.offload.activations import DeviceActivations
 from jaxzero.zero.offload.placement import DeviceMemory
 from jaxzero.zero.offload.sums import NoSums
@@ -348,11 +348,6 @@ def _check_stack(layers, where: str, leaves, stage: int) -> None:
 def current_plan() -> LayerPlan | None:
     """The plan of the per-layer step being traced (None outside one)."""
     return _PLAN.get()
-
-
-def layer_plan(plan: LayerPlan | None):
-    """Make :func:`gather_layer` gather with ``plan`` while the loss is traced."""
-    return scoped(_PLAN, plan)
 
 
 def _with_backward(forward, backward, x):

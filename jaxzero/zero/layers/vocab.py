@@ -47,7 +47,7 @@ import optax
 
 from jaxzero._tree import path_keys, subtree_names
 from jaxzero.zero.collectives import Comm, to_varying
-from jaxzero.zero.hooks import CalledHook, plan_var, scoped
+from jaxzero.zero.hooks import CalledHook, plan_var
 from jaxzero.zero.layers.scan import stored_param
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_mask
 
@@ -150,11 +150,6 @@ def build_plan(comm: Comm, vocab_names: tuple[str, ...], local_params, specs) ->
                 f"Megatron's make-vocab-size-divisible-by does)."
             )
     return VocabPlan(comm, vocab_names, frozenset(tuple(x.shape) for _, x in found))
-
-
-def vocab_plan(plan: VocabPlan | None):
-    """Make the vocabulary-parallel functions use ``plan`` while the loss is traced."""
-    return scoped(_PLAN, plan)
 
 
 def _offset(comm: Comm, rows: int):
