@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test` with two CPU-bound processes competing for the (2-core) machine: the suite must
-# stay green under load (XLA:CPU's collective rendezvous must not time out; issue 17).
+# stay green under load (XLA:CPU's collective rendezvous must not time out).
 #     bash tests/loaded.sh          (or: make test-loaded)
 set -u
 cd "$(dirname "$0")/.."

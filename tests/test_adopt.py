@@ -1,4 +1,4 @@
-"""Adopting a plain Flax/optax run (issue 51): params, optax state and step counter from a Flax
+"""Adopting a plain Flax/optax run: params, optax state and step counter from a Flax
 ``TrainState`` or a plain orbax checkpoint, continued under jaxzero exactly as the plain run
 continues; the errors for a mismatching optax state and for a plain directory given to
 ``restore`` / ``inspect``."""

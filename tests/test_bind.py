@@ -1,4 +1,4 @@
-"""Issue 19: a one-machine run listens on loopback only.
+"""A one-machine run listens on loopback only.
 
 The multi-process tests start ``python -m jaxzero.cli.launch`` and, while its processes run, read
 their listening TCP sockets from ``/proc`` (the socket inodes in ``/proc/<pid>/fd``, matched

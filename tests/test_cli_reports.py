@@ -1,4 +1,4 @@
-"""Issue 17 item 9: what the command line reports.
+"""What the command line reports.
 
 Expected numbers are written from the formulas (ZeRO accounting, torch layouts), not read back
 from jaxzero: ``estimate``'s stage-3 row holds the whole model gathered in the compute dtype

@@ -1,4 +1,4 @@
-"""examples/hf_clm.py (issue 51): Hugging Face's run_clm_flax.py training core ported to
+"""examples/hf_clm.py: Hugging Face's run_clm_flax.py training core ported to
 jaxzero equals the same recipe under ``jax.pmap``, written here as the recipe writes it
 (replicated TrainState, ``shard(batch)``, ``pmean`` of the gradient), on the 8 simulated
 devices, dropout on. The pmap step draws each device's dropout key by jaxzero's documented

@@ -1,5 +1,5 @@
 """NNX modules that own their RNG streams (``nnx.Dropout(0.5, rngs=rngs)``), the usual NNX
-style (issue 17, item 1): the step runs, each device draws its own stream, the counters
+style: the step runs, each device draws its own stream, the counters
 advance, the state checkpoints, and the numbers equal the same model fed call-time rngs."""
 
 import jax

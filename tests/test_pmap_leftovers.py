@@ -1,4 +1,4 @@
-"""What a pmap program leaves behind in a port (issue 51): params from
+"""What a pmap program leaves behind in a port: params from
 ``jax_utils.replicate`` and a batch from ``shard(batch)`` are named, with the fix; a batch or
 params whose leading dimension legitimately equals the device count are not refused."""
 

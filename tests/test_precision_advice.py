@@ -1,5 +1,5 @@
 """Under precision="bf16" a Flax module still computes in its own dtype (float32 by default):
-the step warns once, at trace time, when the loss's matmuls run in float32 (issue 17, 7)."""
+the step warns once, at trace time, when the loss's matmuls run in float32."""
 
 import warnings
 

@@ -1,5 +1,5 @@
-"""Restore errors that say what the checkpoint has and what the call should pass (issue 17,
-item 5), and an fp32 checkpoint restored into a bf16 ZeRO (its params become the master).
+"""Restore errors that say what the checkpoint has and what the call should pass, and an fp32
+checkpoint restored into a bf16 ZeRO (its params become the master).
 
 Expected numbers are the uninterrupted runs' states, gathered before saving."""
 

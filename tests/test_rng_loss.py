@@ -1,4 +1,4 @@
-"""Dropout without model state (issue 51): ``make_train_step(loss_fn, zero, rng=True)`` hands a
+"""Dropout without model state: ``make_train_step(loss_fn, zero, rng=True)`` hands a
 stateless ``loss_fn(params, batch, rng)`` the device's key; the run equals a single-device
 optax run that draws the same keys, derived here from the documented rule
 ``fold_in(fold_in(rng, step), device index)``."""

@@ -1,4 +1,4 @@
-"""No checkpoint reader of jaxzero runs code from a file (issue #19, item 3).
+"""No checkpoint reader of jaxzero runs code from a file.
 
 Each reader is fed a crafted file whose pickle would run code when unpickled: a
 ``__reduce__`` returning ``(open, (marker, "w"))``, which creates ``marker``. Each test shows

@@ -1,5 +1,5 @@
 """Inputs from wherever users have them: params committed to one device or sharded on another
-mesh, and a state that a previous step call already donated (issue 17, items 2 and 3)."""
+mesh, and a state that a previous step call already donated."""
 
 import flax.linen as nn
 import jax
@@ -135,7 +135,7 @@ def test_a_second_mesh_axis_not_named_as_a_replica_axis_warns():
 
 
 def test_stateful_step_needs_no_rng_when_the_model_draws_none():
-    """A BatchNorm model without dropout: ``stateful=True`` with no ``rng=`` (issue 17, 6);
+    """A BatchNorm model without dropout: ``stateful=True`` with no ``rng=``;
     the numbers equal a run that passes a key the model never uses."""
     params, model_state, loss, batch = _bn_problem()
     zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8, axis="batch"), stage=2, axis="batch")
@@ -153,7 +153,7 @@ def test_stateful_step_needs_no_rng_when_the_model_draws_none():
 def test_step_keeps_few_calls_in_flight_on_simulated_cpu_devices():
     """XLA:CPU admits 32 programs in flight per simulated device and launches each device's
     share from a thread pool in no set order; a loop that ran >32 multi-device steps ahead
-    deadlocked under load (issue 17: 7 devices waited in an all-reduce for the 8th, whose launch
+    deadlocked under load (7 devices waited in an all-reduce for the 8th, whose launch
     waited for a slot held by later steps). The step waits for older calls so that at most
     CPU_MAX_IN_FLIGHT are pending when it returns."""
     import time

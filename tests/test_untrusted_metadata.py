@@ -1,4 +1,4 @@
-"""A checkpoint directory someone else wrote (issue 19, item 4): jaxzero's JSON metadata is
+"""A checkpoint directory someone else wrote: jaxzero's JSON metadata is
 untrusted input. Crafted fields (wrong types, huge sizes, path-like names) give a clear error
 naming the field, through every reader (load_metadata, restore, inspect, verify, the CLI), and
 nothing is read or written outside the checkpoint directory."""

@@ -1,5 +1,5 @@
 """Mistakes a new user makes, each refused (or warned about) with the problem and the fix,
-before any state is built or touched (issue 32, items 2, 3 and 6): ``layers=`` naming what is
+before any state is built or touched: ``layers=`` naming what is
 not a layer stack, simulated devices asked for after jax started, and the errors that used to
 come from deep inside jax or Orbax (a donated state, a state of another mesh, a torch batch,
 one step's directory as the checkpoint, a step saved twice, a directory of other files)."""

@@ -64,7 +64,7 @@ _NO_MODEL_STATE = (
 # device's share of a program from a shared thread pool, in no guaranteed order. A host loop
 # that dispatches more than 32 multi-device steps ahead can therefore fill one device's slots
 # with later steps that wait for an earlier step, whose launch on that device waits for a slot,
-# while the other devices wait for it in a collective: a deadlock (seen under load, issue 17).
+# while the other devices wait for it in a collective: a deadlock (seen under load).
 # On CPU meshes the step keeps at most this many calls in flight; GPUs launch in stream order.
 CPU_MAX_IN_FLIGHT = 4
 

@@ -27,7 +27,7 @@ read with :func:`vocab_table`. Inside such a step:
 
 Trade: the table's gather and its gradient's reduction (2 x V H, independent of N) become four
 activation collectives of ``N B S H`` each, which grow with N; and no full table or table
-gradient is held. On the 8-layer GPT of issue 15 at N = 8 that is 714.8 -> 687.0 MB per device
+gradient is held. On the 8-layer GPT at N = 8 that is 714.8 -> 687.0 MB per device
 (below GSPMD-FSDP's 701.7) for the same bytes; at N = 64 it is 531.2 -> 742.7 MB: an opt-in
 for small N (BUILD_NOTES decision 26). The numbers are single-device optax's (tests/
 test_vocab_parallel.py). Outside such a step (evaluation, ``init``, other stages) both are the
