@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import numpy as np
 import optax
 
 from jaxzero.memory import collective_ops
+from jaxzero.memory.hlo_reader import parse_hlo
 
 # --------------------------------------------------------------------------- the model
 
@@ -186,29 +186,7 @@ def collective_theory(phi: int, stage: int | str, precision: str = "fp32") -> di
 
 # --------------------------------------------------------------------------- HLO accounting
 
-_COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->.*)?\{\s*$")
-_CALLED = re.compile(
-    r"(?:body|condition|to_apply|calls|branch_computations|called_computations)="
-    r"(\{[^}]*\}|%?[\w.\-]+)"
-)
-_WHILE = re.compile(r"=\s*.*?\swhile\(.*?body=%?([\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-
-
-def _computations(hlo: str):
-    """{computation name: [instruction lines]} and the ENTRY computation's name."""
-    comps, cur, entry = {}, None, None
-    for line in hlo.splitlines():
-        m = _COMP_HEAD.match(line)
-        if m and not line[:1].isspace():  # headers start in column 0, instructions do not
-            cur = m.group(2)
-            comps[cur] = []
-            if m.group(1):
-                entry = cur
-            continue
-        if cur is not None:
-            comps[cur].append(line)
-    return comps, entry
+_CALLED = ("body", "condition", "to_apply", "calls", "branch_computations", "called_computations")
 
 
 def computation_multipliers(hlo: str) -> dict[str, int]:
@@ -216,27 +194,24 @@ def computation_multipliers(hlo: str) -> dict[str, int]:
     known trip count for while bodies (multiplied through nesting). Computations reached only
     through non-loop calls inherit their caller's multiplier; a while with no known trip count
     counts once (flagged by a negative multiplier)."""
-    comps, entry = _computations(hlo)
+    module = parse_hlo(hlo)
+    comps, entry = module.computations, module.entry
     mult = {entry: 1}
     stack = [entry]
     while stack:
         name = stack.pop()
-        for line in comps.get(name, []):
-            w = _WHILE.search(line)
-            trip = None
-            if w:
-                t = _TRIP.search(line)
-                trip = int(t.group(1)) if t else -1
-            for ref in _CALLED.findall(line):
-                for callee in re.findall(r"[\w.\-]+", ref):
-                    if callee not in comps:
-                        continue
-                    k = abs(mult[name])
-                    if w and callee == w.group(1):
-                        k = k * abs(trip) * (1 if trip > 0 else -1)
-                    if callee not in mult or abs(k) > abs(mult[callee]):
-                        mult[callee] = k
-                        stack.append(callee)
+        for inst in comps.get(name, []):
+            body = inst.called("body")[:1] if inst.opcode == "while" else []
+            trip = (inst.trip_count if inst.trip_count is not None else -1) if body else None
+            for callee in inst.called(*_CALLED):
+                if callee not in comps:
+                    continue
+                k = abs(mult[name])
+                if body and callee == body[0]:
+                    k = k * abs(trip) * (1 if trip > 0 else -1)
+                if callee not in mult or abs(k) > abs(mult[callee]):
+                    mult[callee] = k
+                    stack.append(callee)
     return mult
 
 

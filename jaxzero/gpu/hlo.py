@@ -13,19 +13,13 @@ import dataclasses
 import re
 
 from jaxzero.memory import collective_ops
-from jaxzero.memory.hlo import INSTR_RE, OPCODE_RE, replica_group_size, replica_groups
+from jaxzero.memory.hlo import replica_group_size, replica_groups
+from jaxzero.memory.hlo_reader import Instruction, arrays, element_bits, parse_hlo
 
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_REF = r"%?([\w.\-]+)"
-_BODY = re.compile(r"\bbody=" + _REF)
-_COND = re.compile(r"\bcondition=" + _REF)
-_BRANCHES = re.compile(
-    r"\b(?:branch_computations|true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
-)
-_TO_APPLY = re.compile(r"\bto_apply=" + _REF)
-_CALLS = re.compile(r"\bcalls=" + _REF)
+# read by benchmarks/offload_schedule.py: an array type with static dimensions, and the
+# computation an async-start or fusion calls
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 # Instructions that launch nothing on the device: bookkeeping, aliasing views, control flow
 # (whose bodies are counted instead) and the waiting half of async pairs.
@@ -49,58 +43,30 @@ _FREE = frozenset(
 )
 
 
-def _opcode(rest: str) -> str | None:
-    """The opcode of an instruction's right-hand side ``<type> <opcode>(...)``."""
-    if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
-        depth, end = 0, len(rest)
-        for i, ch in enumerate(rest):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                end = i
-                break
-        rest = rest[end + 1 :]
-    else:
-        rest = rest.partition(" ")[2]
-    m = OPCODE_RE.match(rest.strip())
-    return m.group(1) if m else None
+def parse_computations(hlo: str) -> tuple[dict[str, list[Instruction]], str | None]:
+    """``({computation: [(instruction, opcode, line), ...]}, entry name)`` of HLO text; each
+    entry is a :class:`jaxzero.memory.hlo_reader.Instruction` (that tuple, read further on
+    demand)."""
+    module = parse_hlo(hlo)
+    return {name: list(ops) for name, ops in module.computations.items()}, module.entry
 
 
-def parse_computations(hlo: str) -> tuple[dict[str, list[tuple[str, str, str]]], str | None]:
-    """``({computation: [(instruction, opcode, line), ...]}, entry name)`` of HLO text."""
-    comps: dict[str, list[tuple[str, str, str]]] = {}
-    cur, entry = None, None
-    for line in hlo.splitlines():
-        if line[:1] not in (" ", "\t", ""):
-            m = _HEADER.match(line)
-            if m and not line.startswith("HloModule"):
-                cur = m.group(2)
-                comps[cur] = []
-                entry = cur if m.group(1) else entry
-            continue
-        m = INSTR_RE.match(line)
-        if m and cur is not None:
-            comps[cur].append((m.group(1), _opcode(m.group(2).strip()) or "", line))
-    return comps, entry
-
-
-def _callees(opcode: str, line: str, trip_known: bool) -> list[tuple[str, int | None]]:
+def _callees(inst: Instruction) -> list[tuple[str, int | None]]:
     """Computations an instruction runs, with their repeat count (None: the loop's trip
     count). Fusion bodies, reducers and comparators are not executed computations."""
+    opcode = inst.opcode
     if opcode == "while":
-        out = [(_BODY.search(line).group(1), None)]
-        if not trip_known:  # a counted loop needs no condition kernel per iteration
-            out.append((_COND.search(line).group(1), None))
+        out = [(inst.called("body")[0], None)]
+        if inst.trip_count is None:  # a counted loop needs no condition kernel per iteration
+            out.append((inst.called("condition")[0], None))
         return out
     if opcode == "conditional":
-        m = _BRANCHES.findall(line)
-        return [(name, 1) for ref in m for name in re.findall(r"[\w.\-]+", ref)]
+        keys = ("branch_computations", "true_computation", "false_computation")
+        return [(name, 1) for name in inst.called(*keys)]
     if opcode == "call":
-        m = _TO_APPLY.search(line)
-        return [(m.group(1), 1)] if m else []
+        return [(name, 1) for name in inst.called("to_apply")[:1]]
     if opcode == "async-start":  # a wrapped collective (counted by collective_ops inside)
-        m = _CALLS.search(line)
-        return [(m.group(1), 1)] if m else []
+        return [(name, 1) for name in inst.called("calls")[:1]]
     return []
 
 
@@ -112,23 +78,30 @@ def computation_multipliers(hlo: str) -> tuple[dict[str, int], bool]:
     Returns ``(multipliers, all_trips_known)``; a loop without a known trip count is counted
     once per entry into it and makes the flag False.
     """
-    comps, entry = parse_computations(hlo)
+    module = parse_hlo(hlo)
+    comps, entry = module.computations, module.entry
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text().")
     mult, known, stack = {entry: 1}, True, [entry]
     while stack:
         name = stack.pop()
-        for _, opcode, line in comps.get(name, []):
-            trip = _TRIP.search(line) if opcode == "while" else None
-            if opcode == "while" and trip is None:
+        for inst in comps.get(name, []):
+            trip = inst.trip_count if inst.opcode == "while" else None
+            if inst.opcode == "while" and trip is None:
                 known = False
-            for callee, times in _callees(opcode, line, trip is not None):
-                times = times if times is not None else (int(trip.group(1)) if trip else 1)
+            for callee, times in _callees(inst):
+                times = times if times is not None else (trip if trip is not None else 1)
                 k = mult[name] * times
                 if callee in comps and k > mult.get(callee, 0):
                     mult[callee] = k
                     stack.append(callee)
     return mult, known
+
+
+def _launches(inst: Instruction) -> bool:
+    """The instruction launches a device operation (see :func:`kernels_per_step`)."""
+    op = inst.opcode
+    return bool(op) and op not in _FREE and not op.endswith("-done")
 
 
 def kernels_per_step(hlo: str) -> int:
@@ -140,36 +113,14 @@ def kernels_per_step(hlo: str) -> int:
     Computations inside fusions, reducers and comparators are not counted; neither is a
     counted loop's condition (XLA:GPU runs known-trip-count loops without it).
     """
-    comps, _ = parse_computations(hlo)
+    module = parse_hlo(hlo)
     mult, _ = computation_multipliers(hlo)
-    wrapped = {
-        m.group(1)
-        for ops in comps.values()
-        for _, op, line in ops
-        if op == "async-start" and (m := _CALLS.search(line))
-    }
     total = 0
     for name, k in mult.items():
-        if name in wrapped:  # launched by its async-start, counted there
+        if name in module.async_wrapped:  # launched by its async-start, counted there
             continue
-        ops = comps.get(name, [])
-        total += k * sum(
-            1 for _, op, _ in ops if op and op not in _FREE and not op.endswith("-done")
-        )
+        total += k * sum(1 for inst in module.computation(name) if _launches(inst))
     return total
-
-
-def _result_type(line: str) -> str:
-    """The result type text of an instruction line (``%x = <type> opcode(...)``)."""
-    rest = INSTR_RE.match(line).group(2).strip()
-    if not rest.startswith("("):
-        return rest.partition(" ")[0]
-    depth = 0
-    for i, ch in enumerate(rest):
-        depth += (ch == "(") - (ch == ")")
-        if depth == 0:
-            return rest[: i + 1]
-    return rest
 
 
 def kernel_bytes_per_step(hlo: str, computation: str | None = None) -> int:
@@ -177,17 +128,14 @@ def kernel_bytes_per_step(hlo: str, computation: str | None = None) -> int:
     every counted instruction (as :func:`kernels_per_step` counts them) its result plus each
     operand's result, once per operand. An upper bound for a kernel that updates a buffer in
     place or reads only a slice of an operand; exact for element-wise kernels."""
-    comps, entry = parse_computations(hlo)
-    ops = comps.get(computation or entry, [])
-    size = {name: sum(_dtype_bytes(_result_type(line)).values()) for name, _, line in ops}
-    total = 0
-    for name, op, line in ops:
-        if not op or op in _FREE or op.endswith("-done"):
-            continue
-        args = line.partition(f" {op}(")[2]
-        operands = re.findall(r"%([\w.\-]+)", args.split("), ")[0])
-        total += size[name] + sum(size.get(o, 0) for o in operands)
-    return total
+    module = parse_hlo(hlo)
+    ops = module.computation(computation or module.entry)
+    size = {inst.name: sum(_dtype_bytes(inst.type).values()) for inst in ops}
+    return sum(
+        size[inst.name] + sum(size.get(o, 0) for o in inst.operands)
+        for inst in ops
+        if _launches(inst)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,20 +155,16 @@ class CollectiveTotal:
     bytes: int
 
 
-_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16}
-
-
 def _dtype_bytes(shape: str) -> dict[str, int]:
+    """Bytes per element type of a type text's arrays with static dimensions; an element
+    type of no known width (``token``, ``opaque``, ...) counts a byte per element."""
     out: dict[str, int] = {}
-    for dtype, dims in _ARRAY.findall(shape):
-        bits = _BITS.get(dtype)
-        if bits is None:
-            m = re.search(r"(\d+)", dtype)
-            bits = int(m.group(1)) if dtype[0] in "fsuc" and m and not dtype.startswith("f8") else 8
-        numel = 1
-        for d in dims.split(","):
-            numel *= int(d) if d.strip() else 1
-        out[dtype] = out.get(dtype, 0) + -(-numel * bits // 8)
+    for a in arrays(shape):
+        if not a.static:
+            continue
+        bits = element_bits(a.dtype)
+        bits = 8 if bits is None or a.dtype == "token" else bits
+        out[a.dtype] = out.get(a.dtype, 0) + -(-a.numel * bits // 8)
     return out
 
 

@@ -38,20 +38,25 @@ the figure is an upper bound: ``hidden_bytes <= hideable_bytes <= bytes``.
 from __future__ import annotations
 
 import dataclasses
-import re
 
-from jaxzero.gpu.hlo import collective_payloads, computation_multipliers, parse_computations
+from jaxzero.gpu.hlo import collective_payloads, computation_multipliers
 from jaxzero.memory.hlo import COLLECTIVE_KINDS
+from jaxzero.memory.hlo_reader import Instruction, parse_hlo
 
 __all__ = ["OverlapTotal", "compute_computations", "hidden_pairs", "overlap_per_step"]
 
-_LIBRARY = re.compile(r'custom_call_target="__(?:cublas|cudnn)')
-_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-_BRANCH_LIST = re.compile(r"\b(?:branch_computations|true_computation|false_computation)=([^,]*)")
-_OPERAND = re.compile(r"-done\(\s*%?([\w.\-]+)")
+_LIBRARIES = ("__cublas", "__cudnn")
 _CONTROL = ("while", "call", "conditional")
-_NAME = re.compile(r"%([\w.\-]+)")
-_CONTROL_EDGES = re.compile(r"control-predecessors=\{[^}]*\}")
+# the attributes naming computations an instruction runs
+_CALLED = (
+    "calls",
+    "to_apply",
+    "body",
+    "condition",
+    "branch_computations",
+    "true_computation",
+    "false_computation",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,26 +80,39 @@ class OverlapTotal:
         return self.hideable_bytes / self.bytes if self.bytes else 1.0
 
 
-def _callees(line: str) -> list[str]:
-    names = _CALLED.findall(line)
-    for ref in _BRANCH_LIST.findall(line):
-        names += re.findall(r"[\w.\-]+", ref.replace("%", ""))
-    return names
+def _instructions(comps) -> dict[str, list[Instruction]]:
+    """``comps`` (of :func:`~jaxzero.gpu.hlo.parse_computations`) as instructions; plain
+    ``(name, opcode, line)`` tuples are read as instruction lines."""
+    return {
+        name: [
+            op if isinstance(op, Instruction) else Instruction(*op, computation=name) for op in ops
+        ]
+        for name, ops in comps.items()
+    }
+
+
+def _library(inst: Instruction) -> bool:
+    target = inst.custom_call_target
+    return target is not None and target.startswith(_LIBRARIES)
 
 
 def compute_computations(comps) -> set[str]:
     """Names of the computations (of :func:`~jaxzero.gpu.hlo.parse_computations`) that hold,
     directly or through those they call, a ``dot``, a ``convolution`` or a library
     ``custom-call`` (see the module docstring)."""
+    comps = _instructions(comps)
     direct = {
         name
         for name, ops in comps.items()
         if any(
-            op in ("dot", "convolution") or (op == "custom-call" and _LIBRARY.search(line))
-            for _, op, line in ops
+            inst.opcode in ("dot", "convolution")
+            or (inst.opcode == "custom-call" and _library(inst))
+            for inst in ops
         )
     }
-    edges = {name: {c for _, _, line in ops for c in _callees(line)} for name, ops in comps.items()}
+    edges = {
+        name: {c for inst in ops for c in inst.called(*_CALLED)} for name, ops in comps.items()
+    }
     found, changed = set(direct), True
     while changed:
         changed = False
@@ -106,32 +124,16 @@ def compute_computations(comps) -> set[str]:
 
 
 def _is_compute(opcode: str, line: str, computing: set[str]) -> bool:
-    if opcode == "custom-call":
-        return bool(_LIBRARY.search(line))
-    if opcode == "fusion" or opcode in _CONTROL:
-        return any(c in computing for c in _callees(line))
+    """Whether the instruction ``(opcode, line)`` is a compute kernel (module docstring)."""
+    return _computes(Instruction("", opcode, line), computing)
+
+
+def _computes(inst: Instruction, computing: set[str]) -> bool:
+    if inst.opcode == "custom-call":
+        return _library(inst)
+    if inst.opcode == "fusion" or inst.opcode in _CONTROL:
+        return any(c in computing for c in inst.called(*_CALLED))
     return False
-
-
-def _hidden(comps) -> set[str]:
-    """Names of the ``*-done`` instructions whose pair has a compute kernel in between, and of
-    the computations wrapped by such an ``async-start`` (the collective inside is hidden)."""
-    computing = compute_computations(comps)
-    hidden = set()
-    for ops in comps.values():
-        started: dict[str, bool] = {}  # open *-start -> a compute kernel seen since
-        wrapped = {}
-        for name, opcode, line in ops:
-            if opcode.endswith("-start"):
-                started[name] = False
-                wrapped[name] = _callees(line) if opcode == "async-start" else []
-            elif opcode.endswith("-done"):
-                m = _OPERAND.search(line)
-                if m and started.pop(m.group(1), False):
-                    hidden.update([name, *wrapped.get(m.group(1), [])])
-            elif started and _is_compute(opcode, line, computing):
-                started = dict.fromkeys(started, True)
-    return hidden
 
 
 def hidden_pairs(comps) -> set[str]:
@@ -139,7 +141,23 @@ def hidden_pairs(comps) -> set[str]:
     :func:`~jaxzero.gpu.hlo.parse_computations`) whose async pair has a compute kernel
     scheduled in between (the module docstring's reading; any async pair: collectives, host
     copies, async fusions), and of the computations wrapped by such an ``async-start``."""
-    return _hidden(comps)
+    comps = _instructions(comps)
+    computing = compute_computations(comps)
+    hidden = set()
+    for ops in comps.values():
+        started: dict[str, bool] = {}  # open *-start -> a compute kernel seen since
+        wrapped = {}
+        for inst in ops:
+            if inst.opcode.endswith("-start"):
+                started[inst.name] = False
+                wrapped[inst.name] = inst.called(*_CALLED) if inst.opcode == "async-start" else []
+            elif inst.opcode.endswith("-done"):
+                start = inst.done_of
+                if start is not None and started.pop(start, False):
+                    hidden.update([inst.name, *wrapped.get(start, [])])
+            elif started and _computes(inst, computing):
+                started = dict.fromkeys(started, True)
+    return hidden
 
 
 def _closure(start: str, edges: dict[str, set[str]]) -> set[str]:
@@ -152,45 +170,43 @@ def _closure(start: str, edges: dict[str, set[str]]) -> set[str]:
     return seen
 
 
-def _unhideable(ops, computing: set[str]) -> set[str]:
-    """Names (as :func:`_hidden` gives them) of the collectives in ``ops`` (one computation)
-    that no compute kernel of that computation is independent of (module docstring)."""
-    names = {name for name, _, _ in ops}
+def _unhideable(ops: list[Instruction], computing: set[str]) -> set[str]:
+    """Names (as :func:`hidden_pairs` gives them) of the collectives in ``ops`` (one
+    computation) that no compute kernel of that computation is independent of (module
+    docstring)."""
+    by_name = {inst.name: inst for inst in ops}
     operands = {
-        name: {o for o in _NAME.findall(_CONTROL_EDGES.sub("", line)) if o in names and o != name}
-        for name, _, line in ops
+        inst.name: {o for o in inst.refs if o in by_name and o != inst.name} for inst in ops
     }
     users: dict[str, set[str]] = {}
     for name, deps in operands.items():
         for d in deps:
             users.setdefault(d, set()).add(name)
-    kernels = {name for name, op, line in ops if _is_compute(op, line, computing)}
+    kernels = {inst.name for inst in ops if _computes(inst, computing)}
     out = set()
-    for name, opcode, line in ops:
-        kind = opcode.removesuffix("-done")
+    for inst in ops:
+        name, opcode = inst.name, inst.opcode
         if opcode.endswith("-done"):
             start = next(iter(operands[name]), name)
-        elif kind in COLLECTIVE_KINDS:
+        elif opcode in COLLECTIVE_KINDS:
             start = name
         else:
             continue
         related = _closure(start, operands) | _closure(name, users) | {start, name}
         if not kernels - related:
-            out.update([name, *_callees(line if start == name else _line(ops, start))])
+            out.update([name, *by_name[start].called(*_CALLED)])
     return out
-
-
-def _line(ops, name: str) -> str:
-    return next(line for n, _, line in ops if n == name)
 
 
 def overlap_per_step(hlo: str, group_size: int) -> tuple[OverlapTotal, ...]:
     """Per collective kind: payload bytes per step and the bytes hidden behind compute (see
     the module docstring), loop trip counts applied. ``group_size`` as in
     :func:`~jaxzero.gpu.hlo.collectives_per_step`."""
-    comps, entry_name = parse_computations(hlo)
-    hidden = _hidden(comps)
-    unhideable = _unhideable(comps.get(entry_name, []), compute_computations(comps))
+    module = parse_hlo(hlo)
+    entry_name = module.entry
+    hidden = hidden_pairs(module.computations)
+    computing = compute_computations(module.computations)
+    unhideable = _unhideable(module.computation(entry_name), computing)
     mult, _ = computation_multipliers(hlo)
     acc: dict[str, list[int]] = {}
     for op, per_dtype in collective_payloads(hlo, group_size, mult):

@@ -25,23 +25,21 @@ its start and its done, the reading :mod:`jaxzero.gpu.overlap` makes for collect
 from __future__ import annotations
 
 import dataclasses
-import re
 
-from jaxzero.gpu.hlo import (
-    _CALLS,
-    _dtype_bytes,
-    _result_type,
-    computation_multipliers,
-    parse_computations,
-)
+from jaxzero.gpu.hlo import _dtype_bytes, computation_multipliers
 from jaxzero.gpu.overlap import hidden_pairs
 from jaxzero.memory.hlo import COLLECTIVE_KINDS
+from jaxzero.memory.hlo_reader import (
+    HOST_MEMORY,
+    Array,
+    Instruction,
+    arrays,
+    parse_hlo,
+    split_tuple,
+)
 
 __all__ = ["HostTransfers", "host_transfers_per_step"]
 
-# an array type with its layout: element type, dimensions, the layout braces
-_TYPED = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
-_HOST = "S(5)"
 # instructions that move no bytes of their own between the memories
 _STRUCTURAL = frozenset(
     {
@@ -93,103 +91,71 @@ class HostTransfers:
         return self.hidden_bytes / self.bytes if self.bytes else 1.0
 
 
-def _split_tuple(text: str) -> list[str]:
-    """The top-level elements of a tuple type ``(a, (b, c), d)``."""
-    inner = text.strip()
-    if not inner.startswith("("):
-        return [inner]
-    inner = inner[1 : inner.rindex(")")]
-    out, depth, cur = [], 0, []
-    for ch in inner:
-        if ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if cur:
-        out.append("".join(cur).strip())
-    return out
+def _static(text: str) -> list[Array]:
+    return [a for a in arrays(text) if a.static]
 
 
-def _arrays(text: str) -> list[tuple[str, bool, int]]:
-    """``[(type text, in host memory, rank), ...]`` of every array type in ``text``."""
-    out = []
-    for m in _TYPED.finditer(text):
-        rank = len([d for d in m.group(2).split(",") if d.strip()])
-        out.append((m.group(0), _HOST in (m.group(3) or ""), rank))
-    return out
+def _nbytes(found: list[Array]) -> int:
+    return sum(sum(_dtype_bytes(a.text).values()) for a in found)
 
 
-def _nbytes(types) -> int:
-    return sum(sum(_dtype_bytes(t).values()) for t in types)
+def _sources_and_result(inst: Instruction, types: dict[str, str]):
+    """``(operand arrays, result arrays)`` of one instruction; for an async start the
+    operands and result its tuple type names."""
+    if inst.opcode == "copy-start":
+        parts = split_tuple(inst.type)  # (destination, source, context)
+        return _static(parts[1]), _static(parts[0])
+    if inst.opcode.endswith("-start"):
+        parts = split_tuple(inst.type)  # ((operands...), result, context...)
+        return _static(parts[0]), _static(parts[1])
+    operands = [types[o] for o in inst.operands if o in types]
+    return [a for t in operands for a in _static(t)], _static(inst.type)
 
 
-def _sources_and_result(opcode: str, line: str, types: dict[str, str]):
-    """``(operand arrays, result arrays)`` of one instruction, each ``(type, host, rank)``;
-    for an async start the operands and result its tuple type names."""
-    result = _result_type(line)
-    if opcode == "copy-start":
-        parts = _split_tuple(result)  # (destination, source, context)
-        return _arrays(parts[1]), _arrays(parts[0])
-    if opcode.endswith("-start"):
-        parts = _split_tuple(result)  # ((operands...), result, context...)
-        return _arrays(parts[0]), _arrays(parts[1])
-    args = line.partition(f" {opcode}(")[2].split("), ")[0]
-    operands = [types[o] for o in re.findall(r"%([\w.\-]+)", args) if o in types]
-    return [a for t in operands for a in _arrays(t)], _arrays(result)
-
-
-def _direction(opcode: str, sources, result) -> tuple[str, int] | None:
+def _direction(opcode: str, sources: list[Array], result: list[Array]) -> tuple[str, int] | None:
     """``("h2d" | "d2h", bytes)`` of an instruction between the memories, else None."""
-    if any(host for _, host, _ in result):
+    if any(a.on_host for a in result):
         # a copy moves its operand, a scalar too; elsewhere a scalar operand is an index
         copy = opcode in ("copy", "copy-start")
-        moved = [t for t, host, rank in sources if not host and (rank or copy)]
+        moved = [a for a in sources if not a.on_host and (a.rank or copy)]
         return ("d2h", _nbytes(moved)) if moved else None
-    if any(host for _, host, _ in sources):
-        return "h2d", _nbytes(t for t, _, _ in result)
+    if any(a.on_host for a in sources):
+        return "h2d", _nbytes(result)
     return None
 
 
 def host_transfers_per_step(hlo: str) -> HostTransfers:
     """Host <-> device bytes per device per step of ``compiled.as_text()`` (module docstring),
     and the share of them the schedule hides behind compute."""
-    if _HOST not in hlo:
+    if HOST_MEMORY not in hlo:
         return HostTransfers()
-    comps, _ = parse_computations(hlo)
+    module = parse_hlo(hlo)
     mult, _ = computation_multipliers(hlo)
-    hidden = hidden_pairs(comps)
-    wrapped = {
-        m.group(1)
-        for ops in comps.values()
-        for _, op, line in ops
-        if op == "async-start" and (m := _CALLS.search(line))
-    }
+    hidden = hidden_pairs(module.computations)
     acc = dict.fromkeys(("h2d", "d2h", "hidden_h2d", "hidden_d2h", "transfers", "launches"), 0)
     for name, k in mult.items():
-        if name in wrapped:  # a wrapped computation: read at its async-start
+        if name in module.async_wrapped:  # a wrapped computation: read at its async-start
             continue
-        ops = comps.get(name, [])
-        types = {n: _result_type(line) for n, _, line in ops}
-        starts = {n: (op, line) for n, op, line in ops if op.endswith("-start")}
-        for inst, opcode, line in ops:
+        ops = module.computation(name)
+        types = {inst.name: inst.type for inst in ops}
+        starts = {inst.name: inst for inst in ops if inst.opcode.endswith("-start")}
+        for inst in ops:
+            opcode = inst.opcode
             if opcode in _STRUCTURAL or opcode.endswith("-start"):
                 continue
             if opcode.endswith("-done"):
-                start = re.search(r"-done\(\s*%?([\w.\-]+)", line)
-                if start is None or start.group(1) not in starts:
+                start = starts.get(inst.done_of)
+                if start is None:
                     continue
-                s_op, s_line = starts[start.group(1)]
-                if _HOST not in s_line or s_op.removesuffix("-start") in COLLECTIVE_KINDS:
+                if (
+                    not start.touches_host
+                    or start.opcode.removesuffix("-start") in COLLECTIVE_KINDS
+                ):
                     continue
-                found = _direction(s_op, *_sources_and_result(s_op, s_line, types))
-                is_hidden = inst in hidden
-            elif _HOST in line:
-                found = _direction(opcode, *_sources_and_result(opcode, line, types))
+                found = _direction(start.opcode, *_sources_and_result(start, types))
+                is_hidden = inst.name in hidden
+            elif inst.touches_host:
+                found = _direction(opcode, *_sources_and_result(inst, types))
                 is_hidden = False
             else:
                 continue

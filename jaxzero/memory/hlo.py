@@ -9,24 +9,14 @@ from typing import Any
 
 import numpy as np
 
+from jaxzero.memory.hlo_reader import parse_hlo, type_bytes
+
 COLLECTIVE_KINDS = (
     "all-reduce",
     "all-gather",
     "reduce-scatter",
     "all-to-all",
     "collective-permute",
-)
-_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
-INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
-_COMP_RE = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
-_LAYOUT_RE = re.compile(r"\{[^{}]*\}|/\*.*?\*/")
-# replica_groups= in the three syntaxes XLA prints: explicit {{0,1},{2,3}} (jax 0.10 on CPU);
-# iota [2,4]<=[8] / [2,4]<=[4,2]T(1,0) (XLA:GPU); mesh axes mesh['r'=2,'d'=4] {'d'} (jax 0.12).
-_GROUPS_RE = re.compile(
-    r"replica_groups=(\{[{}0-9, ]*\}"
-    r"|\[[0-9,]*\]<=\[[0-9,]*\](?:T\([0-9,]*\))?"
-    r"|mesh\[[^\]]*\][^{,]*\{[^}]*\})"
 )
 _IOTA_RE = re.compile(r"\[([0-9,]*)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?")
 _MESH_RE = re.compile(r"mesh\[([^\]]*)\]\s*(.*?)\s*\{([^}]*)\}")
@@ -103,43 +93,6 @@ def replica_group_size(text: str | None) -> int | None:
     return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh.group(3)))
 
 
-def _element_bits(dtype: str) -> int | None:
-    """Bits per element of an HLO primitive type: pred 8, s4 4, bf16 16, f8e4m3fn 8, ..."""
-    if dtype in ("pred", "token"):
-        return 8 if dtype == "pred" else 0
-    m = re.fullmatch(r"(?:s|u|f|bf|c)(\d+)|f(\d)e\d+m\d+[a-z0-9]*", dtype)
-    return int(m.group(1) or m.group(2)) if m else None  # sub-byte types are packed
-
-
-def _type_bytes(type_text: str) -> tuple[int, tuple[str, ...]]:
-    total, dtypes = 0, []
-    for dtype, dims in _ARRAY_RE.findall(type_text):
-        bits = _element_bits(dtype)
-        if bits is None:
-            raise ValueError(
-                f"unknown HLO element type {dtype!r} in {type_text!r}; "
-                "add its bit width to jaxzero.memory.hlo._element_bits"
-            )
-        numel = math.prod(int(d.replace("<=", "")) for d in dims.split(",") if d.strip())
-        total += -(-numel * bits // 8)
-        dtypes.append(dtype)
-    return total, tuple(dtypes)
-
-
-def _split_type(rest: str) -> tuple[str, str]:
-    """Split ``"<type> <opcode>(..."`` into the type text and the remainder."""
-    if not rest.startswith("("):
-        head, _, tail = rest.partition(" ")
-        return head, tail
-    depth = 0
-    for i, ch in enumerate(rest):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0:
-            return rest[: i + 1], rest[i + 1 :]
-    return rest, ""
-
-
 def collective_ops(hlo_text: str) -> list[CollectiveOp]:
     """List the collectives in HLO text (``jax.jit(f).lower(...).compile().as_text()``).
 
@@ -160,33 +113,25 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
             f"collective_ops needs HLO text (str), got {type(hlo_text).__name__}; "
             "pass jax.jit(f).lower(*args).compile().as_text()"
         )
-    ops, computation, starts = [], None, {}
-    for line in hlo_text.splitlines():
-        instr = INSTR_RE.match(line)
-        if not instr:
-            comp = _COMP_RE.match(line)
-            computation = comp.group(1) if comp else computation
+    ops, starts = [], {}
+    for inst in parse_hlo(hlo_text).instructions:
+        opcode = inst.opcode
+        if not opcode:
             continue
-        type_text, tail = _split_type(instr.group(2).strip())
-        opm = OPCODE_RE.match(tail)
-        if not opm:
-            continue
-        opcode, name = opm.group(1), instr.group(1)
-        groups = _GROUPS_RE.search(tail)
-        groups = groups.group(1) if groups else None
         if opcode.endswith("-start"):  # counted at its "-done"; keep its replica groups
-            starts[name] = groups
+            starts[inst.name] = inst.replica_groups
             continue
         is_async = opcode.endswith("-done")
-        kind = opcode[: -len("-done")] if is_async else opcode
+        kind = opcode.removesuffix("-done")
         if kind not in COLLECTIVE_KINDS:
             continue
-        if is_async:
-            operand = re.search(r"%?([\w.\-]+)\)", tail[opm.end() - 1 :])
-            groups = starts.get(operand.group(1)) if operand else None
-        shape = _LAYOUT_RE.sub("", type_text).strip()  # drop {1,0} layouts, /*index*/ notes
-        nbytes, dtypes = _type_bytes(shape)
-        ops.append(CollectiveOp(kind, name, shape, nbytes, dtypes, is_async, computation, groups))
+        groups = starts.get(inst.done_of) if is_async else inst.replica_groups
+        nbytes, dtypes = type_bytes(inst.shape)
+        ops.append(
+            CollectiveOp(
+                kind, inst.name, inst.shape, nbytes, dtypes, is_async, inst.computation, groups
+            )
+        )
     return ops
 
 
