@@ -465,7 +465,7 @@ def test_gpu_prefetch_gathers_the_previous_unit_under_this_units_backward(prefet
     ]
     if prefetch:
         assert len(starts) == shape.layers - 1, (len(starts), shape.layers)
-        hidden = overlap._hidden(comps)
+        hidden = overlap.hidden_pairs(comps)
         dones = [n for n, op, _ in ops[first_backward:] if op == "all-gather-done"]
         assert dones and all(n in hidden for n in dones), dones
     assert all(early) if prefetch else not any(early), early
