@@ -40,7 +40,7 @@ import tempfile
 from collections.abc import Iterator
 
 from jaxzero._compat import cuda_plugin
-from jaxzero.xla_flags import _backend_started, gpu_present
+from jaxzero.xla_flags import backend_started, gpu_present
 
 # The CUDA runtime stub's line and absl's header before it (absl's C++ log format).
 _STUB = re.compile(rb"^[IWE]\d{4} [\d:.]+\s+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers")
@@ -105,7 +105,7 @@ def quiet_cpu_start() -> bool:
         import jax
         from jax._src import xla_bridge
 
-        if _backend_started():
+        if backend_started():
             return False
         if not _platforms_chosen():
             jax.config.update("jax_platforms", "cpu")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from jaxzero.xla_flags import _backend_started, gpu_present
+from jaxzero.xla_flags import backend_started, gpu_present
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 COLLECTIVE_TIMEOUT_FLAGS = (
@@ -87,7 +87,7 @@ def _device_count(flags: str) -> int:
 def _check_not_started(want: int) -> None:
     """Raise when jax's CPU backend runs already with fewer than ``want`` devices (warn when
     with more): simulated devices must be asked for before it starts."""
-    if not _backend_started():
+    if not backend_started():
         return
     import jax
 

@@ -195,7 +195,7 @@ def apply_xla_flags(flags: list[str] | None = None, *, gpu: bool | None = None) 
     or a backend already running)."""
     if not (gpu_present() if gpu is None else gpu):
         return []
-    if _backend_started():
+    if backend_started():
         return []
     env, applied = with_xla_flags(dict(os.environ), flags)
     if applied:
@@ -207,7 +207,7 @@ def apply_xla_flags(flags: list[str] | None = None, *, gpu: bool | None = None) 
     return applied
 
 
-def _backend_started() -> bool:
+def backend_started() -> bool:
     """Whether jax has started a backend (XLA_FLAGS would no longer be read)."""
     xb = sys.modules.get("jax._src.xla_bridge")
     return bool(xb is not None and getattr(xb, "_backends", None))

@@ -95,7 +95,7 @@ def test_a_cpu_run_never_gets_gpu_flags(monkeypatch, capsys):
 
 def test_gpu_runs_get_them_from_initialize_and_the_launcher(monkeypatch, capsys):
     monkeypatch.setattr(xla_flags, "gpu_present", lambda environ=None: True)
-    monkeypatch.setattr(xla_flags, "_backend_started", lambda: False)
+    monkeypatch.setattr(xla_flags, "backend_started", lambda: False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
     assert jaxzero.distributed.initialize() is False  # a single process: flags still applied
     assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", *FLAGS]

@@ -368,7 +368,7 @@ def gather_shard(comm: Comm, x, d, kept: bool = False):
     return to_varying(y, comm.batch_axes)
 
 
-def _gather_leaf(comm: Comm, x, d):
+def gather_leaf(comm: Comm, x, d):
     """:func:`gather_shard`, whose backward reduces the gradient with
     :func:`~jaxzero.zero.collectives.reduce_leaf` (reduce-scatter over the data axis, or
     all-reduce when the leaf is replicated) and returns it in ``x``'s dtype."""
@@ -409,7 +409,7 @@ def gather_layer(variables):
     plan.calls += 1
     if plan.placement.params_on_host:
         raise ValueError(_NO_SCAN_FOR_PARAMS.format(plan.layers))
-    leaf = _gather_leaf if plan.gather else _pass_leaf
+    leaf = gather_leaf if plan.gather else _pass_leaf
     return jax.tree_util.tree_map_with_path(
         lambda path, x: leaf(plan.comm, x, plan.lookup(path, x)), variables
     )

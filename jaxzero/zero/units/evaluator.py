@@ -16,7 +16,7 @@ from jaxzero.zero.jaxpr_eval import is_remat as _is_remat
 from jaxzero.zero.jaxpr_eval import read as _read
 from jaxzero.zero.jaxpr_eval import reads as read_vars
 from jaxzero.zero.jaxpr_eval import runs as _segments
-from jaxzero.zero.layers.plan import _gather_leaf
+from jaxzero.zero.layers.plan import gather_leaf
 from jaxzero.zero.units.patterns import OUTSIDE
 from jaxzero.zero.units.patterns import warn_units_together as _warn_units_together
 
@@ -112,7 +112,7 @@ class Evaluator(Segments):
         env.update(zip(self.jaxpr.invars, args, strict=True))
         for v, i in self.eager.items():
             shard = unit_chain.fetched(env[self.jaxpr.invars[i]])  # its gradient goes back there
-            env[v] = _gather_leaf(self.plan.comm, shard, self.plan.dims[i])
+            env[v] = gather_leaf(self.plan.comm, shard, self.plan.dims[i])
         self.plan.segments = 0
         self.tokens: list = []  # per segment run: a scalar of its first gathered weight
         segments = self.segments
@@ -191,7 +191,7 @@ class Evaluator(Segments):
         device-varying token added to it would make the input varying and the all-reduced
         gradient's type differ from it: jax refuses such a custom VJP)."""
         d = self.plan.dims[self.lazy[v]]
-        return _gather_leaf(self.plan.comm, shard if d is None else _after(shard, after), d)
+        return gather_leaf(self.plan.comm, shard if d is None else _after(shard, after), d)
 
     def _token(self, gathered, local):
         """:func:`_token` of the segment's first gathered weight that was sharded (the one

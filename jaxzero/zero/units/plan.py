@@ -17,7 +17,7 @@ each segment runs as a ``jax.checkpoint`` that
 
 * all-gathers the unit's shards first (in ``param_dtype``, device-varying; the backward of that
   gather reduce-scatters the unit's gradient in ``reduce_dtype`` as soon as the segment's
-  backward is done: :func:`jaxzero.zero.layers.plan.gather_shard` / ``_gather_leaf``);
+  backward is done: :func:`jaxzero.zero.layers.plan.gather_shard` / ``gather_leaf``);
 * saves for the backward whatever the model saves (activations; a user's ``nn.remat`` keeps its
   own policy) except the gathered weights and copies of them (a transpose, reshape or widening
   cast of a matrix is recomputed, not saved: Hugging Face's ``FlaxConv1D`` computes
