@@ -34,6 +34,7 @@ from jaxzero.precision import DynamicLossScale as DynamicLossScale
 from jaxzero.precision import LossScaleState as LossScaleState
 from jaxzero.precision import Precision as Precision
 from jaxzero.precision import StaticLossScale as StaticLossScale
+from jaxzero.precision import with_state_dtype as with_state_dtype
 from jaxzero.simulate import simulate_cpu_devices as simulate_cpu_devices
 from jaxzero.train.loss import GlobalMean as GlobalMean
 from jaxzero.train.optimizer import ZeRO as ZeRO
@@ -86,4 +87,5 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embed",
     "vocab_table",
+    "with_state_dtype",
 ]

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.extend.core import Literal
 
 _COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -89,6 +90,54 @@ class Precision:
     def separate_master(self) -> bool:
         """Whether the state keeps a master copy apart from ``params``."""
         return self.param_dtype != self.master_dtype and self.compute_copy
+
+
+_STATE_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def with_state_dtype(tx, dtype) -> optax.GradientTransformationExtraArgs:
+    """``tx`` with its float32 state stored in ``dtype`` and its math in float32.
+
+    Megatron's precision-aware optimizer (``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``)
+    and torchtitan's bf16 optimizer states: Adam's moments kept in bfloat16 halve the state's
+    bytes, on the device or, with ``ZeRO(offload="optimizer")``, in host memory and on the
+    PCIe link each step. Each update widens the stored leaves to float32, runs ``tx.update``
+    and rounds the new state to ``dtype`` (to nearest even); the updates ``tx`` returns are
+    its float32 ones, so only the state is rounded, never the step it takes. Only float32
+    arrays are stored narrower: scalars (step counters, injected hyperparameters) and leaves
+    ``tx`` already keeps in another dtype are untouched. This is opt-in and not exact: compare a run's loss with
+    the float32 state before relying on it (``docs/benchmarks.md`` has one).
+
+    Args:
+      tx: an optax ``GradientTransformation``.
+      dtype: the storage dtype, ``jnp.bfloat16`` or ``jnp.float16``.
+
+    Returns:
+      A ``GradientTransformationExtraArgs`` whose state mirrors ``tx``'s with its float32
+      leaves in ``dtype``.
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"with_state_dtype(tx=...) takes an optax GradientTransformation, got "
+            f"{type(tx).__name__}."
+        )
+    store = _canon(dtype, _STATE_DTYPES, "with_state_dtype(dtype)")
+    tx = optax.with_extra_args_support(tx)
+    # float32 arrays only: a leaf the optimizer keeps narrower (adam's mu_dtype) stays its own,
+    # and scalars (injected hyperparameters, a schedule's state) keep their float32 values
+    narrow = lambda t: jax.tree.map(
+        lambda x: x.astype(store) if x.dtype == jnp.float32 and x.ndim > 0 else x, t
+    )
+
+    def init(params):
+        return narrow(tx.init(params))
+
+    def update(updates, state, params=None, **extra_args):
+        wide = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == store else x, state)
+        updates, new = tx.update(updates, wide, params, **extra_args)
+        return updates, narrow(new)
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 class LossScaleState(NamedTuple):
