@@ -16,8 +16,8 @@ running DeepSpeed itself on a CPU: ``docs/guide/deepspeed-cpu.md``).
   the jaxzero side), also behind ``jaxzero convert deepspeed2jax`` / ``jax2deepspeed``.
 """
 
-from jaxzero.interop.deepspeed._common import DeepSpeedCheckpointError
 from jaxzero.interop.deepspeed.convert import ConversionResult, deepspeed_to_jax, jax_to_deepspeed
+from jaxzero.interop.deepspeed.errors import DeepSpeedCheckpointError
 from jaxzero.interop.deepspeed.fp16 import loss_scale
 from jaxzero.interop.deepspeed.jax_state import adamw, from_train_state, to_train_state
 from jaxzero.interop.deepspeed.reader import DeepSpeedCheckpoint, read_checkpoint

@@ -15,25 +15,29 @@ import jaxzero.interop.deepspeed.update as U
 from jaxzero.interop.deepspeed.reader import DeepSpeedCheckpoint
 from jaxzero.interop.torch import names as ti_names
 
-__all__ = ["adamw", "groups_of", "settings_of"]
+__all__ = ["HYPER", "adamw", "check_groups", "groups_of", "names_only_map", "settings_of"]
 
 # tx -> the param groups and update settings it was built for (so write_checkpoint can recover
 # them from a ZeRO)
 _GROUPS: dict[int, tuple[optax.GradientTransformation, list[dict], U.UpdateSettings]] = {}
-_HYPER = ("lr", "betas", "eps", "weight_decay")
+#: the hyperparameters of a param group, beside its ``names``
+HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
-def _check_groups(param_groups) -> list[dict]:
+def check_groups(param_groups) -> list[dict]:
+    """``param_groups`` (a non-empty list of dicts with ``names`` and :data:`HYPER`) as plain
+    dicts of those keys alone, ``betas`` a tuple of floats; a TypeError or ValueError for
+    anything else."""
     if not isinstance(param_groups, list | tuple) or not param_groups:
         raise TypeError(f"param_groups must be a non-empty list of dicts, got {param_groups!r}")
     out = []
     for i, g in enumerate(param_groups):
-        missing = [k for k in ("names", *_HYPER) if k not in g]
+        missing = [k for k in ("names", *HYPER) if k not in g]
         if missing:
             raise ValueError(
                 f"param group {i} lacks {missing} (needs names, lr, betas, eps, weight_decay)"
             )
-        out.append({"names": list(g["names"]), **{k: g[k] for k in _HYPER}})
+        out.append({"names": list(g["names"]), **{k: g[k] for k in HYPER}})
         out[-1]["betas"] = tuple(float(b) for b in g["betas"])
     return out
 
@@ -99,16 +103,16 @@ def adamw(
         if ds_config is not None:
             raise ValueError("ds_config= is for a list of param groups; a checkpoint's own is used")
         settings = U.update_settings(param_groups, allow)
-        groups = _check_groups(param_groups.param_groups)
+        groups = check_groups(param_groups.param_groups)
     else:
-        groups = _check_groups(param_groups)
+        groups = check_groups(param_groups)
         settings = U.config_settings(ds_config, allow, param_groups=groups)
     names = {n: None for g in groups for n in g["names"]}
     if params_template is None:
         params_template = {n: jax.ShapeDtypeStruct((), jnp.float32) for n in names}
         nm = ti_names.NameMap(entries=tuple((n, (n,), "identity") for n in names))
     else:
-        nm = _names_only_map(list(names), params_template, name_map)
+        nm = names_only_map(list(names), params_template, name_map)
     parts = [*settings.transforms(), *_adamw_groups(groups, nm, params_template, settings)]
     tx = parts[0] if len(parts) == 1 else optax.chain(*parts)
     _GROUPS[id(tx)] = (tx, groups, settings)
@@ -165,7 +169,9 @@ def _adamw_groups(groups, nm, params_template, settings) -> list[optax.GradientT
     return [optax.multi_transform(inner, _label_tree(groups, nm, params_template, str))]
 
 
-def _names_only_map(names, params_template, name_map):
+def names_only_map(names, params_template, name_map):
+    """The checked name map pairing the torch param ``names`` with the leaves of
+    ``params_template`` (``name_map``: a ready NameMap, or overrides for the built one)."""
     if isinstance(name_map, ti_names.NameMap):
         return name_map
     nm = ti_names.build_name_map(list(names), params_template, overrides=name_map)

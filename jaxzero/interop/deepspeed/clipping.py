@@ -6,15 +6,22 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping
 
-from jaxzero.interop.deepspeed._common import DeepSpeedSettingError
+from jaxzero.interop.deepspeed.errors import DeepSpeedSettingError
 
-__all__ = ["chain_clipping", "check_config_clipping", "effective_clipping"]
+__all__ = [
+    "chain_clipping",
+    "check_config_clipping",
+    "config_number",
+    "effective_clipping",
+]
 
 # deepspeed/runtime/constants.py (0.19.8)
 GRADIENT_CLIPPING_DEFAULT = 1.0
 
 
-def _number(cfg: Mapping, key: str, default: float) -> tuple[float, bool]:
+def config_number(cfg: Mapping, key: str, default: float) -> tuple[float, bool]:
+    """``(cfg[key] as a float, False)``, or ``(default, True)`` when ``cfg`` has no ``key``; a
+    :class:`DeepSpeedSettingError` when the value is not a number."""
     if key not in cfg:
         return float(default), True
     v = cfg[key]
@@ -29,7 +36,9 @@ def effective_clipping(ds_config: Mapping | None, clip_grad: float | None = None
     none (DeepSpeed clips only when the value is > 0)."""
     if clip_grad is not None:
         return max(float(clip_grad), 0.0)
-    return max(_number(ds_config or {}, "gradient_clipping", GRADIENT_CLIPPING_DEFAULT)[0], 0.0)
+    return max(
+        config_number(ds_config or {}, "gradient_clipping", GRADIENT_CLIPPING_DEFAULT)[0], 0.0
+    )
 
 
 def _clip_words(clip: float) -> str:

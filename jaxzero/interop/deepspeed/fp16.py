@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 
-from jaxzero.interop.deepspeed._common import DeepSpeedSettingError
+from jaxzero.interop.deepspeed.errors import DeepSpeedSettingError
 from jaxzero.precision import DynamicLossScale, LossScaleState, StaticLossScale
 
 __all__ = ["fp16_block", "loss_scale", "loss_scale_state", "scale_from_config"]

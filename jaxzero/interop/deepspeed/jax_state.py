@@ -11,11 +11,11 @@ import numpy as np
 import jaxzero.interop.deepspeed.fp16 as LS
 import jaxzero.interop.deepspeed.update as U
 from jaxzero.interop.deepspeed.chain import (
-    _HYPER,
-    _check_groups,
-    _names_only_map,
+    HYPER,
     adamw,
+    check_groups,
     groups_of,
+    names_only_map,
     settings_of,
 )
 from jaxzero.interop.deepspeed.reader import DeepSpeedCheckpoint
@@ -70,7 +70,7 @@ def _check_tx(zero, ckpt: DeepSpeedCheckpoint, groups) -> None:
     diff = [
         f"group {i}: {k}={a[k]!r} vs checkpoint {b[k]!r}"
         for i, (a, b) in enumerate(zip(mine, groups, strict=False))
-        for k in ("names", *_HYPER)
+        for k in ("names", *HYPER)
         if (list(a[k]) if k == "names" else a[k]) != (list(b[k]) if k == "names" else b[k])
     ]
     if len(mine) != len(groups) or diff:
@@ -118,7 +118,7 @@ def to_train_state(
         raise TypeError(f"ckpt must be a DeepSpeedCheckpoint (read_checkpoint), got {type(ckpt)}")
     if not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}")
-    groups = _check_groups(ckpt.param_groups)
+    groups = check_groups(ckpt.param_groups)
     _check_tx(zero, ckpt, groups)
     scaler = _check_loss_scale(zero, ckpt)
     names = ckpt.param_names
@@ -145,7 +145,7 @@ def to_train_state(
     for g in groups:
         sd["param_groups"].append(
             {
-                **ti_opt.adamw_hyperparams(**{k: g[k] for k in _HYPER}),
+                **ti_opt.adamw_hyperparams(**{k: g[k] for k in HYPER}),
                 "params": list(range(start, start + len(g["names"]))),
             }
         )
@@ -230,7 +230,7 @@ def from_train_state(
             "cannot tell the param groups: pass param_groups=[{names, lr, betas, eps, "
             "weight_decay}, ...] or a zero whose tx was built by jaxzero.interop.deepspeed.adamw"
         )
-    groups = _check_groups(groups)
+    groups = check_groups(groups)
     settings = settings_of(zero.tx) if zero is not None else None
     lost = settings.not_written() if settings is not None else []
     if lost:
@@ -245,10 +245,10 @@ def from_train_state(
     nm = (
         name_map
         if isinstance(name_map, ti_names.NameMap)
-        else _names_only_map(names, master, name_map)
+        else names_only_map(names, master, name_map)
     )
     weights = {n: t.numpy() for n, t in ti_names.flax_to_torch(master, nm).items()}
-    hp = [ti_opt.adamw_hyperparams(**{k: g[k] for k in _HYPER}) for g in groups]
+    hp = [ti_opt.adamw_hyperparams(**{k: g[k] for k in HYPER}) for g in groups]
     osd = ti_opt.export_optimizer_state(
         state.opt_state, [g["names"] for g in groups], hyperparams=hp, name_map=nm
     )

@@ -13,14 +13,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-import jaxzero.interop.deepspeed._gather as _gather
-from jaxzero.interop.deepspeed._common import (
+from jaxzero.interop.deepspeed import gather
+from jaxzero.interop.deepspeed.errors import (
     DeepSpeedCheckpointError,
-    _compute_array,
-    _err,
-    _load,
-    _need,
-    _shapes,
+    compute_array,
+    error,
+    load,
+    need,
+    param_shapes,
 )
 
 __all__ = ["DeepSpeedCheckpoint", "DeepSpeedCheckpointError", "read_checkpoint"]
@@ -102,31 +102,31 @@ def resolve_tag_dir(save_dir, tag=None) -> tuple[str, str]:
     if tag is None:
         latest = os.path.join(save_dir, "latest")
         if not os.path.isfile(latest):
-            raise _err(latest, "no such file; pass tag= (a sub-directory of the save dir)")
+            raise error(latest, "no such file; pass tag= (a sub-directory of the save dir)")
         with open(latest) as f:
             tag = f.read().strip()
     tag_dir = os.path.join(save_dir, str(tag))
     if not os.path.isdir(tag_dir):
-        raise _err(tag_dir, f"no such directory (tag {tag!r})")
+        raise error(tag_dir, f"no such directory (tag {tag!r})")
     return tag_dir, str(tag)
 
 
 def _model_states(tag_dir) -> tuple[dict, str, bool]:
     files = sorted(os.listdir(tag_dir))
     if any(f.startswith("layer_") for f in files):
-        raise _err(
+        raise error(
             tag_dir, "a pipeline-parallel checkpoint (layer_* files); only pp=1 is supported"
         )
     other_mp = [f for f in files if re.search(r"mp_rank_(?!00)\d+", f)]
     if other_mp:
-        raise _err(
+        raise error(
             tag_dir, f"model-parallel files {other_mp[:3]}; only mp_world_size 1 is supported"
         )
     for name, zero3 in ((MODEL_FILE, False), (ZERO3_MODEL_FILE.format(rank=0), True)):
         path = os.path.join(tag_dir, name)
         if os.path.isfile(path):
-            return _load(path, "DeepSpeed model-states file"), path, zero3
-    raise _err(
+            return load(path, "DeepSpeed model-states file"), path, zero3
+    raise error(
         tag_dir, f"no {MODEL_FILE} or {ZERO3_MODEL_FILE.format(rank=0)}: not a DeepSpeed tag"
     )
 
@@ -136,7 +136,7 @@ def _check_parallel(ms, path) -> None:
     dims = ms.get("checkpoint_parallel_dimensions") or {}
     pp, tp = dims.get("pp_degree", 1), dims.get("tp_degree", 1)
     if mp != 1 or pp != 1 or tp != 1:
-        raise _err(
+        raise error(
             path,
             f"model/pipeline parallelism (mp_world_size={mp}, pp_degree={pp}, tp_degree={tp}) "
             "is not supported; only data parallelism (ZeRO) is",
@@ -153,16 +153,16 @@ def _optim_paths(tag_dir, world_size: int, bf16_first: bool) -> list[str]:
     prefix = next((p for p in order if found[p]), None)
     if prefix is None:
         want = os.path.join(tag_dir, OPTIM_FILE.format(prefix="", rank=0))
-        raise _err(want, "no such file: no ZeRO optimizer files (ZeRO disabled, or partial?)")
+        raise error(want, "no such file: no ZeRO optimizer files (ZeRO disabled, or partial?)")
     paths = [
         os.path.join(tag_dir, OPTIM_FILE.format(prefix=prefix, rank=r)) for r in range(world_size)
     ]
     missing = [p for r, p in enumerate(paths) if r not in found[prefix]]
     if missing:
-        raise _err(missing[0], f"no such file: the checkpoint is partial ({world_size} ranks)")
+        raise error(missing[0], f"no such file: the checkpoint is partial ({world_size} ranks)")
     extra = sorted(r for r in found[prefix] if r >= world_size)
     if extra:
-        raise _err(tag_dir, f"optimizer files for ranks {extra} but dp_world_size is {world_size}")
+        raise error(tag_dir, f"optimizer files for ranks {extra} but dp_world_size is {world_size}")
     return paths
 
 
@@ -171,30 +171,32 @@ def _groups_of(inner_groups, shapes, zero3: bool, path) -> list[list[str]]:
     """The names in each param group (ZeRO 3: the union of its sub-groups)."""
     if not zero3:
         if len(inner_groups) != len(shapes):
-            raise _err(path, f"{len(inner_groups)} param groups but param_shapes has {len(shapes)}")
+            raise error(
+                path, f"{len(inner_groups)} param groups but param_shapes has {len(shapes)}"
+            )
         return [list(s) for s in shapes]
     out = []
     for g in inner_groups:
         subs = list(g["params"])
         bad = [s for s in subs if not (isinstance(s, int) and 0 <= s < len(shapes))]
         if bad:
-            raise _err(path, f"param group lists sub-groups {bad} beyond param_shapes")
+            raise error(path, f"param group lists sub-groups {bad} beyond param_shapes")
         out.append([n for s in subs for n in shapes[s]])
     return out
 
 
 def _module(ms, path, zero3: bool, params, dtype):
-    module = _need(ms, "module", path)
-    names = list(_need(ms, "buffer_names", path))
+    module = need(ms, "module", path)
+    names = list(need(ms, "buffer_names", path))
     missing = [n for n in names if n not in module]
     if missing:
-        raise _err(path, f"buffers {missing} are listed in buffer_names but not in module")
-    buffers = {n: _compute_array(module[n]) for n in names}
+        raise error(path, f"buffers {missing} are listed in buffer_names but not in module")
+    buffers = {n: compute_array(module[n]) for n in names}
     if not zero3:
         missing = [n for n in params if n not in module]
         if missing:
-            raise _err(path, f"module lacks the params {missing[:5]}")
-        return {n: _compute_array(module[n]) for n in params}, buffers
+            raise error(path, f"module lacks the params {missing[:5]}")
+        return {n: compute_array(module[n]) for n in params}, buffers
     import ml_dtypes
 
     cast = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}.get(dtype, np.float32)
@@ -231,7 +233,7 @@ def read_checkpoint(save_dir, tag=None) -> DeepSpeedCheckpoint:
     try:
         return _read(tag_dir)
     except (KeyError, IndexError, TypeError, AttributeError) as e:
-        raise _err(
+        raise error(
             tag_dir,
             f"unexpected file contents ({type(e).__name__}: {e}); is the "
             "checkpoint damaged or from another DeepSpeed version than 0.19.8?",
@@ -243,30 +245,30 @@ def _read(tag_dir) -> DeepSpeedCheckpoint:
     _check_parallel(ms, ms_path)
     cfg = ms.get("ds_config") or {}
     dtype = _dtype(cfg)
-    world = int(_need(ms, "dp_world_size", ms_path))
-    shapes = _shapes(_need(ms, "param_shapes", ms_path), ms_path)
+    world = int(need(ms, "dp_world_size", ms_path))
+    shapes = param_shapes(need(ms, "param_shapes", ms_path), ms_path)
     paths = _optim_paths(tag_dir, world, dtype == "bf16")
-    sds = [_load(p, "DeepSpeed optimizer file") for p in paths]
-    osds = [_need(sd, "optimizer_state_dict", p) for sd, p in zip(sds, paths, strict=True)]
+    sds = [load(p, "DeepSpeed optimizer file") for p in paths]
+    osds = [need(sd, "optimizer_state_dict", p) for sd, p in zip(sds, paths, strict=True)]
     stage_key = osds[0].get("zero_stage")
     bf16_opt = stage_key is None and "single_partition_of_fp32_groups" in osds[0]
-    stage = 1 if bf16_opt else int(_need(osds[0], "zero_stage", paths[0]))
+    stage = 1 if bf16_opt else int(need(osds[0], "zero_stage", paths[0]))
     if (stage == 3) != zero3:
-        raise _err(paths[0], f"zero_stage {stage} does not match the model-states files")
+        raise error(paths[0], f"zero_stage {stage} does not match the model-states files")
     if zero3:
-        inner = _need(osds[0], "optimizer_state_dict", paths[0])
-        values, steps = _gather.gather_zero3(osds, paths, shapes)
+        inner = need(osds[0], "optimizer_state_dict", paths[0])
+        values, steps = gather.gather_zero3(osds, paths, shapes)
     else:
-        inner = _need(osds[0], "base_optimizer_state", paths[0])
-        values, steps = _gather.gather_zero12(osds, paths, shapes, bf16_opt)
-    groups_raw = _need(inner, "param_groups", paths[0]) if isinstance(inner, Mapping) else None
+        inner = need(osds[0], "base_optimizer_state", paths[0])
+        values, steps = gather.gather_zero12(osds, paths, shapes, bf16_opt)
+    groups_raw = need(inner, "param_groups", paths[0]) if isinstance(inner, Mapping) else None
     if groups_raw is None:  # elastic ZeRO-1/2: no torch param groups saved; use the config
-        raise _err(
+        raise error(
             paths[0], "elastic checkpoints (no base optimizer param_groups) are not supported"
         )
-    kind = _gather.optimizer_kind(cfg, groups_raw, paths[0])
+    kind = gather.optimizer_kind(cfg, groups_raw, paths[0])
     names = _groups_of(groups_raw, shapes, zero3, paths[0])
-    step = _gather.common_step(steps, paths[0])
+    step = gather.common_step(steps, paths[0])
     params = {n: v[0] for n, v in values.items()}
     module, buffers = _module(ms, ms_path, zero3, params, dtype)
     return DeepSpeedCheckpoint(
@@ -276,7 +278,7 @@ def _read(tag_dir) -> DeepSpeedCheckpoint:
         module=module,
         buffers=buffers,
         step=step,
-        param_groups=[_gather.hyper(g, n) for g, n in zip(groups_raw, names, strict=True)],
+        param_groups=[gather.hyper(g, n) for g, n in zip(groups_raw, names, strict=True)],
         zero_stage=stage,
         world_size=world,
         ds_config=dict(cfg),
@@ -288,7 +290,7 @@ def _read(tag_dir) -> DeepSpeedCheckpoint:
         lr_scheduler=ms.get("lr_scheduler"),
         loss_scaler=_loss_scaler(osds[0], paths[0]),
         skipped_steps=ms.get("skipped_steps"),
-        l2_weight_decay=_gather.l2_weight_decay(cfg, groups_raw),
+        l2_weight_decay=gather.l2_weight_decay(cfg, groups_raw),
     )
 
 
@@ -314,7 +316,7 @@ def _loss_scaler(osd, path) -> dict | None:
     state = getattr(scaler, "__dict__", {})
     missing = [k for k in _SCALER_KEYS if k not in state]
     if missing:
-        raise _err(path, f"the dynamic loss scaler lacks {missing}")
+        raise error(path, f"the dynamic loss scaler lacks {missing}")
     return {k: state[k] for k in _SCALER_KEYS}
 
 
@@ -323,5 +325,5 @@ def _clip_grad(osd, path) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _err(path, f"clip_grad is {value!r}, expected a number")
+        raise error(path, f"clip_grad is {value!r}, expected a number")
     return float(value)

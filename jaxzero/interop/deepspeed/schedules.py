@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 import jax.numpy as jnp
 import optax
 
-from jaxzero.interop.deepspeed._common import DeepSpeedSettingError
+from jaxzero.interop.deepspeed.errors import DeepSpeedSettingError
 
 __all__ = ["SCHEDULERS", "GroupSchedule", "Schedule", "read"]
 

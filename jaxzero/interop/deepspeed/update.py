@@ -31,14 +31,14 @@ import optax
 
 import jaxzero.interop.deepspeed.fp16 as LS
 import jaxzero.interop.deepspeed.schedules as S
-from jaxzero.interop.deepspeed._common import DeepSpeedSettingError
 from jaxzero.interop.deepspeed.clipping import (
     GRADIENT_CLIPPING_DEFAULT,
-    _number,
     chain_clipping,
     check_config_clipping,
+    config_number,
     effective_clipping,
 )
+from jaxzero.interop.deepspeed.errors import DeepSpeedSettingError
 from jaxzero.precision import DynamicLossScale
 
 __all__ = [
@@ -155,7 +155,7 @@ class _Reader:
 
 
 def _clipping(r: _Reader, clip_grad) -> float:
-    value, default = _number(r.cfg, "gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
+    value, default = config_number(r.cfg, "gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
     clip = effective_clipping(r.cfg, clip_grad)
     effect = (
         f"optax.clip_by_global_norm({clip:g}) on the averaged gradient, before AdamW"
@@ -187,7 +187,9 @@ def _reduction(r: _Reader, stage, world_size) -> None:
         "prescale_gradients" not in r.cfg,
         "no effect on the update (divides before or after the all-reduce; same mean)",
     )
-    f, default = _number(r.cfg, "gradient_predivide_factor", GRADIENT_PREDIVIDE_FACTOR_DEFAULT)
+    f, default = config_number(
+        r.cfg, "gradient_predivide_factor", GRADIENT_PREDIVIDE_FACTOR_DEFAULT
+    )
     if stage == 3 and not pre and f != 1.0 and (world_size is None or f == world_size):
         why = (
             "DeepSpeed 0.19.8's ZeRO-3 divides by it and by the world size but multiplies it "

@@ -6,7 +6,9 @@ import math
 from collections.abc import Mapping
 
 import jaxzero.interop.deepspeed.layout as L
-from jaxzero.interop.deepspeed._common import _ADAM_KEYS, _err, _need, _np, _scalar
+from jaxzero.interop.deepspeed.errors import error, float_array, need, scalar
+
+_ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 
 
 def optimizer_kind(ds_config: Mapping, groups: list[Mapping], path) -> str:
@@ -16,14 +18,14 @@ def optimizer_kind(ds_config: Mapping, groups: list[Mapping], path) -> str:
     if opt:
         kind = str(opt.get("type", "")).lower()
         if kind not in ("adam", "adamw"):
-            raise _err(path, f"optimizer type {opt.get('type')!r} is not supported (AdamW only)")
+            raise error(path, f"optimizer type {opt.get('type')!r} is not supported (AdamW only)")
     elif {"momentum", "dampening"} & keys or not {"betas", "eps"} <= keys:
-        raise _err(path, f"a client optimizer with param-group keys {sorted(keys)} (AdamW only)")
+        raise error(path, f"a client optimizer with param-group keys {sorted(keys)} (AdamW only)")
     for g in groups:
         if g.get("amsgrad") or g.get("maximize"):
-            raise _err(path, "AdamW with amsgrad/maximize is not supported")
+            raise error(path, "AdamW with amsgrad/maximize is not supported")
         if g.get("bias_correction") is False:
-            raise _err(path, "Adam without bias correction is not supported")
+            raise error(path, "Adam without bias correction is not supported")
     torch_keys = {"decoupled_weight_decay", "foreach"} & keys
     return "torch.optim.AdamW" if torch_keys else "FusedAdam"
 
@@ -42,7 +44,7 @@ def l2_weight_decay(ds_config: Mapping, groups: list[Mapping]) -> bool:
 def hyper(group: Mapping, names: list[str]) -> dict:
     return {
         "names": list(names),
-        "lr": float(_scalar(group["lr"])),
+        "lr": float(scalar(group["lr"])),
         "betas": [float(b) for b in group["betas"]],
         "eps": float(group["eps"]),
         "weight_decay": float(group.get("weight_decay", 0.0)),
@@ -53,14 +55,16 @@ def adam_entry(state: Mapping, key, path) -> dict:
     entry = state.get(key) if isinstance(state, Mapping) else None
     if not isinstance(entry, Mapping) or set(entry) != _ADAM_KEYS:
         got = sorted(entry) if isinstance(entry, Mapping) else entry
-        raise _err(path, f"optimizer state {key!r} is {got}, expected AdamW's {sorted(_ADAM_KEYS)}")
+        raise error(
+            path, f"optimizer state {key!r} is {got}, expected AdamW's {sorted(_ADAM_KEYS)}"
+        )
     return entry
 
 
 def common_step(steps: list[float], path) -> int:
     distinct = set(steps)
     if len(distinct) != 1 or not float(next(iter(distinct))).is_integer():
-        raise _err(
+        raise error(
             path, f"the optimizer states have different or fractional steps {sorted(distinct)}"
         )
     return int(distinct.pop())
@@ -68,21 +72,21 @@ def common_step(steps: list[float], path) -> int:
 
 def _rank_group(osd, g, path, bf16_opt):
     """(fp32 partition, exp_avg, exp_avg_sq, step) of group g in one rank's ZeRO-1/2 state."""
-    parts = _need(osd, "single_partition_of_fp32_groups", path)
-    base = _need(osd, "base_optimizer_state", path)
+    parts = need(osd, "single_partition_of_fp32_groups", path)
+    base = need(osd, "base_optimizer_state", path)
     if g >= len(parts):
-        raise _err(path, f"{len(parts)} fp32 partitions but the model has param group {g}")
+        raise error(path, f"{len(parts)} fp32 partitions but the model has param group {g}")
     if isinstance(base, list):  # elastic checkpoint: one lean state per group
         entry = adam_entry(dict(enumerate(base)), g, path)
     else:
-        pid = _need(base, "param_groups", path)[g]["params"][0]
-        entry = adam_entry(_need(base, "state", path), pid, path)
-    fp32 = _np(parts[g], path, f"fp32 partition {g}")
+        pid = need(base, "param_groups", path)[g]["params"][0]
+        entry = adam_entry(need(base, "state", path), pid, path)
+    fp32 = float_array(parts[g], path, f"fp32 partition {g}")
     return (
         fp32,
-        _np(entry["exp_avg"], path, "exp_avg"),
-        _np(entry["exp_avg_sq"], path, "exp_avg_sq"),
-        _scalar(entry["step"]),
+        float_array(entry["exp_avg"], path, "exp_avg"),
+        float_array(entry["exp_avg_sq"], path, "exp_avg_sq"),
+        scalar(entry["step"]),
     )
 
 
@@ -96,7 +100,7 @@ def gather_zero12(osds, paths, shapes, bf16_opt: bool):
         pads = osds[0].get("param_alignment_paddings")
         pads = list(pads[g]) if pads is not None else [0] * len(names)
         if len(pads) != len(names):
-            raise _err(
+            raise error(
                 paths[0],
                 f"group {g}: param_alignment_paddings lists {len(pads)} params "
                 f"but param_shapes has {len(names)}; the files do not belong together",
@@ -109,7 +113,7 @@ def gather_zero12(osds, paths, shapes, bf16_opt: bool):
             real = L.zero12_real_length(used, size, r)
             want = size if bf16_opt else real
             if fp32.size != want:
-                raise _err(
+                raise error(
                     path,
                     f"group {g}: fp32 partition has {fp32.size} elements, expected {want} "
                     f"(partition {size} of a {used}-element group over {w} ranks); the file "
@@ -117,7 +121,7 @@ def gather_zero12(osds, paths, shapes, bf16_opt: bool):
                 )
             for name, moment in (("exp_avg", m), ("exp_avg_sq", v)):
                 if not real <= moment.size <= size:
-                    raise _err(
+                    raise error(
                         path, f"group {g}: {name} has {moment.size} elements, expected {size}"
                     )
             fl.append(fp32[:real])
@@ -135,11 +139,11 @@ def gather_zero3(osds, paths, shapes):
     w = len(osds)
     per_rank = []
     for osd, path in zip(osds, paths, strict=True):
-        flats = _need(osd, "fp32_flat_groups", path)
-        inner = _need(osd, "optimizer_state_dict", path)
-        state = _need(inner, "state", path, "optimizer state")
+        flats = need(osd, "fp32_flat_groups", path)
+        inner = need(osd, "optimizer_state_dict", path)
+        state = need(inner, "state", path, "optimizer state")
         if len(flats) != len(shapes):
-            raise _err(path, f"{len(flats)} fp32 flat groups but param_shapes has {len(shapes)}")
+            raise error(path, f"{len(flats)} fp32 flat groups but param_shapes has {len(shapes)}")
         per_rank.append((flats, state))
     out, steps = {}, []
     for s, group in enumerate(shapes):
@@ -150,20 +154,20 @@ def gather_zero3(osds, paths, shapes):
         for (flats, state), path in zip(per_rank, paths, strict=True):
             entry = adam_entry(state, s, path)
             arrays = (
-                _np(flats[s], path, f"fp32 group {s}"),
-                _np(entry["exp_avg"], path, "exp_avg"),
-                _np(entry["exp_avg_sq"], path, "exp_avg_sq"),
+                float_array(flats[s], path, f"fp32 group {s}"),
+                float_array(entry["exp_avg"], path, "exp_avg"),
+                float_array(entry["exp_avg_sq"], path, "exp_avg_sq"),
             )
             for a, label in zip(arrays, ("fp32 group", "exp_avg", "exp_avg_sq"), strict=True):
                 if a.size != want:
-                    raise _err(
+                    raise error(
                         path,
                         f"sub-group {s}: {label} has {a.size} elements, expected "
                         f"{want} (chunks of ceil(numel/{w})); does not match param_shapes",
                     )
             for c, a in zip(cols, arrays, strict=True):
                 c.append(a)
-            steps.append(_scalar(entry["step"]))
+            steps.append(scalar(entry["step"]))
         joined = [L.zero3_join(c, numels) for c in cols]
         for i, name in enumerate(names):
             out[name] = tuple(j[i].reshape(group[name]) for j in joined)

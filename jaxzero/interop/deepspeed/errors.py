@@ -1,4 +1,5 @@
-"""Errors and small conversions shared by the DeepSpeed reader and writer."""
+"""The DeepSpeed errors, and the checked reads of a checkpoint's files that raise them (an
+entry, a tensor, a scalar, the param shapes) for the reader and its gathering."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ from collections.abc import Mapping
 import numpy as np
 
 import jaxzero.interop.deepspeed._pickle as _pickle
-
-_ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 
 
 class DeepSpeedCheckpointError(ValueError):
@@ -19,19 +18,22 @@ class DeepSpeedSettingError(ValueError):
     """A ``ds_config`` setting that changes the update and that jaxzero does not reproduce."""
 
 
-# ------------------------------------------------------------------ small helpers
-def _err(path, msg: str) -> DeepSpeedCheckpointError:
+def error(path, msg: str) -> DeepSpeedCheckpointError:
+    """A :class:`DeepSpeedCheckpointError` naming the file ``path``."""
     return DeepSpeedCheckpointError(f"{path}: {msg}")
 
 
-def _need(d, key, path, what="file"):
+def need(d, key, path, what="file"):
+    """``d[key]``, or an error naming ``path`` and the keys ``d`` has (``what``: what was read)."""
     if not isinstance(d, Mapping) or key not in d:
         have = sorted(map(str, d))[:12] if isinstance(d, Mapping) else type(d).__name__
-        raise _err(path, f"the {what} has no {key!r} entry (has {have}); is it damaged?")
+        raise error(path, f"the {what} has no {key!r} entry (has {have}); is it damaged?")
     return d[key]
 
 
-def _load(path, what):
+def load(path, what):
+    """The pickled ``what`` at ``path``, read by the allowlisting loader; a missing or unreadable
+    file is a :class:`DeepSpeedCheckpointError` (an unsafe one stays an ``UnsafeFileError``)."""
     from jaxzero.interop.safe_pickle import UnsafeFileError
 
     try:
@@ -44,14 +46,15 @@ def _load(path, what):
         raise DeepSpeedCheckpointError(str(e)) from None
 
 
-def _np(x, path, what) -> np.ndarray:
+def float_array(x, path, what) -> np.ndarray:
+    """The torch tensor ``x`` as a flat float32 numpy array (an error when it is not a tensor)."""
     if not (type(x).__module__.startswith("torch") and hasattr(x, "shape")):
-        raise _err(path, f"{what} is {type(x).__name__}, expected a tensor")
+        raise error(path, f"{what} is {type(x).__name__}, expected a tensor")
     t = x.detach().cpu().reshape(-1)
     return t.float().numpy().copy()
 
 
-def _compute_array(x) -> np.ndarray:
+def compute_array(x) -> np.ndarray:
     """A torch tensor as numpy, keeping bfloat16 (as ml_dtypes.bfloat16)."""
     import ml_dtypes
     import torch
@@ -62,13 +65,15 @@ def _compute_array(x) -> np.ndarray:
     return t.numpy().copy()
 
 
-def _scalar(x) -> float:
+def scalar(x) -> float:
+    """``x`` (a number or a one-element tensor) as a float."""
     if hasattr(x, "item"):
         x = x.item()
     return float(x)
 
 
-def _shapes(groups, path) -> list[dict[str, tuple[int, ...]]]:
+def param_shapes(groups, path) -> list[dict[str, tuple[int, ...]]]:
+    """A model file's ``param_shapes`` (one name -> shape dict per group), checked."""
     if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
-        raise _err(path, f"param_shapes must be a list of name->shape dicts, got {groups!r}")
+        raise error(path, f"param_shapes must be a list of name->shape dicts, got {groups!r}")
     return [{n: tuple(int(d) for d in s) for n, s in g.items()} for g in groups]
