@@ -80,8 +80,8 @@ def _check_nested_dicts(template, spec: str) -> None:
     lists, tuples), whose structure the written checkpoint would not have."""
     import jax
 
-    from jaxzero.interop.torch._common import by_path
-    from jaxzero.interop.torch._convert_common import nest
+    from jaxzero.interop.torch.common import by_path
+    from jaxzero.interop.torch.convert_common import nest
 
     rebuilt = nest(dict.fromkeys(by_path(template), 0))
     if jax.tree.structure(rebuilt) != jax.tree.structure(jax.tree.map(lambda _: 0, template)):
@@ -100,8 +100,8 @@ def template_name_map(torch_shapes: Mapping, template, overrides=None, spec: str
       ValueError: a torch param with no leaf, a leaf with no torch param, or a pairing whose
         layout the name map cannot express (each listed).
     """
-    from jaxzero.interop.torch._torch_files import _kind_for
     from jaxzero.interop.torch.names import build_name_map
+    from jaxzero.interop.torch.torch_files import _kind_for
 
     _check_nested_dicts(template, spec)
     nm = build_name_map(dict(torch_shapes), template, overrides=overrides)
@@ -131,7 +131,7 @@ def deepspeed_name_map(save_dir, tag, spec: str, name_map_file: str | None) -> d
     """The name map that converts the DeepSpeed checkpoint ``save_dir``/``tag`` into the params
     structure ``spec`` returns (``name_map_file``: overrides)."""
     from jaxzero.interop.deepspeed import read_checkpoint
-    from jaxzero.interop.torch._convert_common import read_name_map
+    from jaxzero.interop.torch.convert_common import read_name_map
 
     template = load_params_template(spec)
     ckpt = read_checkpoint(save_dir, tag)

@@ -74,8 +74,8 @@ class ConversionResult:
 
 def _name_map(ckpt, name_map):
     """(params template of numpy arrays, NameMap) from a JSON file / dict name map or None."""
-    from jaxzero.interop.torch._convert_common import read_name_map
-    from jaxzero.interop.torch._torch_files import build_params
+    from jaxzero.interop.torch.convert_common import read_name_map
+    from jaxzero.interop.torch.torch_files import build_params
 
     nm_json = read_name_map(name_map) if isinstance(name_map, str) else name_map
     return build_params(ckpt.params, ckpt.param_names, nm_json)
@@ -213,7 +213,7 @@ def _record(save_dir, tag, ckpt, nm, template, settings) -> dict:
 
 
 def _params_meta(template) -> list:
-    from jaxzero.interop.torch._common import by_path
+    from jaxzero.interop.torch.common import by_path
 
     return [["/".join(p), list(np.shape(v)), "float32"] for p, v in by_path(template).items()]
 
@@ -270,7 +270,7 @@ def jax_to_deepspeed(
         tuple(p.split("/")): jax.ShapeDtypeStruct(tuple(s), np.dtype(d))
         for p, s, d in rec["params"]
     }
-    from jaxzero.interop.torch._convert_common import nest as _nest
+    from jaxzero.interop.torch.convert_common import nest as _nest
 
     abstract = _nest(leaves)
     nm = NameMap(entries=tuple((n, tuple(p.split("/")), k) for n, p, k in rec["name_map"]))

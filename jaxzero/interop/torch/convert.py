@@ -34,8 +34,8 @@ import numpy as np
 
 from jaxzero import _tree
 from jaxzero.interop.torch import optimizer_state
-from jaxzero.interop.torch._common import by_path, to_torch_shape
-from jaxzero.interop.torch._convert_common import (
+from jaxzero.interop.torch.common import by_path, to_torch_shape
+from jaxzero.interop.torch.convert_common import (
     CONSOLIDATED_FILE,
     CONVERT_KEY,
     FORMAT,
@@ -48,14 +48,15 @@ from jaxzero.interop.torch._convert_common import (
     check_world_size,
     owner_ranks,
 )
-from jaxzero.interop.torch._jax_files import (
+from jaxzero.interop.torch.jax_files import (
     JaxCheckpoint,
     check_adamw_state,
     hyperparams_of,
     read_jax_checkpoint,
 )
-from jaxzero.interop.torch._load import torch_module
-from jaxzero.interop.torch._torch_files import (
+from jaxzero.interop.torch.loading import torch_module
+from jaxzero.interop.torch.names import NameMap, flax_to_torch
+from jaxzero.interop.torch.torch_files import (
     TorchCheckpoint,
     build_params,
     find_rank_files,
@@ -63,7 +64,6 @@ from jaxzero.interop.torch._torch_files import (
     param_names_of,
     read_torch_checkpoint,
 )
-from jaxzero.interop.torch.names import NameMap, flax_to_torch
 
 __all__ = [
     "CONSOLIDATED_FILE",

@@ -10,8 +10,8 @@ import numpy as np
 
 from jaxzero.ema import storage
 from jaxzero.ema.ema import EmaState
-from jaxzero.interop.torch._common import is_float, join, place, to_host
-from jaxzero.interop.torch._load import as_state_dict, load
+from jaxzero.interop.torch.common import is_float, join, place, to_host
+from jaxzero.interop.torch.loading import as_state_dict, load
 from jaxzero.interop.torch.names import flax_to_torch, torch_to_flax
 
 __all__ = ["import_ema", "export_ema"]

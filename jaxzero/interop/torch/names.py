@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from jaxzero.interop.torch._common import (
+from jaxzero.interop.torch.common import (
     KINDS,
     by_path,
     fmt_path,
@@ -27,7 +27,7 @@ from jaxzero.interop.torch._common import (
     to_host,
     to_torch,
 )
-from jaxzero.interop.torch._load import as_state_dict, torch_module
+from jaxzero.interop.torch.loading import as_state_dict, torch_module
 
 __all__ = ["NameMap", "build_name_map", "torch_to_flax", "flax_to_torch"]
 

@@ -9,10 +9,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxzero.interop.torch._common import fmt_path, join, shape_of
-from jaxzero.interop.torch._load import load, optimizer_state_dict_problem, torch_module
-from jaxzero.interop.torch._opt_nodes import TORCH_FIELDS, OptNodes
+from jaxzero.interop.torch.common import fmt_path, join, shape_of
+from jaxzero.interop.torch.loading import load, optimizer_state_dict_problem, torch_module
 from jaxzero.interop.torch.names import fits
+from jaxzero.interop.torch.opt_nodes import TORCH_FIELDS, OptNodes
 from jaxzero.interop.torch.partition import greedy_partition
 
 __all__ = [

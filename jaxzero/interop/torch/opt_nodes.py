@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from jaxzero.interop.torch._common import (
+from jaxzero.interop.torch.common import (
     by_path,
     fmt_path,
     join,

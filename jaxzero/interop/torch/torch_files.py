@@ -10,14 +10,14 @@ import re
 from collections.abc import Mapping
 
 from jaxzero.interop.safe_pickle import UnsafeFileError
-from jaxzero.interop.torch._common import is_tensor, to_flax, to_host
-from jaxzero.interop.torch._convert_common import (
+from jaxzero.interop.torch.common import is_tensor, to_flax, to_host
+from jaxzero.interop.torch.convert_common import (
     ConvertError,
     check_world_size,
     nest,
     read_name_map,
 )
-from jaxzero.interop.torch._load import load, optimizer_state_dict_problem
+from jaxzero.interop.torch.loading import load, optimizer_state_dict_problem
 from jaxzero.interop.torch.names import NameMap
 
 _BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")

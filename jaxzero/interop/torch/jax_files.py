@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from jaxzero import _tree
-from jaxzero.interop.torch._convert_common import (
+from jaxzero.interop.torch.convert_common import (
     CONVERT_KEY,
     OPTIMIZER,
     ConvertError,

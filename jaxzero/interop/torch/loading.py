@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 
 from jaxzero.interop.safe_pickle import RESAVE_HINT, load_torch_file, torch_module
-from jaxzero.interop.torch._common import join
+from jaxzero.interop.torch.common import join
 
 __all__ = ["as_state_dict", "load", "optimizer_state_dict_problem", "torch_module"]
 
