@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import jax
 
-from jaxzero._tree import check_not_donated
 from jaxzero.distributed.host import gather as gather
 from jaxzero.distributed.host import gather_to_host as gather_to_host
 from jaxzero.distributed.host import mesh_of as mesh_of
 from jaxzero.distributed.host import replicator
 from jaxzero.train.state import TrainState
+from jaxzero.trees import check_not_donated
 
 
 def ema_params(state: TrainState, dtype=None):

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jaxzero as jz
-from jaxzero import _tree, cli
+from jaxzero import cli, trees
 
 GB = 10**9
 LEGACY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "legacy_ckpt")
@@ -140,7 +140,7 @@ def test_inspect_names_the_chain_not_its_closures(tmp_path, capsys):
 )
 def test_readable_repr(tx, readable):
     text = tx if isinstance(tx, str) else repr(tx)
-    assert (_tree.readable_repr(text) == text) if readable else _tree.readable_repr(text) is None
+    assert (trees.readable_repr(text) == text) if readable else trees.readable_repr(text) is None
 
 
 def test_jax2torch_summary_prints_torch_shapes(tmp_path, capsys):

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxzero as jz
-from jaxzero._tree import path_strs
+from jaxzero.trees import path_strs
 from jaxzero.zero.layers import vocab
 
 N = 8

@@ -19,9 +19,9 @@ from hf_models import hf_llama, hf_t5, token_batches
 from models import make_problem, train
 
 import jaxzero as jz
-from jaxzero._tree import path_strs
 from jaxzero.gpu.models import model_shape
 from jaxzero.gpu.plan import row_estimate, unit_bound
+from jaxzero.trees import path_strs
 from jaxzero.zero.units import plan as units_mod
 
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6, weight_decay=0.1))

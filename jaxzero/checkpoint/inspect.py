@@ -7,7 +7,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero import _tree
+from jaxzero import trees
 from jaxzero.checkpoint.adopt import describe_plain
 from jaxzero.checkpoint.io import (
     _has_item,
@@ -43,7 +43,7 @@ def _rows(flat: dict) -> list[dict]:
 
 
 def _metadata_lines(meta: dict) -> list[str]:
-    optimizer = _tree.readable_repr(meta.get("optimizer"))  # None: optax closures, say nothing
+    optimizer = trees.readable_repr(meta.get("optimizer"))  # None: optax closures, say nothing
     lines = [
         f"  jaxzero version: {meta.get('jaxzero_version')}",
         f"  ZeRO stage: {meta.get('stage')}",
@@ -138,7 +138,7 @@ def inspect(directory, *, step: int | None = None) -> str:
             lines.append("  (no jaxzero metadata: leaves from the Orbax tree metadata)")
             rows = _rows(_stored_tree(mngr, step))
         total = sum(r["bytes"] for r in rows)
-        size = _tree.format_bytes(total, binary=True)
+        size = trees.format_bytes(total, binary=True)
         lines.append(f"  state: {len(rows)} leaves, {total} bytes ({size})")
         lines += ["    " + line for line in _table(rows)]
         lines += _extra_lines(mngr, step)

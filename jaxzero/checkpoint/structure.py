@@ -12,12 +12,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
-from jaxzero._tree import node_types, readable_repr
 from jaxzero._version import __version__
 from jaxzero.ema import storage
 from jaxzero.evaluation import mesh_of
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState
+from jaxzero.trees import node_types, readable_repr
 
 STATE = "state"
 METADATA = "metadata"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from jaxzero import _tree, memory
+from jaxzero import memory, trees
 from jaxzero.cli.command import Command, param_count, pick, positive_int
 
 
@@ -162,7 +162,7 @@ def _from_checkpoint(args, parser) -> int:
         meta = checkpoint.load_metadata(args.from_checkpoint)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
-    rows = _tree.leaf_rows_under(meta.get("leaves", []), "params")
+    rows = trees.leaf_rows_under(meta.get("leaves", []), "params")
     if not rows:
         parser.error(f"{args.from_checkpoint}: the metadata lists no params leaves")
     num_params = sum(int(math.prod(r["shape"])) for r in rows)
@@ -172,7 +172,7 @@ def _from_checkpoint(args, parser) -> int:
         args.stage = int(meta["stage"])
     if args.precision is None:
         dtype = (meta.get("precision") or {}).get("param_dtype", "float32")
-        args.precision = _tree.PRECISION_NAMES.get(dtype, "fp32")
+        args.precision = trees.PRECISION_NAMES.get(dtype, "fp32")
     args.ema = args.ema or bool(meta.get("has_ema"))
     print(
         f"{args.from_checkpoint}: step {meta.get('step')}, stage {meta.get('stage')}, "

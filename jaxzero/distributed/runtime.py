@@ -12,13 +12,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxzero._tree import batch_rows
 from jaxzero.distributed.bind import (
     coordinator_bind_address,
     is_loopback,
     pin_gloo,
     split_host_port,
 )
+from jaxzero.trees import batch_rows
 from jaxzero.xla_flags import apply_xla_flags
 
 ENV_COORDINATOR = "JAXZERO_COORDINATOR"

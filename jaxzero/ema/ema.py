@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero._tree import check_same_structure
 from jaxzero.ema.storage import ALL, is_bucketed
+from jaxzero.trees import check_same_structure
 
 SCHEDULES = ("constant", "yolov5", "tf")
 

@@ -18,7 +18,6 @@ Modules: ``estimate`` (the analytic accounting), ``hlo`` (reading collectives fr
 HLO text), ``measured`` (bytes on devices, :func:`measure`).
 """
 
-from jaxzero._tree import format_bytes as format_bytes
 from jaxzero.memory.estimate import OPTIMIZERS as OPTIMIZERS
 from jaxzero.memory.estimate import PRECISIONS as PRECISIONS
 from jaxzero.memory.estimate import MemoryEstimate as MemoryEstimate
@@ -36,6 +35,7 @@ from jaxzero.memory.measured import STATE_FIELDS as STATE_FIELDS
 from jaxzero.memory.measured import device_bytes as device_bytes
 from jaxzero.memory.measured import max_device_bytes as max_device_bytes
 from jaxzero.memory.measured import measure as measure
+from jaxzero.trees import format_bytes as format_bytes
 
 __all__ = [
     "COLLECTIVE_KINDS",

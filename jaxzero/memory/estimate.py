@@ -35,8 +35,8 @@ import functools
 import math
 import re
 
-from jaxzero._tree import check_int, format_bytes
 from jaxzero.memory.offloaded import offloaded, sums_bytes
+from jaxzero.trees import check_int, format_bytes
 from jaxzero.zero.offload import check_offload
 
 OPTIMIZERS = ("adam", "sgd", "adafactor")

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
-from jaxzero._tree import check_same_structure
+from jaxzero.trees import check_same_structure
 
 #: Collective primitives that REDUCE over their axes (``pmean`` is ``psum`` and a division).
 #: Gathers, permutes and all-to-alls are not listed: their transposes give each device the

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero._tree import leaves_by_keystr
+from jaxzero.trees import leaves_by_keystr
 
 FIX_PARAMS = (
     "remove the pmap axis: pass the unreplicated params (jax_utils.unreplicate(params), or "

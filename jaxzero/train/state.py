@@ -9,12 +9,12 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import check_not_donated as check_not_donated
-from jaxzero._tree import leaves_by_keystr
 from jaxzero.ema import placement
 from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.precision import LossScaleState
 from jaxzero.train import pmap_leftovers
+from jaxzero.trees import check_not_donated as check_not_donated
+from jaxzero.trees import leaves_by_keystr
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig
 

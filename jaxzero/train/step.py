@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import batch_rows
 from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.mesh import mesh_platform
@@ -24,6 +23,7 @@ from jaxzero.train.grads import gradient_zero, local_gradients
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh
 from jaxzero.train.update import apply_gradients
+from jaxzero.trees import batch_rows
 from jaxzero.zero.config import ZeROConfig
 
 

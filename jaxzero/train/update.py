@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import check_same_structure
 from jaxzero.ema import placement as ema_placement
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.train.state import TrainState, cast, constrain, ema_target, state_specs
+from jaxzero.trees import check_same_structure
 from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig

@@ -20,9 +20,9 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import subtree_names
 from jaxzero.mesh import check_mesh, warn_unnamed_replica_axes
 from jaxzero.precision import DynamicLossScale, Precision, StaticLossScale, check_loss_scale
+from jaxzero.trees import subtree_names
 from jaxzero.zero import collectives
 from jaxzero.zero import specs as sh
 from jaxzero.zero.hooks import LossHook

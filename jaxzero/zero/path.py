@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from jaxzero._tree import path_strs
+from jaxzero.trees import path_strs
 from jaxzero.zero import collectives
 from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero.hooks import LossHook

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import format_bytes, path_strs
+from jaxzero.trees import format_bytes, path_strs
 from jaxzero.zero import specs as sh
 from jaxzero.zero.layers import plan as layers
 from jaxzero.zero.layers import vocab

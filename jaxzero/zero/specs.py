@@ -30,7 +30,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import path_strs
+from jaxzero.trees import path_strs
 
 
 def shard_dim(shape: Sequence[int], n: int, *, first: bool = False) -> int | None:

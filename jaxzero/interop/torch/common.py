@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero import _tree
+from jaxzero import trees
 
 # How a torch tensor maps to its Flax leaf: as is, a Linear weight [out, in] <-> Dense kernel
 # [in, out], or a conv weight [out, in, *k] <-> kernel [*k, in, out].
@@ -60,7 +60,7 @@ def shape_of(x) -> tuple[int, ...]:
 def by_path(tree) -> dict[tuple[str, ...], Any]:
     """``{path (tuple of str): leaf}`` in flatten order."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {_tree.path_strs(path): leaf for path, leaf in leaves}
+    return {trees.path_strs(path): leaf for path, leaf in leaves}
 
 
 def fmt_path(path) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxzero import _tree
+from jaxzero import trees
 from jaxzero.interop.torch import optimizer_state
 from jaxzero.interop.torch.common import by_path, to_torch_shape
 from jaxzero.interop.torch.convert_common import (
@@ -316,7 +316,7 @@ def jax_to_torch(
     # restore on a mesh of our own (any device count works)
     meta = source.meta
     dtype = (meta.get("precision") or {}).get("param_dtype", "float32")
-    precision = _tree.PRECISION_NAMES.get(dtype) if meta.get("has_master") else None
+    precision = trees.PRECISION_NAMES.get(dtype) if meta.get("has_master") else None
     zero = build_optimizer(tx, devices=devices, stage=meta.get("stage") or 1, precision=precision)
     with bad_input(FileNotFoundError, ValueError):
         state = checkpoint.restore(ckpt, zero, source.abstract, step=source.step)

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from jaxzero import _tree
+from jaxzero import trees
 from jaxzero.interop.torch.convert_common import (
     CONVERT_KEY,
     OPTIMIZER,
@@ -41,7 +41,7 @@ class JaxCheckpoint:
 def _params_from_leaf_table(meta: dict):
     """Params structure ``[(path tuple, shape, dtype)]`` from a checkpoint's leaf table (keys
     split on '.', so keys that contain dots cannot be recovered this way)."""
-    rows = _tree.leaf_rows_under(meta.get("leaves", []), "params")
+    rows = trees.leaf_rows_under(meta.get("leaves", []), "params")
     if not rows:
         raise ConvertError("the checkpoint metadata lists no params leaves")
     return [(tuple(r["path"].split(".")[1:]), tuple(r["shape"]), r["dtype"]) for r in rows]
@@ -119,7 +119,7 @@ def check_adamw_state(source: JaxCheckpoint, hyperparams: dict):
     import jax
 
     tx = adamw(hyperparams)
-    want = _tree.node_types(jax.eval_shape(tx.init, source.abstract))
+    want = trees.node_types(jax.eval_shape(tx.init, source.abstract))
     got = source.meta.get("opt_state_types") or []
     if got != want:
         raise ConvertError(

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import check_int
+from jaxzero.trees import check_int
 
 __all__ = [
     "GreedyPlan",

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import path_keys, path_strs
+from jaxzero.trees import path_keys, path_strs
 from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying, varying_axes
 from jaxzero.zero.hooks import CalledHook, plan_var
 from jaxzero.zero.offload.activations import DeviceActivations

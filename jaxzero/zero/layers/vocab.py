@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxzero._tree import path_keys, subtree_names
+from jaxzero.trees import path_keys, subtree_names
 from jaxzero.zero.collectives import Comm, to_varying
 from jaxzero.zero.hooks import CalledHook, plan_var
 from jaxzero.zero.layers.scan import stored_param

@@ -17,7 +17,7 @@ import warnings
 
 import jax
 
-from jaxzero._tree import path_strs
+from jaxzero.trees import path_strs
 from jaxzero.zero.specs import is_stacked, subtree_paths
 
 _RULE = (

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxzero._tree import path_strs
+from jaxzero.trees import path_strs
 from jaxzero.zero.specs import spec_dim
 from jaxzero.zero.wire.quantize import BITS, MAX_BLOCK, blocks, dequantize, quantize
 
