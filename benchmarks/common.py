@@ -1,150 +1,32 @@
-"""Shared pieces of the benchmarks: a decoder-only transformer, the ZeRO formulas, and HLO
-collective accounting that knows about while loops.
+"""Shared pieces of the benchmarks: token batches, the ZeRO formulas, HLO collective
+accounting that knows about while loops, timing and markdown. The models are
+:mod:`jaxzero.gpu.models`'.
 
 Import this module only after ``XLA_FLAGS`` is set (the scripts do that first).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxzero.gpu.models import ModelShape
 from jaxzero.memory import collective_ops
 from jaxzero.memory.hlo_reader import parse_hlo
 
-# --------------------------------------------------------------------------- the model
+# --------------------------------------------------------------------------- data
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """A decoder-only transformer: GPT-2 style (LayerNorm, biases, GELU MLP, learned positions,
-    tied head) or LLaMA style (``llama=True``: RMSNorm, no biases, SwiGLU MLP, no learned
-    positions, untied head). Layers are stacked under ``nn.scan`` (one compiled layer body)."""
-
-    vocab: int
-    d_model: int
-    layers: int
-    heads: int
-    ffn: int
-    max_seq: int
-    llama: bool = False
-    remat: bool = True
-    scan: bool = True
-
-    def num_params(self) -> int:
-        d, f, v = self.d_model, self.ffn, self.vocab
-        if self.llama:
-            per_layer = 4 * d * d + 3 * d * f + 2 * d
-            return self.layers * per_layer + 2 * v * d + d
-        per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
-        return self.layers * per_layer + v * d + self.max_seq * d + 2 * d
-
-
-class Block(nn.Module):
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x, _):
-        c = self.cfg
-        b, s, d = x.shape
-        bias = not c.llama
-        norm = (
-            (lambda name: nn.RMSNorm(name=name))
-            if c.llama
-            else (lambda name: nn.LayerNorm(name=name))
-        )
-        h = norm("ln1")(x)
-        qkv = nn.Dense(3 * d, use_bias=bias, name="qkv")(h).reshape(b, s, 3, c.heads, d // c.heads)
-        h = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
-        x = x + nn.Dense(d, use_bias=bias, name="out")(h.reshape(b, s, d))
-        h = norm("ln2")(x)
-        if c.llama:
-            g = nn.Dense(c.ffn, use_bias=False, name="gate")(h)
-            u = nn.Dense(c.ffn, use_bias=False, name="up")(h)
-            h = nn.Dense(d, use_bias=False, name="down")(nn.silu(g) * u)
-        else:
-            h = nn.Dense(c.ffn, name="fc1")(h)
-            h = nn.Dense(d, name="fc2")(nn.gelu(h))
-        return x + h, None
-
-
-class Decoder(nn.Module):
-    """``gather_layer`` (optional): a function applied to each layer's ``{"params": ...}``
-    slice inside the scanned (and rematerialised) layer body: ``jaxzero.gather_layer``."""
-
-    cfg: ModelConfig
-    gather_layer: Callable | None = None
-
-    @nn.compact
-    def __call__(self, tokens):
-        c = self.cfg
-        emb = nn.Embed(
-            c.vocab, c.d_model, name="embed", embedding_init=nn.initializers.normal(0.02)
-        )
-        x = emb(tokens)
-        if not c.llama:
-            pos = self.param("pos", nn.initializers.normal(0.02), (c.max_seq, c.d_model))
-            x = x + pos[: tokens.shape[1]].astype(x.dtype)
-        block = Block
-        if self.gather_layer is not None:
-            block = nn.map_variables(Block, "params", trans_in_fn=self.gather_layer)
-        block = nn.remat(block, prevent_cse=not c.scan) if c.remat else block
-        if c.scan:
-            x, _ = nn.scan(
-                block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                length=c.layers,
-            )(c, name="layers")(x, None)
-        else:
-            for i in range(c.layers):
-                x, _ = block(c, name=f"layer{i}")(x, None)
-        x = (nn.RMSNorm if c.llama else nn.LayerNorm)(name="final_norm")(x)
-        if c.llama:
-            return nn.Dense(c.vocab, use_bias=False, name="head")(x)
-        return emb.attend(x)
-
-
-def make_loss(cfg: ModelConfig):
-    """The model and its loss. Each scanned layer's variables pass through
-    ``jaxzero.gather_layer``: the identity, except in a stage-3 step whose ZeRO names the
-    layer stack (``layers="layers"``), where it all-gathers that layer's shards."""
-    import jaxzero as jz
-
-    model = Decoder(cfg, gather_layer=jz.gather_layer)
-
-    def loss_fn(params, batch):
-        logits = model.apply({"params": params}, batch["x"]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-    return model, loss_fn
-
-
-def abstract_params(cfg: ModelConfig, seq: int):
-    model = Decoder(cfg)
-    return jax.eval_shape(
-        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, seq), jnp.int32))["params"]
-    )
-
-
-def init_params(cfg: ModelConfig, seq: int, seed: int = 0):
-    model = Decoder(cfg)
-    init = jax.jit(model.init)
-    return init(jax.random.PRNGKey(seed), jnp.zeros((1, seq), jnp.int32))["params"]
-
-
-def make_batch(cfg: ModelConfig, batch: int, seq: int, seed: int = 0):
+def make_batch(shape: ModelShape, batch: int, seed: int = 0):
+    """``batch`` random token sequences of ``shape.seq`` as next-token ``{"x", "y"}``."""
     rng = np.random.default_rng(seed)
-    tok = rng.integers(0, cfg.vocab, size=(batch, seq + 1), dtype=np.int32)
+    tok = rng.integers(0, shape.vocab, size=(batch, shape.seq + 1), dtype=np.int32)
     return {"x": tok[:, :-1], "y": tok[:, 1:]}
 
 

@@ -11,7 +11,7 @@ every row: exact collectives; qwZ (int8 weight gathers); qwZ + qgZ int8; qwZ + q
 
 * digits: examples/digits.py's CNN (151K params) on scikit-learn's bundled 8x8 digits (1,437
   train / 360 test images), whole-model stage 3;
-* char LM: a 2-layer decoder (benchmarks/common.py's ``Decoder``, d_model 64, per-layer stage 3
+* char LM: a 2-layer decoder (:class:`jaxzero.gpu.models.Decoder`, d_model 64, per-layer stage 3
   with ``layers="layers"``) predicting the next character of the docstrings of a few standard
   library modules (text that ships with Python), 90% train / 10% held out.
 
@@ -53,7 +53,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from common import Decoder, ModelConfig, emit, init_params, md_table  # noqa: E402
+from common import emit, md_table  # noqa: E402
+
+from jaxzero.gpu.models import Decoder, init_params, model_shape  # noqa: E402
 
 N = 8
 WIRES = {
@@ -120,9 +122,19 @@ def char_lm_task(steps: int, batch: int = 32, seq: int = 64, seed: int = 0):
     ids = np.array([chars.index(c) for c in text], np.int32)
     cut = int(len(ids) * 0.9)
     train, held = ids[:cut], ids[cut:]
-    cfg = ModelConfig(vocab=len(chars), d_model=64, layers=2, heads=4, ffn=256, max_seq=seq)
-    model = Decoder(cfg, gather_layer=jz.gather_layer)
-    params = init_params(cfg, seq)
+    shape = model_shape(
+        arch="gpt",
+        layers=2,
+        hidden=64,
+        heads=4,
+        vocab=len(chars),
+        seq=seq,
+        ffn=256,
+        attention="xla",
+        loop="gather_layer",
+    )
+    model = Decoder(shape)
+    params = init_params(shape)
 
     def loss_fn(p, b):
         logits = model.apply({"params": p}, b["x"]).astype(jnp.float32)

@@ -57,15 +57,12 @@ sys.path.insert(0, HERE)
 import jax  # noqa: E402
 import optax  # noqa: E402
 from common import (  # noqa: E402
-    ModelConfig,
     collective_theory,
     collectives,
     computation_multipliers,
     count,
     fmt_bytes,
-    init_params,
     make_batch,
-    make_loss,
     md_table,
     median,
     memory_stats,
@@ -77,6 +74,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxzero as jz  # noqa: E402
+from jaxzero.gpu.models import init_params, make_loss, model_shape  # noqa: E402
 from jaxzero.memory import collective_ops, device_bytes  # noqa: E402
 from jaxzero.zero import specs as sh  # noqa: E402
 
@@ -90,31 +88,41 @@ SHORT = {
     "collective-permute": "CP",
 }
 
+
+def gpt(vocab: int, hidden: int, layers: int, heads: int, ffn: int, seq: int):
+    """A GPT-2-style decoder of jaxzero.gpu.models: XLA's attention (it compiles for CPU),
+    scanned layers through ``jaxzero.gather_layer``, no rematerialisation."""
+    return model_shape(
+        arch="gpt",
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        vocab=vocab,
+        seq=seq,
+        ffn=ffn,
+        attention="xla",
+        loop="gather_layer_noremat",
+    )
+
+
 # GPT-2-style decoders. full: 25.2M params; quick: 2.2M; smoke: 0.13M.
 MODELS = {
     "full": dict(
-        cfg=ModelConfig(
-            vocab=12288, d_model=512, layers=6, heads=8, ffn=2048, max_seq=64, remat=False
-        ),
-        seq=64,
+        cfg=gpt(vocab=12288, hidden=512, layers=6, heads=8, ffn=2048, seq=64),
         batch=16,
         rounds=5,
         steps=1,
         ema_reps=10,
     ),
     "quick": dict(
-        cfg=ModelConfig(
-            vocab=8192, d_model=128, layers=6, heads=4, ffn=512, max_seq=64, remat=False
-        ),
-        seq=64,
+        cfg=gpt(vocab=8192, hidden=128, layers=6, heads=4, ffn=512, seq=64),
         batch=16,
         rounds=8,
         steps=1,
         ema_reps=10,
     ),
     "smoke": dict(
-        cfg=ModelConfig(vocab=512, d_model=64, layers=2, heads=2, ffn=256, max_seq=16, remat=False),
-        seq=16,
+        cfg=gpt(vocab=512, hidden=64, layers=2, heads=2, ffn=256, seq=16),
         batch=8,
         rounds=1,
         steps=1,
@@ -343,7 +351,8 @@ def main(argv=None) -> dict:
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     spec = MODELS[mode]
-    cfg, seq, gbatch = spec["cfg"], spec["seq"], spec["batch"]
+    cfg, gbatch = spec["cfg"], spec["batch"]
+    seq = cfg.seq
     rounds = args.rounds or spec["rounds"]
     steps = args.steps or spec["steps"]
     suffix = {"full": "", "quick": "_quick", "smoke": "_smoke"}[mode]
@@ -353,14 +362,14 @@ def main(argv=None) -> dict:
     mesh = jz.data_parallel_mesh(N_DEVICES)
     n = mesh.shape["data"]
     backend = jax.devices()[0].platform
-    params_host = jax.device_get(init_params(cfg, seq))  # numpy: every init is a fresh copy
+    params_host = jax.device_get(init_params(cfg))  # numpy: every init is a fresh copy
     phi = count(params_host)
     params_abs = jax.eval_shape(lambda: params_host)
-    _, loss_fn = make_loss(cfg)
-    batch = jax.device_put(make_batch(cfg, gbatch, seq), NamedSharding(mesh, P("data")))
+    loss_fn = make_loss(cfg)
+    batch = jax.device_put(make_batch(cfg, gbatch), NamedSharding(mesh, P("data")))
     tx = optax.adam(1e-3)
     print(
-        f"{mode}: decoder d={cfg.d_model} L={cfg.layers} vocab={cfg.vocab} seq={seq}, "
+        f"{mode}: decoder d={cfg.hidden} L={cfg.layers} vocab={cfg.vocab} seq={seq}, "
         f"{phi / 1e6:.2f}M params, global batch {gbatch}, {n} x {backend} devices, "
         f"{os.cpu_count()} cpus, jax {jax.__version__}",
         flush=True,
@@ -518,7 +527,7 @@ def main(argv=None) -> dict:
         "mode": mode,
         "model": {
             "kind": "GPT-2-style decoder, nn.scan layers",
-            "d_model": cfg.d_model,
+            "d_model": cfg.hidden,
             "layers": cfg.layers,
             "heads": cfg.heads,
             "ffn": cfg.ffn,

@@ -45,21 +45,24 @@ SEQ = {"gpt2-xl": 1024, "llama-7b": 2048}
 
 
 def model_config(name: str, layers: int | None = None):
-    from common import ModelConfig
+    """The :class:`jaxzero.gpu.models.ModelShape` of ``name``: scanned, rematerialised layers
+    through ``jaxzero.gather_layer``, XLA's attention (it compiles for CPU)."""
+    from jaxzero.gpu.models import model_shape
 
+    common = dict(seq=SEQ[name], attention="xla", loop="gather_layer")
     if name == "gpt2-xl":
-        return ModelConfig(
-            vocab=50257, d_model=1600, layers=layers or 48, heads=25, ffn=6400, max_seq=1024
+        return model_shape(
+            arch="gpt", layers=layers or 48, hidden=1600, heads=25, vocab=50257, ffn=6400, **common
         )
     if name == "llama-7b":
-        return ModelConfig(
-            vocab=32000,
-            d_model=4096,
+        return model_shape(
+            arch="llama",
             layers=layers or 32,
+            hidden=4096,
             heads=32,
+            vocab=32000,
             ffn=11008,
-            max_seq=2048,
-            llama=True,
+            **common,
         )
     raise ValueError(f"unknown model {name!r}; use one of {MODEL_NAMES}")
 
@@ -74,16 +77,17 @@ def compile_case(
     import jax
     import jax.numpy as jnp
     import optax
-    from common import abstract_params, collectives, count, make_loss, memory_stats
+    from common import collectives, count, memory_stats
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxzero as jz
+    from jaxzero.gpu.models import abstract_params, make_loss
     from jaxzero.memory import collective_ops
 
     seq = SEQ[model_name]
     t0 = time.perf_counter()
-    params_abs = abstract_params(cfg, seq)
+    params_abs = abstract_params(cfg)
     phi = count(params_abs)
     mesh = jz.data_parallel_mesh(n)
     zero = jz.ZeRO(
@@ -94,7 +98,7 @@ def compile_case(
         skip_nonfinite=skip_nonfinite,
         layers="layers" if per_layer else None,
     )
-    _, loss_fn = make_loss(cfg)
+    loss_fn = make_loss(cfg)
     jitted = jz.make_train_step(loss_fn, zero).jitted
     state = zero.abstract_state(params_abs)
     bs = NamedSharding(mesh, P("data"))
@@ -118,7 +122,7 @@ def compile_case(
         precision=precision,
         batch=1,
         seq=seq,
-        hidden=cfg.d_model,
+        hidden=cfg.hidden,
         layers=cfg.layers,
         heads=cfg.heads,
         vocab=cfg.vocab,
@@ -129,7 +133,7 @@ def compile_case(
     return {
         "model": model_name,
         "layers": cfg.layers,
-        "d_model": cfg.d_model,
+        "d_model": cfg.hidden,
         "seq": seq,
         "devices": n,
         "stage": "3-per-layer" if per_layer else stage,

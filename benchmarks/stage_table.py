@@ -1,5 +1,5 @@
-"""Memory and collectives per ZeRO stage on the test transformer (tests/models.py), 8 simulated
-CPU devices, Adam, EMA on, fp32 and bf16.
+"""Memory and collectives per ZeRO stage on the tests' transformer (:mod:`jaxzero.gpu.models`'
+``make_problem("transformer")``), 8 simulated CPU devices, Adam, EMA on, fp32 and bf16.
 
     python benchmarks/stage_table.py                                        # print the table
     python benchmarks/stage_table.py --out benchmarks/results/stage_table.md  # and write it
@@ -12,15 +12,12 @@ formula = the ZeRO paper's; payload = bytes each device contributes to a collect
 """
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import jax
 import optax
-from models import make_problem
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 from jaxzero.memory import collective_bytes, device_bytes
 from jaxzero.simulate import simulate_cpu_devices
 

@@ -49,7 +49,6 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # hf_models: Hugging Face's FlaxLlama
 
 import flax  # noqa: E402
 import jax  # noqa: E402
@@ -63,6 +62,7 @@ from jaxzero import gpu  # noqa: E402
 from jaxzero.gpu.models import (  # noqa: E402
     abstract_params,
     batch_shapes,
+    hf_llama,
     make_loss,
     model_shape,
     nnx_model,
@@ -86,8 +86,6 @@ class Model:
     def build(self):
         """(abstract params, loss_fn)."""
         if self.hf_ffn:
-            from hf_models import hf_llama
-
             s = self.shape
             return hf_llama(
                 s.layers, s.hidden, self.hf_ffn, s.vocab, s.seq, jnp.bfloat16, True, heads=16

@@ -26,10 +26,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import make_problem  # noqa: E402
-
 import jaxzero as jz  # noqa: E402
 from jaxzero import checkpoint  # noqa: E402
+from jaxzero.gpu.models import make_problem  # noqa: E402
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
     python -m jaxzero.cli.launch --processes 2 --devices-per-process 4 tests/mp_worker.py \\
         --out DIR [--steps 10] [--ckpt DIR --save-at 5] [--resume] [--die-at K]
 
-Trains an MLP (tests/models.py, hidden width 32 so that most leaves are sharded; stage 2,
+Trains an MLP (jaxzero.gpu.models, hidden width 32 so that most leaves are sharded; stage 2,
 adam, ShardedEMA) on the mesh of every device of every process, each process feeding only
 its rows of the global batch (jaxzero.distributed.global_batch), and writes
 ``DIR/p{process}.npz`` with the gathered params and EMA (keys ``params/...``, ``ema/...``,
@@ -27,11 +27,10 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import MLP  # noqa: E402
-
 import jaxzero as jz  # noqa: E402
 from jaxzero import checkpoint as ck  # noqa: E402
 from jaxzero import distributed as dist  # noqa: E402
+from jaxzero.gpu.models import MLP  # noqa: E402
 
 BATCH = 32
 

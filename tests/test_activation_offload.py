@@ -14,11 +14,11 @@ import chex
 import jax
 import optax
 import pytest
-from models import make_problem, reference_run, stack_problem, train
+from models import reference_run, stack_problem, train
 
 import jaxzero as jz
 from jaxzero import gpu
-from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
+from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, make_problem, model_shape
 
 TX = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, eps=1e-6))
 

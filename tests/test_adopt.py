@@ -13,11 +13,12 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax.training import train_state
-from models import decay_mask, make_problem
+from models import decay_mask
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
 from jaxzero import cli
+from jaxzero.gpu.models import make_problem
 
 K = 3  # steps before the switch, and after it
 

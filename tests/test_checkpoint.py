@@ -16,10 +16,11 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from models import MLP, chains, make_problem
+from models import chains
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
+from jaxzero.gpu.models import MLP, make_problem
 
 STEPS, SAVE_AT = 20, 10
 HERE = os.path.dirname(os.path.abspath(__file__))

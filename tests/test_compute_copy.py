@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import make_problem, reference_run, run_steps
+from models import reference_run, run_steps
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
+from jaxzero.gpu.models import make_problem
 from jaxzero.memory import device_bytes
 
 N = 8

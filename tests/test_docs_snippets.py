@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import make_problem
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 
 DOCS = Path(__file__).parents[1] / "docs"
 PAGES = {

@@ -16,9 +16,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import MLP, Transformer
 
 import jaxzero as jz
+from jaxzero.gpu.models import MLP, Transformer
 from jaxzero.memory import collective_bytes, device_bytes
 
 STEPS = 50
@@ -38,7 +38,7 @@ def _cached(key, build):
 
 
 def problem(name):
-    """(params, loss_fn, batches): tests/models.py's MLP and make_problem("mlp")'s data and
+    """(params, loss_fn, batches): jaxzero.gpu.models' MLP and make_problem("mlp")'s data and
     loss, with STEPS = 50 batches of 32.
 
     "mlp" is the 17 -> 31 -> 5 MLP (no leaf shards at N = 2 or 8); "mlp32" has a 32-wide
@@ -78,7 +78,7 @@ def problem(name):
 
 
 def transformer_params():
-    """tests/models.py's Transformer params: shapes from jax.eval_shape, values from numpy
+    """jaxzero.gpu.models' Transformer params: shapes from jax.eval_shape, values from numpy
     (their values do not matter for placement and bytes)."""
 
     def build():

@@ -17,10 +17,11 @@ import jax
 import optax
 import pytest
 import tolerance
-from models import make_problem, stack_problem
+from models import stack_problem
 from tolerance import max_distance
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 from jaxzero.memory import collective_ops
 from jaxzero.memory.hlo import replica_groups
 

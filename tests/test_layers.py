@@ -19,9 +19,10 @@ import optax
 import pytest
 import tolerance
 from jax.sharding import PartitionSpec as P
-from models import make_problem, reference_run, stage3_per_layer_and_whole_bf16, train
+from models import reference_run, stage3_per_layer_and_whole_bf16, train
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 from jaxzero.memory import collective_ops
 
 # Cases whose configuration reduces the whole gradient after the backward (micro-batches at

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import optax
 import pytest
-from models import make_problem
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 

@@ -214,7 +214,7 @@ def test_hand_written_step_equals_make_train_step_bitwise(stage):
     import sys
     from pathlib import Path
 
-    from models import make_problem
+    from jaxzero.gpu.models import make_problem
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
     from byo_step import make_my_step
@@ -234,7 +234,8 @@ def test_hand_written_step_equals_make_train_step_bitwise(stage):
 
 def test_nnx_module_matches_linen_twin_stage3_with_ema():
     from flax import nnx
-    from models import MLP
+
+    from jaxzero.gpu.models import MLP
 
     class NnxMLP(nnx.Module):
         def __init__(self, rngs):

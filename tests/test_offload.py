@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import make_problem, reference_run, run_steps, stack_problem
+from models import reference_run, run_steps, stack_problem
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
+from jaxzero.gpu.models import make_problem
 from jaxzero.zero.offload import placement as offload
 
 N = 8

@@ -13,12 +13,13 @@ import chex
 import jax
 import numpy as np
 import pytest
-from models import chains, make_problem, reference_run
+from models import chains, reference_run
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 
 N = 8
-UNITS = r"layer\d+"  # the transformer's blocks (tests/models.py), as in tests/test_units.py
+UNITS = r"layer\d+"  # the Transformer's blocks (jaxzero.gpu.models), as in tests/test_units.py
 
 # every chain at stages 1, 2, 3 and stage 3 per unit; make test keeps one case per chain,
 # every stage and units= among them, the rest repeat a chain at another stage (make test-all)

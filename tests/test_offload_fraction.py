@@ -19,10 +19,10 @@ import jax
 import optax
 import pytest
 import tolerance
-from models import make_problem
 from offload_checks import h100_stage3
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 from jaxzero.zero.offload import placement as offload
 from jaxzero.zero.offload.fraction import host_leaves
 

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import make_problem, reference_run, run_steps, stack_problem
+from models import reference_run, run_steps, stack_problem
 from offload_checks import h100_stage3
 
 import jaxzero as jz
 from jaxzero import cli, gpu
-from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
+from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, make_problem, model_shape
 
 N = 8
 PARAMS = ("optimizer", "params")

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from models import make_problem, run_steps, stack_problem
+from models import run_steps, stack_problem
 from offload_checks import (
     assert_host_params_run_equals_device_run,
     assert_master_is_bf16_optax,
@@ -26,7 +26,7 @@ from offload_checks import (
 
 import jaxzero as jz
 from jaxzero import gpu
-from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
+from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, make_problem, model_shape
 from jaxzero.zero.offload import placement
 
 N = 8

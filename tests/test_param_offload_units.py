@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from hf_models import hf_llama, token_batches
 from models import run_steps
 from offload_checks import (
     assert_host_params_run_equals_device_run,
@@ -28,6 +27,7 @@ from offload_checks import (
 
 import jaxzero as jz
 from jaxzero import cli, gpu
+from jaxzero.gpu.models import hf_llama, token_batches
 
 N = 8
 PARAMS = ("optimizer", "params")

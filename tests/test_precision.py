@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import make_problem
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 from jaxzero.memory import device_bytes
 
 N = 8

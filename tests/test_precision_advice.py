@@ -63,7 +63,7 @@ def test_the_warning_names_where_the_float32_matmuls_are():
 
 
 def _llama_warning(dtype, units):
-    from hf_models import hf_llama, token_batches
+    from jaxzero.gpu.models import hf_llama, token_batches
 
     params, loss_fn = hf_llama(layers=2, dtype=dtype, abstract=True)
     mesh = jz.data_parallel_mesh(8)

@@ -25,9 +25,10 @@ import numpy as np
 import optax
 import pytest
 from conftest import repo_module
-from models import make_problem, train
+from models import train
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 from jaxzero.zero.specs import spec_dim
 
 N, LR = 8, 0.5

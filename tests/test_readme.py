@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import Residual
 
 import jaxzero as jz
+from jaxzero.gpu.models import Residual
 
 README = Path(__file__).parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)

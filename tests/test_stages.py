@@ -9,10 +9,10 @@ import numpy as np
 import optax
 import pytest
 import tolerance
-from models import make_problem
 
 import jaxzero as jz
 from jaxzero._compat import scan_counts
+from jaxzero.gpu.models import make_problem
 from jaxzero.memory import collective_bytes, device_bytes
 
 N = 8

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 import tolerance
-from models import make_problem
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 
 N = 8
 LR, B1, B2, EPS = 1e-2, 0.9, 0.999, 1e-6

@@ -9,9 +9,9 @@ import jax
 import optax
 import pytest
 import structure_check
-from models import make_problem
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 
 PACKAGE = os.path.dirname(os.path.abspath(jz.__file__))
 

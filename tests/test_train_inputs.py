@@ -8,9 +8,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import make_problem
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 
 
 def _host(state):

@@ -22,11 +22,19 @@ import tolerance
 from conftest import repo_module
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from models import Block, make_problem, reference_run, train
+from models import reference_run, train
 
 import jaxzero as jz
 from jaxzero import gpu
-from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape, nnx_model
+from jaxzero.gpu.models import (
+    Block,
+    abstract_params,
+    batch_shapes,
+    make_loss,
+    make_problem,
+    model_shape,
+    nnx_model,
+)
 from jaxzero.gpu.plan import unit_bound
 from jaxzero.zero.units import plan as units_mod
 

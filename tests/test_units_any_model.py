@@ -15,11 +15,10 @@ import numpy as np
 import optax
 import pytest
 import tolerance
-from hf_models import hf_llama, hf_t5, token_batches
-from models import make_problem, train
+from models import train
 
 import jaxzero as jz
-from jaxzero.gpu.models import model_shape
+from jaxzero.gpu.models import hf_llama, hf_t5, make_problem, model_shape, token_batches
 from jaxzero.gpu.plan import row_estimate, unit_bound
 from jaxzero.trees import path_strs
 from jaxzero.zero.units import plan as units_mod

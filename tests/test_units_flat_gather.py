@@ -12,12 +12,11 @@ import chex
 import jax
 import optax
 import pytest
-from models import make_problem
 
 import jaxzero as jz
 import jaxzero.zero.units.chain as unit_chain
 from jaxzero import gpu
-from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
+from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, make_problem, model_shape
 
 
 def test_flat_unit_gathers_train_like_single_device_optax(monkeypatch):

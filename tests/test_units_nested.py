@@ -13,12 +13,13 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from models import Residual, make_problem, reference_run
+from models import reference_run
 
 import jaxzero as jz
+from jaxzero.gpu.models import Residual, make_problem
 from jaxzero.zero.units import plan as units_mod
 
-PATTERN = r"layer\d+"  # tests/models.py's transformer blocks
+PATTERN = r"layer\d+"  # jaxzero.gpu.models' Transformer blocks
 
 
 def _segments(loss_fn, params, batch, pattern=PATTERN):

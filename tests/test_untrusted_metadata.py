@@ -11,11 +11,11 @@ import shutil
 import numpy as np
 import optax
 import pytest
-from models import make_problem
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
 from jaxzero import cli
+from jaxzero.gpu.models import make_problem
 
 LEGACY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "legacy_ckpt")
 

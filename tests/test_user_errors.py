@@ -19,10 +19,10 @@ import numpy as np
 import optax
 import pytest
 from conftest import require
-from models import make_problem
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
+from jaxzero.gpu.models import make_problem
 
 
 # ---------------------------------------------------------------- item 2: layers= is checked

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import ScanBlock, reference_run
+from models import reference_run
 
 import jaxzero as jz
+from jaxzero.gpu.models import ScanBlock
 
 N = 8
 VOCAB, WIDTH, SEQ, BATCH = 64, 32, 6, 16

@@ -4,9 +4,10 @@ import itertools
 
 import chex
 import pytest
-from models import chains, make_problem, reference_run
+from models import chains, reference_run
 
 import jaxzero as jz
+from jaxzero.gpu.models import make_problem
 
 CHAINS = list(chains())
 STAGES = [0, 1, 2, 3]

@@ -1,5 +1,12 @@
-"""GPT- and LLaMA-shaped decoders for planning: scanned, rematerialised layers whose variables
-pass through :func:`jaxzero.gather_layer`, built abstractly (``jax.eval_shape``) only.
+"""The model zoo: the GPT- and LLaMA-shaped decoders that planning compiles and the benchmarks
+time, and the small models of the tests' problems (:func:`make_problem`), which the benchmarks
+measure too. One definition per model; the tests compare these models' training with
+single-device optax at fixed seeds, so their parameter names, init order, shapes and dtypes are
+part of their contract.
+
+Decoders (:class:`Decoder` of a :class:`ModelShape`): scanned, rematerialised layers whose
+variables pass through :func:`jaxzero.gather_layer`, built abstractly (``jax.eval_shape``,
+:func:`abstract_params`) for planning or concretely (:func:`init_params`).
 
 * ``"llama"``: RMSNorm, no biases, SwiGLU MLP of width ``ffn`` (default LLaMA's
   ``256 * ceil(8h/3 / 256)``: 11008 for h=4096), no position parameters (rotary embeddings have
@@ -11,26 +18,36 @@ pass through :func:`jaxzero.gather_layer`, built abstractly (``jax.eval_shape``)
 Attention (``ModelShape.attention``): ``"auto"`` uses cuDNN's fused flash attention when the
 compute dtype is 16-bit (what GPU training of such models runs; it never holds the s x s
 scores) and XLA's reference attention in fp32 (cuDNN's kernel has no fp32 form); ``"xla"``
-always uses XLA's, which materialises the f32 scores, probabilities and causal mask per layer.
-These models are for XLA:GPU compiles (the cuDNN call does not compile for CPU).
+always uses XLA's, which materialises the f32 scores, probabilities and causal mask per layer
+(and is the one that compiles for CPU).
 
 The layer stack is ``params["layers"]`` (for ``ZeRO(layers="layers")``). ``ModelShape.loop``:
 ``"prefetch"`` (default) runs it with :func:`jaxzero.scan_layers` (the next layer's all-gather
 in flight while this one computes); ``"gather_layer"`` with ``nn.scan`` over an ``nn.remat``'d
-block that calls :func:`jaxzero.gather_layer` (each layer gathered where it is used). Both
-build the same params.
+block that calls :func:`jaxzero.gather_layer` (each layer gathered where it is used),
+``"gather_layer_noremat"`` the same scan without ``nn.remat``. All three build the same params.
 
 Unscanned, as most Flax code is written: ``"python"`` is a Python loop of ``nn.remat``'d blocks
 named ``block_0`` ... ``block_{L-1}`` (``params["block_3"]`` is one layer's params, no layer
 axis; no :func:`jaxzero.gather_layer`), ``"python_noremat"`` the same loop without
 ``nn.remat``. :func:`nnx_model` is the NNX twin: an ``nnx.List`` of blocks under ``layers``
 (``params["layers"][3]``), split by :func:`jaxzero.flax_nnx.split`.
+
+The tests' small models: :class:`MLP` (leaves whose sizes do not divide by 8),
+:class:`Residual`, the post-norm encoder :class:`Transformer` of :class:`Block` s
+(``layer0``, ``layer1``), and its layer stack under ``params["layers"]`` as ``nn.scan``
+(:class:`ScannedTransformer`) or :func:`jaxzero.scan_layers` (:class:`StackTransformer`).
+
+Models the project did not write, as users bring them: Hugging Face's Flax LLaMA
+(:func:`hf_llama`) and T5 (:func:`hf_t5`), tiny and randomly initialised (``transformers``, the
+dev extra, imported when called), with :func:`token_batches` of random token ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import flax.linen as nn
 import jax
@@ -44,18 +61,31 @@ from jaxzero.zero.layers import VocabParallelEmbed, gather_layer, scan_layers, s
 
 __all__ = [
     "ARCHS",
+    "MLP",
+    "Block",
     "Decoder",
     "ModelShape",
+    "Residual",
+    "ScanBlock",
+    "ScannedTransformer",
+    "StackTransformer",
+    "Transformer",
     "abstract_params",
     "batch_shapes",
+    "detector_tree",
+    "hf_llama",
+    "hf_t5",
+    "init_params",
     "make_loss",
+    "make_problem",
     "model_shape",
     "nnx_model",
+    "token_batches",
 ]
 
 ARCHS = ("llama", "gpt")
 ATTENTION = ("auto", "xla")
-LOOPS = ("prefetch", "gather_layer", "python", "python_noremat")
+LOOPS = ("prefetch", "gather_layer", "gather_layer_noremat", "python", "python_noremat")
 PYTHON_LOOPS = ("python", "python_noremat")
 
 
@@ -227,9 +257,9 @@ class Decoder(nn.Module):
             stack = stacked_params(self, "layers", block, c.layers, x, None)
             x = scan_layers(lambda w, h: block.apply({"params": w}, h, None)[0], stack, x)
         else:
-            block = nn.remat(
-                nn.map_variables(_Block, "params", trans_in_fn=gather_layer, init=True)
-            )
+            block = nn.map_variables(_Block, "params", trans_in_fn=gather_layer, init=True)
+            if c.loop == "gather_layer":
+                block = nn.remat(block)
             x, _ = nn.scan(
                 block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.layers
             )(c, name="layers")(x, None)
@@ -247,6 +277,15 @@ def abstract_params(shape: ModelShape):
     tokens = jax.ShapeDtypeStruct((1, shape.seq), jnp.int32)
     labels = lambda t: t if shape.vocab_parallel else None
     return jax.eval_shape(lambda t: model.init(jax.random.key(0), t, labels(t))["params"], tokens)
+
+
+def init_params(shape: ModelShape, seed: int = 0):
+    """The float32 params of ``Decoder(shape)``, initialised from ``seed`` (jitted)."""
+    model = Decoder(shape)
+    tokens = jnp.zeros((1, shape.seq), jnp.int32)
+    labels = tokens if shape.vocab_parallel else None
+    init = jax.jit(lambda key: model.init(key, tokens, labels)["params"])
+    return init(jax.random.PRNGKey(seed))
 
 
 def _xent(logits, labels):
@@ -356,3 +395,296 @@ def detector_tree(convs: int = 116, seed: int = 0):
         }
     tree["head"] = {"kernel": f32(255, 512), "bias": f32(255)}
     return tree
+
+
+class MLP(nn.Module):
+    """17 -> 31 -> 5 with tanh: leaves whose sizes do not divide by 8."""
+
+    hidden: int = 31
+    out: int = 5
+
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.tanh(nn.Dense(self.hidden, name="fc1")(x))
+        return nn.Dense(self.out, name="fc2")(x)
+
+
+class Residual(nn.Module):
+    """``x + Dense(width)(tanh(Dense(hidden)(x)))``: the small block of the Python-loop models
+    in tests/test_readme.py and tests/test_units_nested.py."""
+
+    hidden: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1])(jnp.tanh(nn.Dense(self.hidden)(x)))
+
+
+class Block(nn.Module):
+    """A post-norm encoder layer: attention without projection biases, a ReLU MLP of ``ff``."""
+
+    d_model: int = 32
+    heads: int = 4
+    ff: int = 64
+
+    @nn.compact
+    def __call__(self, x):
+        # No projection biases: the key bias has an exactly-zero true gradient (softmax is
+        # shift-invariant), so Adam turns float noise in it into O(lr) updates that no two
+        # summation orders agree on (see tests/fixtures/README.md, section B).
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, use_bias=False, name="attn")(x, x)
+        x = nn.LayerNorm(name="norm1")(x + h)
+        h = nn.Dense(self.ff, name="linear1")(x)
+        h = nn.Dense(self.d_model, name="linear2")(nn.relu(h))
+        return nn.LayerNorm(name="norm2")(x + h)
+
+
+class Transformer(nn.Module):
+    """2 post-norm encoder layers (d_model 32, 4 heads, ff 64) and a Dense(3) head."""
+
+    layers: int = 2
+    d_model: int = 32
+    out: int = 3
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.layers):
+            x = Block(d_model=self.d_model, name=f"layer{i}")(x)
+        return nn.Dense(self.out, name="head")(x)
+
+
+class ScanBlock(nn.Module):
+    """:class:`Block` with the ``(carry, x) -> (carry, y)`` signature ``nn.scan`` wants."""
+
+    d_model: int = 32
+    ff: int = 64
+
+    @nn.compact
+    def __call__(self, x, _):
+        return Block(d_model=self.d_model, ff=self.ff, name="block")(x), None
+
+
+class ScannedTransformer(nn.Module):
+    """:class:`Transformer` with its layers stacked by ``nn.scan`` under ``params["layers"]``,
+    each layer rematerialised; ``gather_layer`` (e.g. ``jaxzero.gather_layer``) is applied to
+    each layer's variables inside the scanned body, as a ZeRO-3 per-layer model does."""
+
+    layers: int = 3
+    d_model: int = 32
+    ff: int = 64
+    out: int = 3
+    gather_layer: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        block = ScanBlock
+        if self.gather_layer is not None:
+            block = nn.map_variables(block, "params", trans_in_fn=self.gather_layer, init=True)
+        block = nn.remat(block)
+        x, _ = nn.scan(
+            block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers
+        )(d_model=self.d_model, ff=self.ff, name="layers")(x, None)
+        return nn.Dense(self.out, name="head")(x)
+
+
+class StackTransformer(nn.Module):
+    """:class:`ScannedTransformer` written with ``scan_layers``/``stacked_params`` (e.g.
+    ``jaxzero.scan_layers``, ``jaxzero.stacked_params``): the same ``params["layers"]``
+    stack, run by a function of (layer params, carry). Each layer also multiplies its output
+    by a ``gain`` parameter kept outside the stack, which the layer function closes over."""
+
+    layers: int = 3
+    d_model: int = 32
+    ff: int = 64
+    out: int = 3
+    scan_layers: object = None
+    stacked_params: object = None
+    xs: str | None = None  # per-layer inputs: "index" (a scale 1 + 0.1 i) or "keys" (dropout)
+    ys: bool = False  # per-layer outputs: each layer's feature mean, added to the prediction
+
+    @nn.compact
+    def __call__(self, x):
+        block = ScanBlock(d_model=self.d_model, ff=self.ff, parent=None)
+        stack = self.stacked_params(self, "layers", block, self.layers, x, None)
+        gain = self.param("gain", nn.initializers.constant(1.1), (self.d_model,))
+        layer = lambda w, h: block.apply({"params": w}, h, None)[0] * gain.astype(h.dtype)
+        if self.ys:
+            aux = lambda w, h: (lambda o: (o, jnp.mean(o, axis=-1)))(layer(w, h))
+            x, ys = self.scan_layers(aux, stack, x, with_ys=True)  # ys: [layers, batch, seq]
+            return nn.Dense(self.out, name="head")(x) + 0.5 * jnp.mean(ys, axis=0)[..., None]
+        if self.xs is None:
+            x = self.scan_layers(layer, stack, x)
+        elif self.xs == "index":
+            scaled = lambda w, h, i: layer(w, h) * (1 + 0.1 * i).astype(h.dtype)
+            x = self.scan_layers(scaled, stack, x, jnp.arange(self.layers))
+        else:  # a fixed dropout mask per layer over the features: the same on every device
+            keys = jax.random.split(jax.random.key(7), self.layers)
+            drop = lambda w, h, k: layer(w, h) * jax.random.bernoulli(k, 0.75, h.shape[-1:]) / 0.75
+            x = self.scan_layers(drop, stack, x, keys)
+        return nn.Dense(self.out, name="head")(x)
+
+
+def make_problem(
+    name: str, *, batch: int = 32, steps: int = 10, seed: int = 0, gather_layer=None, **kw
+):
+    """A small regression problem of the tests (and of the benchmarks that measure them).
+
+    Args:
+        name: "mlp" (:class:`MLP`), "wide_mlp" (an MLP whose leaves all divide by 8),
+            "transformer" (:class:`Transformer`), "scanned" (:class:`ScannedTransformer`,
+            ``gather_layer`` and ``kw`` passed on) or "stack" (:class:`StackTransformer`,
+            ``kw`` passed on).
+        batch: the global batch of each step.
+        steps: how many batches.
+        seed: the params' ``PRNGKey`` and the batches' numpy seed.
+
+    Returns:
+        ``(params, loss_fn, batches)``: float32 params, the mean squared error
+        ``loss_fn(params, {"x", "y"})`` and ``steps`` batches of normal noise.
+    """
+    rng = np.random.default_rng(seed)
+    if name == "mlp":
+        model, x_shape, y_shape = MLP(), (17,), (5,)
+    elif name == "wide_mlp":  # every leaf divisible by 8: cheap to compile, fully sharded
+        model, x_shape, y_shape = MLP(hidden=32, out=8), (16,), (8,)
+    elif name == "transformer":
+        model, x_shape, y_shape = Transformer(), (6, 32), (6, 3)
+    elif name == "scanned":
+        model = ScannedTransformer(gather_layer=gather_layer, **kw)
+        x_shape, y_shape = (6, model.d_model), (6, model.out)
+    elif name == "stack":
+        model = StackTransformer(**kw)
+        x_shape, y_shape = (6, model.d_model), (6, model.out)
+    else:
+        raise ValueError(name)
+    params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, *x_shape)))["params"]
+
+    def loss_fn(p, b):
+        pred = model.apply({"params": p}, b["x"])
+        return jnp.mean((pred.astype(jnp.float32) - b["y"]) ** 2)
+
+    batches = [
+        {
+            "x": rng.normal(size=(batch, *x_shape)).astype(np.float32),
+            "y": rng.normal(size=(batch, *y_shape)).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+    return params, loss_fn, batches
+
+
+# Tiny Hugging Face Flax models (``transformers``, imported when called; random init, no
+# download): models jaxzero's authors did not write, as users bring them.
+
+
+def _transformers():
+    """``transformers`` (the dev extra), imported quietly."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        import transformers
+        from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    return transformers
+
+
+def _params(init, abstract):
+    """The params ``init()`` builds, or their shapes when ``abstract``."""
+    return (jax.eval_shape(init) if abstract else init())["params"]
+
+
+def _token_loss(logits, labels):
+    """Mean next-token cross-entropy over f32 logits."""
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def hf_llama(
+    layers=2, hidden=32, ffn=48, vocab=64, seq=8, dtype=jnp.float32, abstract=False, heads=2
+):
+    """(params, loss_fn) of FlaxLlamaForCausalLM: blocks ``model/layers/0`` ... in a Python
+    loop; its attention softmax runs in float32 whatever ``dtype`` is."""
+    t = _transformers()
+    config = t.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=vocab,
+        # FlaxLlama keeps num_pos of its sin/cos columns: at least 2 x head_dim
+        max_position_embeddings=max(seq, hidden),
+    )
+    model = t.FlaxLlamaForCausalLM(config, dtype=dtype, _do_init=False)
+    ids = jnp.zeros((1, seq), jnp.int32)
+    params = _params(lambda: model.module.init(jax.random.key(0), ids, ids, ids), abstract)
+
+    def loss_fn(p, b):
+        x = b["x"]
+        pos = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
+        logits = model.module.apply({"params": p}, x, jnp.ones_like(x), pos)[0]
+        return _token_loss(logits, b["y"])
+
+    return params, loss_fn
+
+
+def _relative_position_bucket(
+    relative_position, bidirectional=True, num_buckets=32, max_distance=128
+):
+    """FlaxT5Attention's own bucketing with ``jnp.clip(x, max=)``: transformers 4.57 calls
+    ``jnp.clip(x, a_max=)``, which jax 0.10 no longer accepts."""
+    buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0) * num_buckets
+        relative_position = jnp.abs(relative_position)
+    else:
+        relative_position = -jnp.clip(relative_position, max=0)
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    large = max_exact + (
+        jnp.log(relative_position / max_exact)
+        / jnp.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    )
+    large = jnp.clip(large, max=num_buckets - 1)
+    buckets += jnp.where(is_small, relative_position, large)
+    return buckets.astype("i4")
+
+
+def hf_t5(layers=2, d_model=32, d_ff=48, vocab=64, seq=8, dtype=jnp.float32, abstract=False):
+    """(params, loss_fn) of FlaxT5ForConditionalGeneration: an encoder and a decoder, blocks
+    ``encoder/block/0`` ... and ``decoder/block/0`` ...; the shared embedding outside both."""
+    t = _transformers()
+    from transformers.models.t5 import modeling_flax_t5
+
+    attention = modeling_flax_t5.FlaxT5Attention
+    attention._relative_position_bucket = staticmethod(_relative_position_bucket)
+    config = t.T5Config(
+        vocab_size=vocab,
+        d_model=d_model,
+        d_kv=d_model // 2,
+        d_ff=d_ff,
+        num_layers=layers,
+        num_heads=2,
+        dropout_rate=0.0,
+    )
+    model = t.FlaxT5ForConditionalGeneration(config, dtype=dtype, _do_init=False)
+    ids = jnp.zeros((1, seq), jnp.int32)
+    init = lambda: model.module.init(jax.random.key(0), ids, ids, ids, ids)
+    params = _params(init, abstract)
+
+    def loss_fn(p, b):
+        x = b["x"]
+        ones = jnp.ones_like(x)
+        logits = model.module.apply({"params": p}, x, ones, b["y"], ones, deterministic=True)[0]
+        return _token_loss(logits, b["y"])
+
+    return params, loss_fn
+
+
+def token_batches(vocab, seq, steps=2, batch=24, seed=0):
+    """``steps`` batches of random token ids ``{"x", "y"}``, ``[batch, seq]`` each."""
+    rng = np.random.default_rng(seed)
+    tokens = lambda: rng.integers(0, vocab, (batch, seq)).astype(np.int32)
+    return [{"x": tokens(), "y": tokens()} for _ in range(steps)]
