@@ -97,7 +97,7 @@ def call_jaxpr(eqn):
 
 def compute_on_host(fn):
     """``fn`` run on the devices' hosts, its outputs in host memory (the host-update design
-    that ``benchmarks/offload_designs.py`` measures against the streamed one). jax 0.10's
+    that decision 32 measured against the streamed one). jax 0.10's
     ``compute_on("device_host")`` is a decorator factory (the outputs stay where the host
     computed them); jax 0.12's takes the function with keyword-only ``compute_type`` and
     ``out_memory_spaces``."""
