@@ -44,18 +44,25 @@ Example::
 
 from jaxzero.checkpoint.adopt import adopt
 from jaxzero.checkpoint.export import export, load_export
-from jaxzero.checkpoint.inspect import inspect
 from jaxzero.checkpoint.integrity import CheckpointDamagedError
-from jaxzero.checkpoint.io import latest_step, load_metadata, manager, save, wait
-from jaxzero.checkpoint.reading import DamagedStepWarning, restore
+from jaxzero.checkpoint.io import (
+    DamagedStepWarning,
+    check_compatible,
+    latest_step,
+    load_metadata,
+    manager,
+    restore,
+    save,
+    wait,
+)
+from jaxzero.checkpoint.report import StepReport, VerifyReport, inspect, verify
 from jaxzero.checkpoint.structure import EXTRA as EXTRA
 from jaxzero.checkpoint.structure import FORMAT as FORMAT
 from jaxzero.checkpoint.structure import ITEMS as ITEMS
 from jaxzero.checkpoint.structure import METADATA as METADATA
 from jaxzero.checkpoint.structure import STATE as STATE
-from jaxzero.checkpoint.structure import check_compatible, describe
+from jaxzero.checkpoint.structure import describe
 from jaxzero.checkpoint.structure import leaf_table as leaf_table
-from jaxzero.checkpoint.verify import StepReport, VerifyReport, verify
 
 __all__ = [
     "adopt",

@@ -14,7 +14,7 @@ from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.checkpoint.structure import ITEMS, METADATA, STATE, _flat, _name
+from jaxzero.checkpoint.structure import ITEMS, METADATA, STATE, flat_leaves, leaf_name
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, tree_mismatch
 from jaxzero.train.step import TrainStep
@@ -203,7 +203,9 @@ def _read_plain(
         check_entries(stored, collections, ignore, f"the orbax checkpoint {path}")
         params = _abstract(stored[PARAMS])
         opt = jax.eval_shape(zero.tx.init, params)
-        shapes = lambda t: {_name(k): tuple(v.shape) for k, v in _flat(_abstract(t)).items()}
+        shapes = lambda t: {
+            leaf_name(k): tuple(v.shape) for k, v in flat_leaves(_abstract(t)).items()
+        }
         bad = tree_mismatch(shapes(opt), shapes(stored[OPT_STATE]), prefix="opt_state.")
         if bad:
             raise ValueError(
