@@ -20,8 +20,7 @@ import pytest
 
 import jaxzero as jz
 from jaxzero import cli, gpu
-from jaxzero.cli.plan_logs import log_summary, progress
-from jaxzero.cli.plan_output import formula_note
+from jaxzero.cli.plan import formula_note, log_summary, progress
 from jaxzero.gpu import offload_fraction
 from jaxzero.memory import format_bytes
 
@@ -245,7 +244,7 @@ def test_log_summary_counts_lines_per_kind_within_100_columns():
 def test_paste_builds_the_zero_the_plan_compiled(case):
     """The pasted lines, run as Python, build the ZeRO that ``ZeRO(tx, mesh, **zero_options)``
     builds (the keyword arguments the plan compiled the row with), whatever the options."""
-    from jaxzero.cli.plan_pick import paste
+    from jaxzero.cli.plan import paste
     from jaxzero.gpu.models import model_shape
     from jaxzero.gpu.plan import zero_options
 
