@@ -4,9 +4,9 @@ measure too. One definition per model; the tests compare these models' training 
 single-device optax at fixed seeds, so their parameter names, init order, shapes and dtypes are
 part of their contract.
 
-Decoders (:class:`Decoder` of a :class:`ModelShape`): scanned, rematerialised layers whose
-variables pass through :func:`jaxzero.gather_layer`, built abstractly (``jax.eval_shape``,
-:func:`abstract_params`) for planning or concretely (:func:`init_params`).
+Decoders (:class:`Decoder` of a :class:`ModelShape`), built abstractly (``jax.eval_shape``,
+:func:`abstract_params`) for planning, or concretely (:func:`init_params`) for the benchmarks
+that run them.
 
 * ``"llama"``: RMSNorm, no biases, SwiGLU MLP of width ``ffn`` (default LLaMA's
   ``256 * ceil(8h/3 / 256)``: 11008 for h=4096), no position parameters (rotary embeddings have
@@ -34,8 +34,8 @@ axis; no :func:`jaxzero.gather_layer`), ``"python_noremat"`` the same loop witho
 (``params["layers"][3]``), split by :func:`jaxzero.flax_nnx.split`.
 
 The tests' small models: :class:`MLP` (leaves whose sizes do not divide by 8),
-:class:`Residual`, the post-norm encoder :class:`Transformer` of :class:`Block` s
-(``layer0``, ``layer1``), and its layer stack under ``params["layers"]`` as ``nn.scan``
+:class:`Residual`, the post-norm encoder :class:`Transformer` (blocks :class:`Block` named
+``layer0``, ``layer1``), and its layer stack under ``params["layers"]`` as ``nn.scan``
 (:class:`ScannedTransformer`) or :func:`jaxzero.scan_layers` (:class:`StackTransformer`).
 
 Models the project did not write, as users bring them: Hugging Face's Flax LLaMA
