@@ -19,7 +19,7 @@ from conftest import missing, require
 
 import jaxzero as jz
 from jaxzero.interop.deepspeed import DeepSpeedCheckpointError, read_checkpoint
-from jaxzero.interop.deepspeed import _pickle as dspickle
+from jaxzero.interop.deepspeed import pickled as dspickle
 from jaxzero.interop.deepspeed.jax_state import adamw, from_train_state, to_train_state
 from jaxzero.interop.deepspeed.writer import write_checkpoint
 from jaxzero.interop.safe_pickle import UnsafeFileError, load_torch_file

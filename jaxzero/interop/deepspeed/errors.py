@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-import jaxzero.interop.deepspeed._pickle as _pickle
+from jaxzero.interop.deepspeed import pickled
 
 
 class DeepSpeedCheckpointError(ValueError):
@@ -37,7 +37,7 @@ def load(path, what):
     from jaxzero.interop.safe_pickle import UnsafeFileError
 
     try:
-        return _pickle.load(path, what)
+        return pickled.load(path, what)
     except FileNotFoundError as e:
         raise DeepSpeedCheckpointError(f"{e} (partial checkpoint?)") from None
     except UnsafeFileError:

@@ -1,6 +1,6 @@
 """Writing DeepSpeed 0.19.8 ZeRO checkpoints that ``engine.load_checkpoint`` and
 ``zero_to_fp32`` read. DeepSpeed is not needed: its three pickled classes are written from
-the stand-ins of :mod:`jaxzero.interop.deepspeed._pickle`.
+the stand-ins of :mod:`jaxzero.interop.deepspeed.pickled`.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from collections import OrderedDict
 
 import numpy as np
 
-import jaxzero.interop.deepspeed._pickle as _pickle
 import jaxzero.interop.deepspeed.layout as L
 import jaxzero.interop.deepspeed.update as U
-from jaxzero.interop.deepspeed._pickle import LossScaler, ZeroStageEnum, fragment_address
+from jaxzero.interop.deepspeed import pickled
+from jaxzero.interop.deepspeed.pickled import LossScaler, ZeroStageEnum, fragment_address
 from jaxzero.interop.deepspeed.reader import (
     MODEL_FILE,
     OPTIM_FILE,
@@ -327,11 +327,11 @@ def write_ds_checkpoint(
     )
     for name in model_files:
         written.append(os.path.join(tag_dir, name))
-        _pickle.save(model, written[-1])
+        pickled.save(model, written[-1])
     prefix = "bf16_" if ckpt.dtype == "bf16" else ""
     for r, osd in enumerate(osds):
         written.append(os.path.join(tag_dir, OPTIM_FILE.format(prefix=prefix, rank=r)))
-        _pickle.save(
+        pickled.save(
             {"optimizer_state_dict": osd, "ds_config": cfg, "ds_version": DS_VERSION}, written[-1]
         )
     with open(os.path.join(os.fspath(save_dir), "latest"), "w") as f:
