@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxzero.interop.deepspeed import pickled
+import jaxzero.interop.deepspeed.pickled as pickled
 
 
 class DeepSpeedCheckpointError(ValueError):

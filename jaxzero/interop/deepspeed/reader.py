@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxzero.interop.deepspeed import gather
+import jaxzero.interop.deepspeed.gather as gather
 from jaxzero.interop.deepspeed.errors import (
     DeepSpeedCheckpointError,
     compute_array,

@@ -11,8 +11,8 @@ from collections import OrderedDict
 import numpy as np
 
 import jaxzero.interop.deepspeed.layout as L
+import jaxzero.interop.deepspeed.pickled as pickled
 import jaxzero.interop.deepspeed.update as U
-from jaxzero.interop.deepspeed import pickled
 from jaxzero.interop.deepspeed.pickled import LossScaler, ZeroStageEnum, fragment_address
 from jaxzero.interop.deepspeed.reader import (
     MODEL_FILE,
