@@ -249,7 +249,7 @@ def test_paste_builds_the_zero_the_plan_compiled(case):
     from jaxzero.gpu.plan import zero_options
 
     shape = model_shape(layers=2, hidden=256, heads=2, vocab=512, seq=16, arch="gpt")
-    options = zero_options(shape, None, *case)
+    options = zero_options(shape, *case)
     text = paste(types.SimpleNamespace(zero_options=options))
     assert all(len(line) <= 100 for line in text.splitlines()), text
     ns = {"jz": jz, "tx": optax.adam(1e-3), "mesh": jz.data_parallel_mesh(8)}

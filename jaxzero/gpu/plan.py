@@ -1,6 +1,10 @@
 """``plan``: compile the real jaxzero step of a GPT/LLaMA-shaped model for a GPU cluster (no GPU
 needed, nothing allocated) and set the GPU compiler's bytes per device next to
-:func:`jaxzero.estimate_memory`'s, for every stage."""
+:func:`jaxzero.estimate_memory`'s, for every stage.
+
+Its argument checks (:func:`check_loop`, :func:`check_hpz`, :func:`check_plan_offload`) are
+``jaxzero plan``'s too: each refuses a combination that would not compile or would change
+nothing, naming the fix."""
 
 from __future__ import annotations
 
@@ -15,10 +19,6 @@ from jaxzero.gpu.models import PYTHON_LOOPS, ModelShape, abstract_params, batch_
 from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_time
 from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
 from jaxzero.gpu.offload_fraction import fraction_estimate, limited, or_params, smallest_fraction
-from jaxzero.gpu.plan_checks import PRECISIONS as PRECISIONS
-from jaxzero.gpu.plan_checks import _check_plan_args, check_plan_offload
-from jaxzero.gpu.plan_checks import check_hpz as check_hpz
-from jaxzero.gpu.plan_checks import check_loop as check_loop
 from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.topology import compile_only_mesh
 from jaxzero.memory import MemoryEstimate, estimate_memory, format_bytes
@@ -27,6 +27,7 @@ from jaxzero.precision import Precision
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.offload import check_offload, params_offloaded
+from jaxzero.zero.offload.fraction import check_fraction
 from jaxzero.zero.wire import Wire
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
 
 UNITS = r"block_\d+"  # the unscanned decoder's blocks (jaxzero.gpu.models, loop="python")
 PREFETCH = {"on": (True,), "off": (False,), "both": (True, False)}
+PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,70 @@ class PlanRow:
     @property
     def verdict(self) -> str:
         return self.report.verdict()
+
+
+def check_loop(shape: ModelShape, stage2: str, stage1: str) -> None:
+    """An unscanned model has no stack for stages 1-2 to reduce layer by layer."""
+    if shape.loop not in PYTHON_LOOPS:
+        return
+    for name, v in (("stage2", stage2), ("stage1", stage1)):
+        if v != "whole":
+            raise ValueError(
+                f"{name}={v!r} needs a scanned layer stack (ZeRO(layers=...)); the shape's "
+                f"loop={shape.loop!r} is a Python loop of blocks, which stage 3 alone runs unit "
+                f"by unit (ZeRO(units=...)). Pass {name}='whole', or a scanned loop."
+            )
+
+
+def check_hpz(hpz, shape: ModelShape, stages, stage3: str, devices: int, replicas: int) -> None:
+    """``hpz`` acts on the per-layer stage-3 row of a scanned stack only; G must split the data
+    axis into nodes (divide it, and be smaller)."""
+    if hpz is None:
+        return
+    n = devices // replicas
+    why = None
+    if stages is not None and 3 not in stages:
+        why = "it acts on stage 3 per layer only (the backward's gathers): include stage 3"
+    elif stage3 == "whole":
+        why = (
+            "it acts on stage 3 per layer only: pass stage3='per-layer' or 'both' "
+            "(jaxzero plan --stage3 per-layer)"
+        )
+    elif shape.loop in PYTHON_LOOPS:
+        why = "it needs a scanned stack (jaxzero.scan_layers), not a Python loop of blocks"
+    elif isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 2 or n % hpz or hpz >= n:
+        why = f"G must be >= 2, divide the data axis of {n} devices and be smaller"
+    if why:
+        raise ValueError(f"hpz={hpz!r}: {why}.")
+
+
+def check_plan_offload(offload, fraction) -> tuple[bool, str | None, float]:
+    """``(auto, offload, fraction)``: ``offload="auto"`` is ``"optimizer"`` at a fraction
+    each case picks; ``fraction`` checked against ``offload`` (it needs ``"optimizer"``)."""
+    auto = offload == "auto"
+    offload = "optimizer" if auto else offload
+    on_host = params_offloaded(check_offload(offload, 3))
+    return auto, offload, check_fraction(fraction, offload, on_host)
+
+
+def _check_plan_args(precision, accum, devices, replicas, quantize=None, pcie_gbps=None):
+    """:func:`plan`'s scalar arguments, each refused with what it must be."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}.")
+    for name, v in (("accum", accum), ("devices", devices), ("replicas", replicas)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive int.")
+    if devices % replicas:
+        raise ValueError(f"replicas={replicas} must divide devices={devices}.")
+    if pcie_gbps is not None and (
+        isinstance(pcie_gbps, bool) or not isinstance(pcie_gbps, int | float) or pcie_gbps <= 0
+    ):
+        raise ValueError(f"pcie_gbps={pcie_gbps!r} must be a positive number of GB/s.")
+    if not isinstance(quantize, Wire) and quantize not in (None, "weights", "grads", "both"):
+        raise ValueError(
+            f"quantize={quantize!r} must be None, 'weights', 'grads', 'both' or a "
+            f"jaxzero.Wire (e.g. Wire.create(weights=8, grads=4): DeepSpeed's ZeRO++ widths)."
+        )
 
 
 def plan_cases(
@@ -184,18 +250,26 @@ def unit_bound(
 
     with p = g = 2 bytes in bf16/fp16, 4 in fp32 (the "3 per unit" row's estimate); ``2p``
     without prefetch."""
-    args = (shape, devices, 3, True, precision, False, compute_copy)
-    return row_estimate(*args, per="unit", prefetch=prefetch).total
+    return row_estimate(
+        shape,
+        devices,
+        stage=3,
+        per_layer=True,
+        precision=precision,
+        ema=False,
+        copy=compute_copy,
+        per="unit",
+        prefetch=prefetch,
+    ).total
 
 
 def zero_options(
-    shape: ModelShape, mesh, stage, per, precision, copy, offload, quantize, prefetch, hpz, f=1.0
+    shape: ModelShape, stage, per, precision, copy, offload, quantize, prefetch, hpz, f=1.0
 ) -> dict:
-    """The keyword arguments of the plan's ``ZeRO(tx, mesh, ...)`` for one case (``mesh``
-    unused: a case carries it); ``per``: False (whole), ``"layer"`` (the scanned stack,
-    ``layers=``, with ``hpz``) or ``"unit"`` (the Python loop's blocks, ``units=``, with
-    ``prefetch``); ``f``: the offload fraction (None: not offloaded)."""
-    del mesh
+    """The keyword arguments of the plan's ``ZeRO(tx, mesh, ...)`` for one case; ``per``: False
+    (whole), ``"layer"`` (the scanned stack, ``layers=``, with ``hpz``) or ``"unit"`` (the
+    Python loop's blocks, ``units=``, with ``prefetch``); ``f``: the offload fraction (None:
+    not offloaded)."""
     return dict(
         stage=stage,
         precision=Precision.create(precision, compute_copy=copy),
@@ -210,25 +284,31 @@ def zero_options(
     )
 
 
-def _zero(shape: ModelShape, mesh, *case, f=1.0):
-    """The plan's ``ZeRO`` for one case (:func:`zero_options`)."""
-    return ZeRO(optax.adam(1e-4), mesh, **zero_options(shape, mesh, *case, f))
+def _zero(shape: ModelShape, mesh, case: dict, f=1.0):
+    """The plan's ``ZeRO`` for one ``case`` (:func:`zero_options`'s keyword arguments but the
+    shape and the fraction ``f``)."""
+    return ZeRO(optax.adam(1e-4), mesh, **zero_options(shape, **case, f=f))
 
 
-def _step_args(shape: ModelShape, devices, accum, ema: bool, gpu, options, gpu_memory) -> tuple:
-    """:func:`_compile`'s arguments after the case: the loss, the EMA, the micro-batches, the
-    abstract params and batch, the GPU kind, the compiler options and the memory."""
+def _compiler(
+    shape: ModelShape, mesh, *, devices, accum, ema: bool, gpu, compiler_options, gpu_memory
+) -> Callable[[dict, float | None], CompileReport]:
+    """``compile_case(case, fraction)``: the compile report of one plan ``case`` (as
+    :func:`_zero` takes it) at ``fraction`` (None: without offload), judged against
+    ``gpu_memory``; the loss, the EMA, the abstract params and the batch of ``accum``
+    micro-batches are made once, for every case."""
     batch = batch_shapes(shape, shape.batch * devices * accum)
     sema = ShardedEMA(0.999) if ema else None
-    return make_loss(shape), sema, accum, abstract_params(shape), batch, gpu, options, gpu_memory
+    loss_fn, params = make_loss(shape), abstract_params(shape)
 
+    def compile_case(case, fraction):
+        step = make_train_step(
+            loss_fn, _zero(shape, mesh, case, fraction), ema=sema, accum_steps=accum
+        )
+        report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
+        return limited(report, gpu_memory)
 
-def _compile(case, loss_fn, ema, accum, params, batch, gpu, options, gpu_memory, fraction):
-    """The compile report of one plan ``case`` (:func:`_zero`'s arguments) at ``fraction``
-    (None: without offload), judged against ``gpu_memory``."""
-    step = make_train_step(loss_fn, _zero(*case, f=fraction), ema=ema, accum_steps=accum)
-    report = compile_report(step, params, batch, kind=gpu, compiler_options=options)
-    return limited(report, gpu_memory)
+    return compile_case
 
 
 def _label(stage: int, per_layer: bool, per: str, prefetch) -> str:
@@ -237,29 +317,16 @@ def _label(stage: int, per_layer: bool, per: str, prefetch) -> str:
     return label + ("" if prefetch is not False else ", prefetch=False")
 
 
-def _fraction(case, step_args, auto: bool, fraction):
-    """``(fraction, report, tries, params offloaded)`` of one plan ``case``: compiled at
-    ``fraction`` (None: without offload), or with ``auto`` at the smallest that fits
-    (:func:`smallest_fraction`), the params too where nothing less fits and the case is
-    stage 3 a layer or a unit at a time (:func:`or_params`)."""
-    compile_at = functools.partial(_compile, case, *step_args)
-    if auto:
-        more = _params_too(case, step_args) if case[2] == 3 and case[3] else None
-        f, report, tries, params = or_params(smallest_fraction(compile_at), more)
-        return f, report, tuple(tries), params
-    return fraction, compile_at(fraction), (), False
-
-
-def _params_too(case, step_args):
+def _params_too(shape: ModelShape, mesh, case: dict, compile_case):
     """A function compiling ``case`` with the params offloaded too, or None where ZeRO refuses
     that offload for it (the refusal is :func:`~jaxzero.zero.offload.placement.check_params`'s,
     raised before anything is compiled)."""
-    case = (*case[:6], ("optimizer", "params"), *case[7:])
+    case = {**case, "offload": ("optimizer", "params")}
     try:
-        _zero(*case)
+        _zero(shape, mesh, case)
     except ValueError:
         return None
-    return lambda: _compile(case, *step_args, 1.0)
+    return lambda: compile_case(case, 1.0)
 
 
 def _cost(report, shape: ModelShape, accum: int, gpu: str, gbps) -> OffloadCost:
@@ -385,20 +452,76 @@ def plan(
     cases = plan_cases(plan_stages(stages, offload), stage3, stage2, stage1)
     cases = _unit_cases(cases, per, prefetch)
     mesh = compile_only_mesh(gpu, devices, replicas=replicas, memory_bytes=gpu_memory)
-    step_args = _step_args(shape, devices, accum, ema, gpu, compiler_options, gpu_memory)
-    batch_bytes, n, rows = 2 * shape.batch * accum * shape.seq * 4, devices // replicas, []
+    compile_case = _compiler(
+        shape,
+        mesh,
+        devices=devices,
+        accum=accum,
+        ema=ema,
+        gpu=gpu,
+        compiler_options=compiler_options,
+        gpu_memory=gpu_memory,
+    )
+    batch_bytes = 2 * shape.batch * accum * shape.seq * 4
+    rows = []
     for i, (stage, per_layer, pf) in enumerate(cases):
         if on_case is not None:
             on_case(_label(stage, per_layer, per, pf), i, len(cases))
         # compute_copy=False: a layout of stage 3 only; hpZ: the per-layer stage-3 row only
-        copy, g = compute_copy or stage != 3, hpz if stage == 3 and per_layer else None
-        case = (shape, mesh, stage, per_layer and per, precision, copy, offload, quantize, pf, g)
-        f, report, tries, params = _fraction(case, step_args, auto, fraction)
+        copy = compute_copy or stage != 3
+        g = hpz if stage == 3 and per_layer else None
+        case = dict(
+            stage=stage,
+            per=per_layer and per,
+            precision=precision,
+            copy=copy,
+            offload=offload,
+            quantize=quantize,
+            prefetch=pf,
+            hpz=g,
+        )
+        # the case compiled at the fraction asked (None: without offload), or with auto at the
+        # smallest that fits, the params too where nothing less fits and the case is stage 3
+        # a layer or a unit at a time
+        compile_at = functools.partial(compile_case, case)
+        if auto:
+            more = (
+                _params_too(shape, mesh, case, compile_case) if stage == 3 and per_layer else None
+            )
+            f, report, tries, params = or_params(smallest_fraction(compile_at), more)
+            tries = tuple(tries)
+        else:
+            f, report, tries, params = fraction, compile_at(fraction), (), False
         off = ("optimizer", "params") if params else offload if f is not None else None
-        options = zero_options(*case[:6], off, *case[7:], f)
-        args = (shape, n, stage, per_layer, precision, ema, copy, off, per, pf is not False, accum)
-        cost = off and _cost(report, shape, accum, gpu, pcie_gbps)
-        est, state = fraction_estimate(row_estimate(*args), f), report.argument_bytes - batch_bytes
-        head = (stage, per_layer, shape.num_params, report, est, state)
-        rows.append(PlanRow(*head, per, pf, g, cost, f, tries, params, options))
+        est = row_estimate(
+            shape,
+            devices // replicas,
+            stage,
+            per_layer,
+            precision,
+            ema,
+            copy=copy,
+            offload=off,
+            per=per,
+            prefetch=pf is not False,
+            accum=accum,
+        )
+        rows.append(
+            PlanRow(
+                stage=stage,
+                per_layer=per_layer,
+                num_params=shape.num_params,
+                report=report,
+                estimate=fraction_estimate(est, f),
+                state_bytes=report.argument_bytes - batch_bytes,
+                per=per,
+                prefetch=pf,
+                hpz=g,
+                cost=off and _cost(report, shape, accum, gpu, pcie_gbps),
+                fraction=f,
+                tries=tries,
+                params_offloaded=params,
+                zero_options=zero_options(shape, **{**case, "offload": off}, f=f),
+            )
+        )
     return rows
