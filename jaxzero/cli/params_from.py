@@ -101,7 +101,7 @@ def template_name_map(torch_shapes: Mapping, template, overrides=None, spec: str
         layout the name map cannot express (each listed).
     """
     from jaxzero.interop.torch.names import build_name_map
-    from jaxzero.interop.torch.torch_files import _kind_for
+    from jaxzero.interop.torch.torch_files import kind_for
 
     _check_nested_dicts(template, spec)
     nm = build_name_map(dict(torch_shapes), template, overrides=overrides)
@@ -113,7 +113,7 @@ def template_name_map(torch_shapes: Mapping, template, overrides=None, spec: str
     odd = [
         f"{n} -> {'/'.join(p)} ({k})"
         for n, p, k in nm.entries
-        if k != _kind_for(p, tuple(torch_shapes[n]))
+        if k != kind_for(p, tuple(torch_shapes[n]))
     ]
     if odd:
         problems.append(f"layouts a name map cannot express: {', '.join(odd)}")

@@ -130,7 +130,7 @@ def kernel_bytes_per_step(hlo: str, computation: str | None = None) -> int:
     place or reads only a slice of an operand; exact for element-wise kernels."""
     module = parse_hlo(hlo)
     ops = module.computation(computation or module.entry)
-    size = {inst.name: sum(_dtype_bytes(inst.type).values()) for inst in ops}
+    size = {inst.name: sum(dtype_bytes(inst.type).values()) for inst in ops}
     return sum(
         size[inst.name] + sum(size.get(o, 0) for o in inst.operands)
         for inst in ops
@@ -155,9 +155,16 @@ class CollectiveTotal:
     bytes: int
 
 
-def _dtype_bytes(shape: str) -> dict[str, int]:
+def dtype_bytes(shape: str) -> dict[str, int]:
     """Bytes per element type of a type text's arrays with static dimensions; an element
-    type of no known width (``token``, ``opaque``, ...) counts a byte per element."""
+    type of no known width (``token``, ``opaque``, ...) counts a byte per element.
+
+    Args:
+      shape: an HLO type text, e.g. ``"(bf16[8,128]{1,0}, f32[])"``.
+
+    Returns:
+      ``{element type: bytes}`` over the arrays in ``shape``.
+    """
     out: dict[str, int] = {}
     for a in arrays(shape):
         if not a.static:
@@ -179,7 +186,7 @@ def collective_payloads(hlo: str, group_size: int, mult: dict[str, int] | None =
         scale = 1
         if op.kind == "reduce-scatter":
             scale = replica_group_size(op.replica_groups) or group_size
-        out.append((op, {dt: b * scale * k for dt, b in _dtype_bytes(op.shape).items()}))
+        out.append((op, {dt: b * scale * k for dt, b in dtype_bytes(op.shape).items()}))
     return out
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxzero.gpu.hlo import _dtype_bytes, computation_multipliers
+from jaxzero.gpu.hlo import computation_multipliers, dtype_bytes
 from jaxzero.gpu.overlap import hidden_pairs
 from jaxzero.memory.hlo import COLLECTIVE_KINDS
 from jaxzero.memory.hlo_reader import (
@@ -96,7 +96,7 @@ def _static(text: str) -> list[Array]:
 
 
 def _nbytes(found: list[Array]) -> int:
-    return sum(sum(_dtype_bytes(a.text).values()) for a in found)
+    return sum(sum(dtype_bytes(a.text).values()) for a in found)
 
 
 def _sources_and_result(inst: Instruction, types: dict[str, str]):

@@ -243,7 +243,18 @@ def read_torch_checkpoint(
     )  # fmt: skip
 
 
-def _kind_for(path: tuple[str, ...], torch_shape) -> str:
+def kind_for(path: tuple[str, ...], torch_shape) -> str:
+    """How a torch tensor becomes the Flax leaf at ``path``: ``"linear"`` (a 2-D ``kernel``,
+    transposed), ``"conv"`` (a ``kernel`` of 3 or more dimensions, its channels moved last) or
+    ``"identity"``.
+
+    Args:
+      path: the Flax leaf's path, its last name ``"kernel"`` for a weight.
+      torch_shape: the torch tensor's shape.
+
+    Returns:
+      The kind :func:`jaxzero.interop.torch.common.to_flax` converts the tensor by.
+    """
     if path[-1] == "kernel" and len(torch_shape) == 2:
         return "linear"
     if path[-1] == "kernel" and len(torch_shape) >= 3:
@@ -270,7 +281,7 @@ def build_params(state_dict: Mapping, names: list[str], name_map: dict | None):
         if name_map[n] is None:
             continue
         path = tuple(name_map[n].split("/"))
-        kind = _kind_for(path, arrays[n].shape)
+        kind = kind_for(path, arrays[n].shape)
         flat[path] = to_flax(kind, arrays[n])
         entries.append((n, path, kind))
     return nest(flat), NameMap(entries=tuple(entries))
