@@ -88,8 +88,8 @@ def test_reader_reads_loops_calls_and_async_pairs():
 
 def test_reader_reads_host_memory_and_bytes():
     destination, source, context = split_tuple(_by_name()["cs"].type)
-    assert [a.on_host for a in arrays(destination)] == [False]
-    assert [a.on_host for a in arrays(source)] == [True]
+    assert [a.in_host_memory for a in arrays(destination)] == [False]
+    assert [a.in_host_memory for a in arrays(source)] == [True]
     assert arrays(context)[0].dtype == "u32" and arrays(context)[0].rank == 0
     assert type_bytes("(f32[4,8]{1,0}, bf16[3]{0}, pred[])") == (
         4 * 32 + 2 * 3 + 1,

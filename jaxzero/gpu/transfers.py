@@ -114,12 +114,12 @@ def _sources_and_result(inst: Instruction, types: dict[str, str]):
 
 def _direction(opcode: str, sources: list[Array], result: list[Array]) -> tuple[str, int] | None:
     """``("h2d" | "d2h", bytes)`` of an instruction between the memories, else None."""
-    if any(a.on_host for a in result):
+    if any(a.in_host_memory for a in result):
         # a copy moves its operand, a scalar too; elsewhere a scalar operand is an index
         copy = opcode in ("copy", "copy-start")
-        moved = [a for a in sources if not a.on_host and (a.rank or copy)]
+        moved = [a for a in sources if not a.in_host_memory and (a.rank or copy)]
         return ("d2h", _nbytes(moved)) if moved else None
-    if any(a.on_host for a in sources):
+    if any(a.in_host_memory for a in sources):
         return "h2d", _nbytes(result)
     return None
 

@@ -92,7 +92,7 @@ class Array:
         return math.prod(int(d.replace("<=", "")) for d in self.dims.split(",") if d.strip())
 
     @property
-    def on_host(self) -> bool:
+    def in_host_memory(self) -> bool:
         """In pinned host memory (memory space 5 in the layout)."""
         return HOST_MEMORY in self.layout
 
