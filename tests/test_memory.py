@@ -86,6 +86,30 @@ def test_optimizer_and_precision_bytes(optimizer, precision, p, k):
     assert e0.optimizer_name == optimizer and e0.precision == precision
 
 
+@pytest.mark.parametrize(
+    "optimizer,precision,k",
+    [
+        ("adam", "bf16", 8),  # two bf16 moments 2 + 2, fp32 master 4
+        ("adam", "fp32", 4),  # the moments alone: the fp32 params are the master
+        ("sgd", "bf16", 6),  # momentum 2 + master 4
+    ],
+)
+def test_state_dtype_stores_the_optimizer_state_in_two_bytes(optimizer, precision, k):
+    """``state_dtype="bf16"`` (``jz.with_state_dtype``): 2 bytes per optimizer-state value;
+    the master and the EMA keep 4, and offloaded the host holds the narrower state."""
+    phi, n = 64_000, 16
+    p = 4 if precision == "fp32" else 2
+    e = estimate_memory(
+        phi, n, stage=3, optimizer=optimizer, precision=precision, state_dtype="bf16", ema=True
+    )
+    assert e.optimizer == k * phi // n and e.ema == 4 * phi // n
+    assert e.total == (p + p + k + 4) * phi // n
+    host = estimate_memory(phi, n, stage=2, state_dtype="bf16", offload="optimizer")
+    assert host.host == 8 * phi // n and host.optimizer == 0
+    with pytest.raises(ValueError, match="state_dtype='fp32'.*bf16, fp16"):
+        estimate_memory(phi, n, state_dtype="fp32")
+
+
 def test_ema_is_sharded_at_every_stage():
     phi, n = 8000, 8
     for e in estimate_memory(phi, n, ema=True):

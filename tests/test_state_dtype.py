@@ -124,3 +124,34 @@ def test_bad_arguments_are_refused():
         jz.with_state_dtype(optax.adam(LR), jnp.float32)
     with pytest.raises(TypeError, match="GradientTransformation"):
         jz.with_state_dtype(lambda g: g, jnp.bfloat16)
+
+
+PLAN = ["plan", "--devices", "8", "--layers", "2", "--hidden", "256", "--heads", "2"]
+PLAN += ["--vocab", "512", "--seq", "16", "--stage", "3", "--stage3", "per-layer"]
+PLAN += ["--offload", "optimizer", "--wide"]
+
+
+def test_plan_state_dtype_compiles_the_narrow_state_and_says_how_to_build_it(capsys):
+    """``jaxzero plan --state-dtype bf16`` (deviceless H100s, a 2-layer decoder, stage 3 per
+    layer, the optimizer offloaded): the compiled step holds the fp32 master and two bf16
+    moments in host memory, 8 bytes per parameter where fp32 Adam holds 12, moves that much
+    each way over PCIe, and the paste line wraps the optimizer."""
+    from jaxzero import cli
+    from jaxzero.memory import parse_bytes
+
+    def row(argv):
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        header = next(line for line in out.splitlines() if line.startswith("stage"))
+        line = next(line for line in out.splitlines() if line.startswith("3 per layer"))
+        names = [h.strip() for h in header.split("  ") if h.strip()]
+        cells = [c.strip() for c in line.split("  ") if c.strip()]
+        table = dict(zip(names, cells, strict=False))
+        return out, {k: parse_bytes(table[k].replace(" ", "")) for k in ("host", "PCIe h2d")}
+
+    _, wide = row(PLAN)
+    out, narrow = row([*PLAN, "--state-dtype", "bf16"])
+    assert narrow["host"] == pytest.approx(wide["host"] * 8 / 12, rel=0.02)
+    assert narrow["PCIe h2d"] == pytest.approx(wide["PCIe h2d"] * 8 / 12, rel=0.02)
+    assert "Adam with bf16 moments" in out
+    assert "tx = jz.with_state_dtype(tx, jnp.bfloat16)" in out

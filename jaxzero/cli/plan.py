@@ -114,6 +114,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="gradient accumulation micro-batches (default: 1)",
     )
     train.add_argument("--ema", action="store_true", help="add a sharded fp32 parameter EMA")
+    train.add_argument(
+        "--state-dtype",
+        choices=["bf16", "fp16"],
+        help="store Adam's moments in 2 bytes each, the math in fp32 (jaxzero.with_state_dtype; "
+        "opt-in, not exact): 4 bytes per parameter less on the device, or in host memory and "
+        "each way over PCIe with --offload (default: fp32)",
+    )
     add_state_layout(train)
     add_pcie(train)
     train.add_argument(
@@ -377,7 +384,9 @@ def _describe(args, shape, recommended_xla_flags) -> str:
         + (", a Python loop of blocks" if args.loop == "python" else "")
         + f"; {args.devices} x {args.gpu.upper()}"
         + (f" ({args.replicas} replicas)" if args.replicas > 1 else "")
-        + f", {args.precision}, Adam, accum {args.accum}"
+        + f", {args.precision}, Adam"
+        + (f" with {args.state_dtype} moments" if args.state_dtype else "")
+        + f", accum {args.accum}"
         + (", EMA" if args.ema else "")
         + ("" if args.compute_copy else ", stage 3 without a compute copy")
         + (", stage 3 vocabulary-parallel embedding" if args.vocab_parallel else "")
@@ -461,6 +470,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         "pcie_gbps",
         "offload_fraction",
         "gpu_memory",
+        "state_dtype",
     )
     options["quantize"] = _quantize(args)
     flags = xla_options(quantized_grads=_qgz(args)) if args.xla_flags else None
@@ -493,10 +503,9 @@ def _print_leaves(rows, shape, args) -> None:
     """The per-leaf plan (:meth:`jaxzero.ZeRO.plan`) of the picked row, or of every row when
     none fits: the same ``ZeRO`` options the row was compiled with, on the model's abstract
     params (nothing allocated)."""
-    import optax
-
     from jaxzero.ema import ShardedEMA
     from jaxzero.gpu.models import abstract_params
+    from jaxzero.gpu.plan import plan_tx
     from jaxzero.gpu.topology import compile_only_mesh
     from jaxzero.train.optimizer import ZeRO
 
@@ -505,7 +514,7 @@ def _print_leaves(rows, shape, args) -> None:
     params = abstract_params(shape)
     ema = ShardedEMA(0.999) if args.ema else None
     for row in [pick] if pick is not None else rows:
-        zero = ZeRO(optax.adam(1e-4), mesh, **row.zero_options)
+        zero = ZeRO(plan_tx(args.state_dtype), mesh, **row.zero_options)
         print(f"\nper-leaf plan of {row.label} (ZeRO.plan):")
         print(zero.plan(params, accum_steps=args.accum, ema=ema), flush=True)
 
@@ -959,6 +968,9 @@ def pick_note(rows, args, width: int = 100) -> str:
         width,
         break_on_hyphens=False,
     )
+    if args.state_dtype:
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}[args.state_dtype]
+        lines.append(f"  tx = jz.with_state_dtype(tx, jnp.{dtype})  # import jax.numpy as jnp")
     lines.append(paste(row, width))
     step = _step_line(args, "  ")
     if step:

@@ -23,7 +23,7 @@ from jaxzero.gpu.report import CompileReport, compile_report
 from jaxzero.gpu.topology import compile_only_mesh
 from jaxzero.memory import MemoryEstimate, estimate_memory, format_bytes
 from jaxzero.memory.estimate import param_bytes
-from jaxzero.precision import Precision
+from jaxzero.precision import Precision, with_state_dtype
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.offload import check_offload, params_offloaded
@@ -201,6 +201,7 @@ def row_estimate(
     per: str = "layer",
     prefetch: bool = True,
     accum: int = 1,
+    state_dtype: str | None = None,
 ) -> MemoryEstimate:
     """The estimate column of a plan row: ``estimate_memory`` for this shape and stage, with
     activations of the whole stack, plus the whole model gathered (stage 3), one layer
@@ -222,6 +223,7 @@ def row_estimate(
         compute_copy=copy,
         offload=offload,
         accum_steps=accum,
+        state_dtype=state_dtype,
         **dims,
     )
     if stage == 3 and per_layer and per == "unit":
@@ -284,14 +286,38 @@ def zero_options(
     )
 
 
-def _zero(shape: ModelShape, mesh, case: dict, f=1.0):
+#: the optimizer state's storage dtypes a plan takes (``state_dtype=``; None: fp32)
+STATE_DTYPES = {None: None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+def plan_tx(state_dtype: str | None = None) -> optax.GradientTransformation:
+    """The plan's optimizer: Adam, its state stored in ``state_dtype`` (``"bf16"``,
+    ``"fp16"``: :func:`jaxzero.with_state_dtype`; None: fp32)."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"state_dtype={state_dtype!r}: use None (fp32 optimizer state), 'bf16' or 'fp16'."
+        )
+    tx = optax.adam(1e-4)
+    return tx if state_dtype is None else with_state_dtype(tx, STATE_DTYPES[state_dtype])
+
+
+def _zero(shape: ModelShape, mesh, case: dict, f=1.0, state_dtype=None):
     """The plan's ``ZeRO`` for one ``case`` (:func:`zero_options`'s keyword arguments but the
-    shape and the fraction ``f``)."""
-    return ZeRO(optax.adam(1e-4), mesh, **zero_options(shape, **case, f=f))
+    shape and the fraction ``f``), with :func:`plan_tx`'s Adam."""
+    return ZeRO(plan_tx(state_dtype), mesh, **zero_options(shape, **case, f=f))
 
 
 def _compiler(
-    shape: ModelShape, mesh, *, devices, accum, ema: bool, gpu, compiler_options, gpu_memory
+    shape: ModelShape,
+    mesh,
+    *,
+    devices,
+    accum,
+    ema: bool,
+    gpu,
+    compiler_options,
+    gpu_memory,
+    state_dtype=None,
 ) -> Callable[[dict, float | None], CompileReport]:
     """``compile_case(case, fraction)``: the compile report of one plan ``case`` (as
     :func:`_zero` takes it) at ``fraction`` (None: without offload), judged against
@@ -303,7 +329,7 @@ def _compiler(
 
     def compile_case(case, fraction):
         step = make_train_step(
-            loss_fn, _zero(shape, mesh, case, fraction), ema=sema, accum_steps=accum
+            loss_fn, _zero(shape, mesh, case, fraction, state_dtype), ema=sema, accum_steps=accum
         )
         report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
         return limited(report, gpu_memory)
@@ -411,6 +437,7 @@ def plan(
     pcie_gbps: float | None = None,
     offload_fraction: float = 1.0,
     gpu_memory: int | None = None,
+    state_dtype: str | None = None,
 ) -> list[PlanRow]:
     """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
 
@@ -437,6 +464,8 @@ def plan(
     ``offload_fraction``: ``ZeRO(offload_fraction=...)``; ``offload="auto"``: the smallest
     that fits ``gpu_memory`` bytes per device (compiled for, instead of the kind's; decision 43),
     and the params offloaded too where all of it does not fit (stage 3 per layer or unit).
+    ``state_dtype``: Adam's state stored in ``"bf16"`` or ``"fp16"`` (:func:`plan_tx`, the
+    estimate's ``state_dtype``); None: fp32.
 
     Returns:
       One :class:`PlanRow` per case of :func:`plan_cases`.
@@ -445,6 +474,7 @@ def plan(
       ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
     """
     _check_plan_args(precision, accum, devices, replicas, quantize, pcie_gbps)
+    plan_tx(state_dtype)  # refuses an unknown storage dtype before anything compiles
     check_loop(shape, stage2, stage1)
     check_hpz(hpz, shape, stages, stage3, devices, replicas)
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
@@ -461,6 +491,7 @@ def plan(
         gpu=gpu,
         compiler_options=compiler_options,
         gpu_memory=gpu_memory,
+        state_dtype=state_dtype,
     )
     batch_bytes = 2 * shape.batch * accum * shape.seq * 4
     rows = []
@@ -505,6 +536,7 @@ def plan(
             per=per,
             prefetch=pf is not False,
             accum=accum,
+            state_dtype=state_dtype,
         )
         rows.append(
             PlanRow(

@@ -41,6 +41,8 @@ from jaxzero.zero.offload import check_offload
 
 OPTIMIZERS = ("adam", "sgd", "adafactor")
 PRECISIONS = ("bf16", "fp16", "fp32")
+#: the optimizer state's storage: fp32 (None), or 2 bytes per value (jaxzero.with_state_dtype)
+STATE_DTYPES = (None, "bf16", "fp16")
 # Bytes per parameter of optimizer state proper (without the fp32 master copy).
 # adafactor keeps factored second moments: one fp32 value per row plus one per
 # column of each matrix, i.e. 4*(rows+cols) bytes, negligible next to rows*cols;
@@ -157,6 +159,7 @@ def estimate_memory(
     compute_copy=True,
     offload=None,
     accum_steps=1,
+    state_dtype=None,
 ):
     """Estimate per-device training memory under ZeRO stage 0-3.
 
@@ -200,6 +203,9 @@ def estimate_memory(
         offload, accum_steps: None, "optimizer" (stages 1-3: the optimizer state, the fp32
             master if not the params, and the EMA go to ``host``) or ``("optimizer",
             "params")`` (stage 3: the params too, and their gradient sums with accum_steps > 1).
+        state_dtype: None (the optimizer state in fp32) or "bf16" / "fp16": the state stored
+            in 2 bytes per value (:func:`jaxzero.with_state_dtype`): adam K = 4+4 = 8 in mixed
+            precision, sgd 2+4; the fp32 master and the EMA keep 4 bytes.
 
     Returns:
         A :class:`MemoryEstimate`, or a list of four (stages 0..3) when stage is None.
@@ -207,13 +213,18 @@ def estimate_memory(
     """
     phi, n = _whole(num_params, "num_params"), _whole(world_size, "world_size")
     _check_choices(optimizer, precision, stage, compute_copy, offload)
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"state_dtype={state_dtype!r}: use None (fp32 optimizer state) or one of "
+            f"{', '.join(s for s in STATE_DTYPES if s)}"
+        )
     width = param_bytes(precision)  # bytes of one param, one grad (p = g)
     shape = (batch, seq, hidden, heads, ckpt_every, vocab)
     # layers also counts layer_params' layers: with it alone, it asks for no activations
     act_layers = None if layer_params is not None and all(v is None for v in shape) else layers
     act = _activation_bytes(batch, seq, hidden, act_layers, heads, ckpt_every, vocab, width)
     gathered = _gathered_bytes(phi, layer_params, layers, width, gather_model)
-    sizes = (phi, n, optimizer, precision, ema, act, gathered, compute_copy)
+    sizes = (phi, n, optimizer, precision, ema, act, gathered, compute_copy, state_dtype)
     sums = sums_bytes(phi, n, layer_params, layers, _whole(accum_steps, "accum_steps"))
     one = lambda s: offloaded(_one_stage(s, *sizes), offload, compute_copy, sums)
     return one(stage) if stage is not None else [one(s) for s in range(4)]
@@ -267,13 +278,16 @@ def _gathered_bytes(phi: int, layer_params, layers, width: int, gather_model=Fal
     return (p + g) * one_layer + g * rest
 
 
-def _one_stage(stage, phi, n, optimizer, precision, ema, act, gathered, compute_copy=True):
+def _one_stage(
+    stage, phi, n, optimizer, precision, ema, act, gathered, compute_copy=True, state_dtype=None
+):
     """The estimate of one stage from the checked sizes (see :func:`estimate_memory`)."""
     mixed = precision != "fp32"
     p = g = 2 if mixed else 4
     if stage == 3 and mixed and not compute_copy:
         p = 0  # the params are the fp32 master, counted in K
-    k = _OPT_STATE_BYTES[optimizer] + (_MASTER_BYTES if mixed else 0)
+    state = _OPT_STATE_BYTES[optimizer] // (2 if state_dtype else 1)  # 2-byte values: half
+    k = state + (_MASTER_BYTES if mixed else 0)
     shard = -(-phi // n)  # ceil(Φ/N): elements of the padded flat shard per device
     return MemoryEstimate(
         stage=stage,
