@@ -108,3 +108,15 @@ def test_plan_refuses_offload_flags_that_would_not_act(capsys, extra, message):
         cli.main([*ARGV, *extra])
     assert e.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_plan_refuses_params_offload_beside_the_whole_stage3_row(capsys):
+    """``--offload optimizer,params`` keeps the params on the host only where stage 3 fetches a
+    layer at a time: with ``--stage3`` both (the default) or whole it is refused before any
+    compile, naming ``--stage3 per-layer``."""
+    argv = [a for a in ARGV if a not in ("--stage3", "per-layer")]
+    for stage3 in ([], ["--stage3", "whole"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main([*argv, *stage3, "--offload", "optimizer,params"])
+        assert e.value.code == 2
+        assert "Add --stage3 per-layer" in capsys.readouterr().err

@@ -360,6 +360,12 @@ def check_offload_args(args: argparse.Namespace, parser):
             f"--offload-fraction {args.offload_fraction:g} needs --offload optimizer (auto picks "
             "its own fraction; optimizer,params keeps the whole state on the host)"
         )
+    if args.offload == "optimizer,params" and args.stage3 != "per-layer":
+        parser.error(
+            f"--offload optimizer,params with --stage3 {args.stage3}: the params stay in host "
+            "memory only where stage 3 fetches them a layer (or unit) at a time; the whole "
+            "stage-3 row gathers every param at once. Add --stage3 per-layer"
+        )
     if args.offload == "auto" and args.gpu_memory is None:
         print(
             f"note: --offload auto fits the {args.gpu.upper()}'s own memory; pass --gpu-memory "
