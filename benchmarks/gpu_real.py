@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         "--leaves-per-row",
         type=int,
         default=None,
-        help="rows of this many leaves (default jaxzero.ema.storage.LEAVES_PER_ROW)",
+        help="rows of this many leaves (default jaxzero.ema.ema.LEAVES_PER_ROW)",
     )
     ap.add_argument(
         "--bucket", type=int, default=None, help="the rows case's bucket_leaves_up_to (all)"
@@ -122,9 +122,9 @@ def main(argv=None) -> int:
     global ROWS
     ROWS = args.bucket
     if args.leaves_per_row:
-        from jaxzero.ema import storage
+        from jaxzero.ema import ema as sharded_ema
 
-        storage.LEAVES_PER_ROW = args.leaves_per_row
+        sharded_ema.LEAVES_PER_ROW = args.leaves_per_row
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus and not args.cpu:
         print("no GPU attached: run this on a GPU machine (jax with its CUDA plugin)")
@@ -164,10 +164,10 @@ def main(argv=None) -> int:
         times[case] = statistics.median(per_round)
         rows.append((case, gpu.kernels_per_step(real_hlo), dl_kernels, times[case]))
     base = times["replicated tree.map"]
-    from jaxzero.ema import storage
+    from jaxzero.ema import ema as sharded_ema
 
     lines = [
-        f"rows of at most {storage.LEAVES_PER_ROW} leaves, bucket_leaves_up_to={ROWS}. "
+        f"rows of at most {sharded_ema.LEAVES_PER_ROW} leaves, bucket_leaves_up_to={ROWS}. "
         f"EMA update of a 350-leaf YOLOv5s-shaped tree (31.6M floats) on {n} x "
         f"{devs[0].device_kind}, jax {jax.__version__}: median of {args.rounds} rounds x "
         f"{args.reps} updates ({devs[0].platform})",

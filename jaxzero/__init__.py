@@ -18,10 +18,10 @@ from jaxzero import flax_nnx as flax_nnx
 from jaxzero import gpu as gpu
 from jaxzero import memory as memory
 from jaxzero._version import __version__ as __version__
+from jaxzero.ema.ema import BucketedTree as BucketedTree
 from jaxzero.ema.ema import EmaState as EmaState
 from jaxzero.ema.ema import ShardedEMA as ShardedEMA
-from jaxzero.ema.storage import BucketedTree as BucketedTree
-from jaxzero.ema.storage import unbucket as unbucket_ema
+from jaxzero.ema.ema import unbucket as unbucket_ema
 from jaxzero.evaluation import ema_model_state as ema_model_state
 from jaxzero.evaluation import ema_params as ema_params
 from jaxzero.evaluation import gather as gather

@@ -414,7 +414,7 @@ def test_bad_threshold_names_the_value(bad):
 def test_default_threshold_is_per_leaf_on_cpu_and_all_means_every_float_leaf():
     """None (the default) keeps a CPU mesh's EMA per leaf; "all" puts every float leaf in
     rows of at most LEAVES_PER_ROW leaves (on GPU meshes None means "all": tests/test_gpu.py)."""
-    from jaxzero.ema.storage import LEAVES_PER_ROW
+    from jaxzero.ema.ema import LEAVES_PER_ROW
 
     zero = jz.ZeRO(optax.sgd(0.1), jz.data_parallel_mesh(8), stage=2)
     params = {f"w{i:03d}": jnp.full((8 * (1 + i % 3),), float(i)) for i in range(200)}

@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 from flax import serialization
 
 from jaxzero.distributed.host import replicated
-from jaxzero.ema import storage
+from jaxzero.ema.ema import to_per_leaf
 from jaxzero.train.state import TrainState
 
 # The keys of an export with the optimizer state: a Flax TrainState's fields (and what
@@ -28,7 +28,7 @@ def _weights(state: TrainState, which: str):
                 "export(which='ema') needs a state with an EMA; use which='params' or "
                 "create the state with an EMA (zero.init(params, ema=ShardedEMA(...)))."
             )
-        return storage.to_per_leaf(state.ema.ema)
+        return to_per_leaf(state.ema.ema)
     if which == "params":
         return state.params
     if which == "master":

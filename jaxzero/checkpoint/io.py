@@ -27,7 +27,7 @@ from jaxzero.checkpoint.adopt import describe_plain
 from jaxzero.checkpoint.integrity import CheckpointDamagedError
 from jaxzero.checkpoint.structure import EXTRA, METADATA, STATE, describe, flat_leaves, leaf_name
 from jaxzero.checkpoint.trust import check_metadata
-from jaxzero.ema import storage
+from jaxzero.ema import ema as sharded_ema
 from jaxzero.ema.ema import ShardedEMA
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated
@@ -247,7 +247,7 @@ def save(
     step = int(np.asarray(step))
     # A bucketed EMA is stored per leaf (a local slice, no communication): the on-disk format
     # does not depend on ShardedEMA(bucket_leaves_up_to=...), N or the stage.
-    state = storage.to_per_leaf(state)
+    state = sharded_ema.to_per_leaf(state)
     with opened(manager_or_dir, read_only=False) as mngr:
         guards.check_only_steps(mngr)
         guards.check_new_step(mngr, step)
@@ -445,7 +445,7 @@ def restore(
         state, extra = _first_that_verifies(mngr, step, target, fallback, **read)
         if threshold:
             state = state.replace(
-                ema=storage.store(
+                ema=sharded_ema.store(
                     state.ema, zero.mesh, zero.axis, threshold, leaf_specs=zero.ema_leaf_specs
                 )
             )
@@ -740,12 +740,12 @@ def _shape_dtype(x) -> jax.ShapeDtypeStruct:
 def _target(zero: ZeRO, params_or_abstract_state, ema, model_state, rng) -> tuple[TrainState, int]:
     """``(target, threshold)``: the abstract state to restore into, with the EMA per-leaf (what
     checkpoints hold), and the ``bucket_leaves_up_to`` to store the restored EMA with (0:
-    per-leaf; see :func:`jaxzero.ema.storage.store`)."""
+    per-leaf; see :func:`jaxzero.ema.ema.store`)."""
     if isinstance(params_or_abstract_state, TrainState):
         template = jax.tree.map(_shape_dtype, params_or_abstract_state)
         # Keep the template's storage, re-planned for zero's mesh.
-        threshold = storage.threshold(template)
-        shapes = jax.tree.map(_shape_dtype, storage.to_per_leaf(template))
+        threshold = sharded_ema.threshold(template)
+        shapes = jax.tree.map(_shape_dtype, sharded_ema.to_per_leaf(template))
         shardings = zero.state_shardings(shapes)
         target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
@@ -756,6 +756,8 @@ def _target(zero: ZeRO, params_or_abstract_state, ema, model_state, rng) -> tupl
     threshold = (
         0
         if ema is None
-        else storage.resolve(ema.bucket_leaves_up_to, zero.mesh, zero.stage, zero.offload)
+        else sharded_ema.resolve(
+            ema.bucket_leaves_up_to, zero.mesh, zero.stage, zero.placement.update_is_local
+        )
     )
-    return storage.to_per_leaf(target), threshold
+    return sharded_ema.to_per_leaf(target), threshold

@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.ema.storage import to_per_leaf
+from jaxzero.ema.ema import to_per_leaf
 from jaxzero.trees import check_not_donated
 from jaxzero.zero.offload import on_host
 

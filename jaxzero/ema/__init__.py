@@ -1,8 +1,7 @@
-"""The sharded model EMA: the averaging rule (:mod:`~jaxzero.ema.ema`), its storage per leaf or
-bucketed (:mod:`~jaxzero.ema.storage`), and its placement in the master weights' shards
-(:mod:`~jaxzero.ema.placement`).
+"""The sharded model EMA (:mod:`~jaxzero.ema.ema`): the averaging rule, its storage per leaf
+or in rows, and its placement and update in the master weights' shards.
 
-``from jaxzero.ema import ShardedEMA, EmaState`` keeps working (this was one module before).
+``from jaxzero.ema import ShardedEMA, EmaState`` is the short path to the two public classes.
 """
 
 from jaxzero.ema.ema import EmaState as EmaState

@@ -3,7 +3,7 @@
 :class:`ZeRO` is its config (:class:`~jaxzero.zero.config.ZeROConfig`: fields, validation,
 mesh facts, the sharding rule) plus the training side, which lives here, above ``zero/`` and
 beside the step: creating the state (:mod:`jaxzero.train.state`), the optax update
-(:mod:`jaxzero.train.update`) and the EMA (:mod:`jaxzero.ema.placement`). Each method is a
+(:mod:`jaxzero.train.update`) and the EMA (:mod:`jaxzero.ema.ema`). Each method is a
 call into those modules, which take the config; nothing below ``train/`` calls back up
 (decision 34).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxzero.ema import placement
+from jaxzero.ema import ema as sharded_ema
 from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.train import state as train_state
 from jaxzero.train import update as train_update
@@ -137,7 +137,7 @@ class ZeRO(ZeROConfig):
         and its bytes per device. ``params``: arrays or ``jax.ShapeDtypeStruct``s (nothing
         is allocated); ``accum_steps``: the step's micro-batches; ``ema``: the step's
         ``ShardedEMA``. ``print(zero.plan(params))`` shows the table."""
-        storage = None if ema is None else lambda p: placement.leaf_storage(self, ema, p)
+        storage = None if ema is None else lambda p: sharded_ema.leaf_storage(self, ema, p)
         return leaf_plan.build(self, params, accum_steps=accum_steps, ema_storage=storage)
 
     def abstract_state(self, params, *, ema=None, model_state=None, rng=None) -> TrainState:
@@ -158,19 +158,19 @@ class ZeRO(ZeROConfig):
 
     _ema_target = staticmethod(train_state.ema_target)  # what the EMA averages
 
-    # -- the EMA (jaxzero.ema.placement) --------------------------------------------------------
+    # -- the EMA (jaxzero.ema.ema) --------------------------------------------------------------
     def ema_specs(self, ema_tree):
         """Specs of an EMA tree in its storage (per leaf, or bucketed ``[N, L_g]`` rows)."""
-        return placement.specs(self, ema_tree)
+        return sharded_ema.specs(self, ema_tree)
 
     def bucket_ema(self, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
         """``ema_state`` in ``ema``'s storage for this mesh and stage (local, no communication);
         the inverse is :func:`jaxzero.unbucket_ema`."""
-        return placement.bucket(self, ema, ema_state)
+        return sharded_ema.bucket(self, ema, ema_state)
 
     def update_ema(self, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply):
         """The EMA update as a ``shard_map`` over the EMA's shards: provably local."""
-        return placement.update_on_shards(self, ema, ema_state, master, step=step, apply=apply)
+        return sharded_ema.update_on_shards(self, ema, ema_state, master, step=step, apply=apply)
 
     # -- the update, under jit (jaxzero.train.update) -----------------------------------------
     def master_view(self, state: TrainState):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.ema import placement
+from jaxzero.ema import ema as sharded_ema
 from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.precision import LossScaleState
 from jaxzero.train import pmap_leftovers
@@ -153,7 +153,7 @@ def state_specs(zero: ZeROConfig, state: TrainState) -> TrainState:
     replicated = lambda t: jax.tree.map(lambda _: P(), t)
     ema = None
     if state.ema is not None:
-        ema = placement.state_specs(state.ema, zero.ema_leaf_specs, zero.axis)
+        ema = sharded_ema.state_specs(state.ema, zero.ema_leaf_specs, zero.axis)
     return TrainState(
         step=P(),
         params=zero.param_specs(state.params),
@@ -198,7 +198,7 @@ def _init_raw(zero: ZeROConfig, params, ema: ShardedEMA | None, model_state, rng
     ema_state = None
     if ema is not None:
         ema_state = ema.init(ema_target(master_view, model_state))
-        ema_state = placement.bucket(zero, ema, ema_state)
+        ema_state = sharded_ema.bucket(zero, ema, ema_state)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=cast(params, pol.param_dtype) if pol.compute_copy else master_view,

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.ema import placement as ema_placement
-from jaxzero.ema.ema import ShardedEMA
+from jaxzero.ema.ema import ShardedEMA, update_on_shards
 from jaxzero.train.state import TrainState, cast, constrain, ema_target, state_specs
 from jaxzero.trees import check_same_structure
 from jaxzero.zero import plan as leaf_plan
@@ -94,7 +93,7 @@ def _new_ema(zero: ZeROConfig, state: TrainState, ema, new_master, model_state, 
         # in the same shards, so the plain update under jit is local and needs no shard_map
         new = ema.update(state.ema, target, step=step, apply=apply)
     else:
-        new = ema_placement.update_on_shards(zero, ema, state.ema, target, step=step, apply=apply)
+        new = update_on_shards(zero, ema, state.ema, target, step=step, apply=apply)
     if ema.every == 1 and ema.start_step == 0:
         # The EMA then counts exactly the applied steps: deriving its counter from the step's
         # lets XLA compute both in one scalar kernel (on a GPU the EMA's own select was a

@@ -8,8 +8,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxzero.ema import storage
-from jaxzero.ema.ema import EmaState
+from jaxzero.ema.ema import EmaState, like, to_per_leaf
 from jaxzero.interop.torch.common import is_float, join, place, to_host
 from jaxzero.interop.torch.loading import as_state_dict, load
 from jaxzero.interop.torch.names import flax_to_torch, torch_to_flax
@@ -72,9 +71,9 @@ def import_ema(ema_state: EmaState, ckpt, *, name_map=None, strict: bool = True)
     if not isinstance(ema_state, EmaState):
         raise TypeError(f"ema_state must be a jaxzero.EmaState, got {type(ema_state).__name__}")
     sd, updates = _ema_payload(ckpt)
-    ema = torch_to_flax(sd, storage.to_per_leaf(ema_state.ema), name_map, strict=strict)
+    ema = torch_to_flax(sd, to_per_leaf(ema_state.ema), name_map, strict=strict)
     out = EmaState(place(np.asarray(updates), ema_state.updates), ema)
-    return storage.like(out, ema_state)
+    return like(out, ema_state)
 
 
 def export_ema(ema_state: EmaState, *, format: str = "modelema", name_map=None, model=None):
@@ -93,7 +92,7 @@ def export_ema(ema_state: EmaState, *, format: str = "modelema", name_map=None, 
         raise TypeError(f"ema_state must be a jaxzero.EmaState, got {type(ema_state).__name__}")
     if format not in ("modelema", "ultralytics"):
         raise ValueError(f"format={format!r} must be 'modelema' or 'ultralytics'")
-    ema_state = storage.to_per_leaf(ema_state)
+    ema_state = to_per_leaf(ema_state)
     updates = int(to_host(ema_state.updates))
     template = None if model is None else as_state_dict(model)
     sd = flax_to_torch(ema_state.ema, name_map if name_map is not None else template)
