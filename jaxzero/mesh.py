@@ -1,4 +1,4 @@
-"""Building and checking the data-parallel mesh."""
+"""Building and checking the data-parallel mesh, and the memory its arrays live in."""
 
 from __future__ import annotations
 
@@ -149,3 +149,15 @@ def mesh_platform(mesh: Mesh) -> str:
         "gpu" if d.platform in ("gpu", "cuda", "rocm") else d.platform for d in mesh.devices.flat
     }
     return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def in_host_memory(x) -> bool:
+    """Whether the (traced) array ``x`` is typed to live in host memory.
+
+    Args:
+      x: an array or a tracer.
+
+    Returns:
+      True when its type's memory space is ``jax.memory.Space.Host``.
+    """
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host

@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.ema.ema import to_per_leaf
+from jaxzero.mesh import in_host_memory
 from jaxzero.trees import check_not_donated
-from jaxzero.zero.offload import on_host
 
 
 def mesh_of(tree):
@@ -41,7 +41,7 @@ def replicator(mesh, dtype=None, key=None, to_device: bool = True):
     beside a device one); without, it stays in host memory (a copy bound for numpy, which a
     model offloaded for its size would not fit on the device)."""
     replicated = NamedSharding(mesh, P())
-    fetch = lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x
+    fetch = lambda x: jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x
 
     def fn(tree):
         tree = to_per_leaf(tree)

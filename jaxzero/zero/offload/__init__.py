@@ -6,5 +6,4 @@ the backward (:mod:`.activations`)."""
 from jaxzero.zero.offload.placement import check_offload as check_offload
 from jaxzero.zero.offload.placement import host_sharding as host_sharding
 from jaxzero.zero.offload.placement import offloaded_bytes as offloaded_bytes
-from jaxzero.zero.offload.placement import on_host as on_host
 from jaxzero.zero.offload.placement import params_offloaded as params_offloaded

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxzero.zero.offload.stream as stream
+from jaxzero.mesh import in_host_memory
 from jaxzero.zero import specs as sh
 from jaxzero.zero.offload.fraction import check_fraction, host_leaves
 
@@ -300,7 +301,7 @@ class HostMemory(DeviceMemory):
         )
         host_master, host_opt, host_ema = on
         in_host = mark(args[0], False).replace(opt_state=host_opt, ema=host_ema)
-        grads_host = jax.tree.map(on_host, grads)
+        grads_host = jax.tree.map(in_host_memory, grads)
         master_host = host_master if separate else mark(master, False)
         flags = (in_host, master_host, grads_host, mark(rest, False))
         # each new state leaf replaces its own (donated) input leaf
@@ -351,11 +352,6 @@ class HostMemory(DeviceMemory):
 
     def new_params(self, compute, params, keep):
         return compute  # already the kept master's cast: the device params are not read
-
-
-def on_host(x) -> bool:
-    """Whether the (traced) array ``x`` is typed to live in host memory."""
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
 def memory_kinds(mesh: Mesh) -> tuple[str, ...]:

@@ -35,17 +35,17 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from jaxzero.mesh import in_host_memory
 from jaxzero.zero.collectives import reduce_leaves, to_varying, varying_axes
 from jaxzero.zero.jaxpr_eval import bind, bind_unrematted
 from jaxzero.zero.jaxpr_eval import reads as read_vars
 from jaxzero.zero.layers.plan import gather_shard
-from jaxzero.zero.offload import on_host
 from jaxzero.zero.wire.encodings import Exact
 
 
 def fetched(x):
     """``x`` in device memory (fetched when it lives in host memory: parameter offload)."""
-    return jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x
+    return jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x
 
 
 def token(values):
@@ -213,7 +213,7 @@ class Chain:
         for v in self.pieces[i].gathered:
             d = self.dim_of(v)
             shard = shard_of[v]
-            if on_host(shard) and tok is not None and self._one:  # not fetched before tok
+            if in_host_memory(shard) and tok is not None and self._one:  # not fetched before tok
                 shard, _ = jax.lax.optimization_barrier((shard, tok))
             shard = fetched(shard)  # from host memory with the params offloaded
             x = shard if d is None else after(shard, tok)
@@ -308,7 +308,9 @@ class Chain:
             total = r if v not in grads else fetched(grads[v]) + r
             # with the params offloaded, each unit's gradient leaves the device at once
             grads[v] = (
-                jax.device_put(total, jax.memory.Space.Host) if on_host(shard_of[v]) else total
+                jax.device_put(total, jax.memory.Space.Host)
+                if in_host_memory(shard_of[v])
+                else total
             )
             out.append(r)
-        return token(out), [grads[v] for v in p.gathered if on_host(grads[v]) and self._one]
+        return token(out), [grads[v] for v in p.gathered if in_host_memory(grads[v]) and self._one]
