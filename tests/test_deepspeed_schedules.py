@@ -129,6 +129,7 @@ def test_deepspeed_scheduler_continues_like_deepspeed(name):
     steps = continue_run(c, tx)[1:]
     for k, (state, metrics) in zip((4, 5), steps, strict=True):
         np.testing.assert_allclose(metrics["grad_norm"], c.info["grad_norms"][k - 1], rtol=1e-5)
+        # DeepSpeed's params from the fixture: torch's Adam rounds in its own order
         chex.assert_trees_all_close(master(state), want(c, k), atol=1e-6, rtol=0)
 
 
@@ -143,6 +144,7 @@ def test_deepspeed_scheduler_from_the_first_step(name):
     tx = adamw(groups, None, ds_config=c.config, report=None)
     sched = settings_of(tx).schedule
     got = [[float(s.lr(t)) for s in sched.groups] for t in range(5)]
+    # DeepSpeed's lrs from the fixture, a float32 formula against torch's float64 one
     np.testing.assert_allclose(got, c.info["lrs"], rtol=1e-6, atol=0)
     if name == "warmup_lr":
         assert got[0] == got[1] == [0.0, 0.0] and got[2][0] > 0
@@ -159,6 +161,7 @@ def test_deepspeed_adam_l2_continues_like_deepspeed():
     assert "(Adam, L2: decay added to the gradient)" in reported[0]
     assert "adam_w_mode = False (set): L2: optax.add_decayed_weights before" in reported[0]
     for k, (state, _) in zip((4, 5), continue_run(c, tx)[1:], strict=True):
+        # DeepSpeed's params from the fixture: torch's Adam rounds in its own order
         chex.assert_trees_all_close(master(state), want(c, k), atol=1e-6, rtol=0)
 
 
@@ -216,7 +219,9 @@ def test_deepspeed_fp16_dynamic_loss_scale_continues_like_deepspeed():
         assert got == scaler_state(c.info["loss_scaler_after"][k - 1]), k
         assert int(metrics["skipped"]) == c.info["skipped_steps"][k - 1]
         assert bool(metrics["finite"]) == (k == 5)
+    # the skipped step leaves the master untouched: exactly equal
     chex.assert_trees_all_close(master(steps[0][0]), master(start), atol=0, rtol=0)
+    # DeepSpeed's params from the fixture, after an fp16 forward and backward of its own
     chex.assert_trees_all_close(master(steps[1][0]), want(c, 5), atol=1e-4, rtol=0)
 
 
