@@ -174,8 +174,10 @@ def test_convert_simulates_devices_and_writes_the_flax_structure(fixtures_dir, t
         np.testing.assert_array_equal(got[name], value, err_msg=name)
     x = np.random.default_rng(0).normal(size=(6, 32)).astype(np.float32)
     in_scale = np.asarray(state.model_state["in_scale"])
+    # the fixture's float32 rounding of its linspace: under 2 ulps of 1.5
     np.testing.assert_allclose(in_scale, np.linspace(0.5, 1.5, 32), rtol=0, atol=2e-7)
     logits = MlpB().apply({"params": state.params}, x, in_scale)
+    # the torch model's float32 forward written in numpy: another matmul kernel's rounding
     np.testing.assert_allclose(logits, torch_mlp_b(want, x, in_scale), rtol=1e-5, atol=1e-5)
 
 
