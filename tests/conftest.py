@@ -39,8 +39,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 # its own directory: with one shared by the two workers, `pytest -n 2 -m slow` over
 # tests/test_offload.py, test_layers.py and test_stages.py crashed (Fatal Python error: Aborted)
 # or hung a stage-3 per-layer bf16 step in 3 runs of 3, where each passes alone; with a
-# directory per worker, 3 runs of 3 passed. The whole slow set (`make test-all`) still hangs
-# there, in test_offload.py's stage3_per_layer_bf16 case, waiting for the loss: not traced.
+# directory per worker, 3 runs of 3 passed. The whole slow set (`make test-all`) then still hung
+# at times: two steps' programs in flight at once (decision 18), which the step now prevents.
 _OWN_CACHE = "JAXZERO_TESTS_XLA_CACHE" not in os.environ
 if _OWN_CACHE:
     os.environ["JAXZERO_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxzero-tests-xla-cache-")

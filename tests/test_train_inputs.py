@@ -176,3 +176,33 @@ def test_step_keeps_few_calls_in_flight_on_simulated_cpu_devices():
         pending = sum(not x.is_ready() for x in seen)
         assert pending <= CPU_MAX_IN_FLIGHT, (len(seen), pending)
     assert CPU_MAX_IN_FLIGHT < 32
+
+
+def test_a_step_waits_for_another_steps_calls_on_simulated_cpu_devices():
+    """Two steps' programs in flight together deadlocked the slow set: XLA:CPU runs every
+    simulated device's collectives on one pool of as many threads as devices, and gdb showed
+    six threads in one program's all-gather and two in another's reduce-scatter. A step's
+    call on a CPU mesh first waits for the calls another step still has in flight, so when
+    it returns those are done (without it the other step's calls are still sleeping)."""
+    import time
+
+    params, loss_fn, batches = make_problem("mlp", steps=4, batch=16)
+
+    def slow_loss(p, b):  # each device sleeps 50 ms per step: the host runs far ahead
+        jax.debug.callback(lambda: time.sleep(0.05))
+        return loss_fn(p, b)
+
+    mesh = jz.data_parallel_mesh(8)
+    first = jz.make_train_step(slow_loss, jz.ZeRO(optax.sgd(0.1), mesh, stage=2))
+    second = jz.make_train_step(loss_fn, jz.ZeRO(optax.sgd(0.1), mesh, stage=3))
+    a, b = first.init(params), second.init(params)
+    a, _ = first(a, batches[0])
+    b, m = second(b, batches[0])  # both compiled
+    m["grad_norm"].block_until_ready()
+    pending = []
+    for batch in batches[1:]:
+        a, m = first(a, batch)
+        pending.append(m["grad_norm"])
+    assert not pending[-1].is_ready()  # the host ran ahead of the sleeping devices
+    b, _ = second(b, batches[1])
+    assert all(x.is_ready() for x in pending)

@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,16 @@ _NO_MODEL_STATE = (
 # On CPU meshes the step keeps at most this many calls in flight; GPUs launch in stream order.
 CPU_MAX_IN_FLIGHT = 4
 
+# Two steps' programs in flight at once deadlock too. XLA:CPU runs every simulated device's
+# collectives on one pool of as many threads as devices, and a thread waiting in a collective
+# holds its thread: with two independent programs in flight (two trainings, or a comparison,
+# in one process), threads can fill with one program's all-gather on some devices and the
+# other's reduce-scatter on the rest, and neither completes (seen in gdb: six threads in one
+# all-gather, two in a reduce-scatter). Successive calls of one step are safe, each reading
+# the state the one before wrote. So a step's call on a CPU mesh first waits for the calls
+# another step still has in flight: the step that ran last on simulated devices is this.
+_LAST_ON_CPU: list = [None]  # a weakref to that TrainStep, or None
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
@@ -95,6 +106,7 @@ class TrainStep:
         ``step=`` to continue a plain optax run (adopt it)."""
         if self.stateful and "model_state" not in kwargs:
             raise ValueError(_NO_MODEL_STATE)
+        self._wait_for_other_steps()
         return self.zero.init(params, ema=self.ema, **kwargs)
 
     def check_batch(self, batch) -> None:
@@ -171,6 +183,7 @@ class TrainStep:
     def __call__(self, state: TrainState, batch):
         self.check_state(state)
         placed = self._checked_and_placed(batch)
+        self._wait_for_other_steps()
         try:
             state, metrics = self.jitted(state, placed)
         except Exception as e:
@@ -192,6 +205,16 @@ class TrainStep:
     def _paces(self) -> bool:
         """Whether calls are paced: a mesh of several CPU devices (decided once)."""
         return self.zero.mesh.size > 1 and mesh_platform(self.zero.mesh) == "cpu"
+
+    def _wait_for_other_steps(self):
+        # On simulated CPU devices, no two steps' programs in flight together (_LAST_ON_CPU).
+        if not self._paces:
+            return
+        last = _LAST_ON_CPU[0] and _LAST_ON_CPU[0]()
+        if last is not None and last is not self:
+            while last._in_flight:
+                last._in_flight.popleft().block_until_ready()
+        _LAST_ON_CPU[0] = weakref.ref(self)
 
     def _pace(self, metrics):
         # Bound the calls in flight on simulated CPU devices (see CPU_MAX_IN_FLIGHT).
