@@ -1,13 +1,17 @@
 """The package's structure: no import cycle between its modules (module-level and deferred
-imports alike), which fails the build; and a size report, which does not. A module holds one
+imports alike) and no private name (``_x``) imported from another of its modules, which fail
+the build; and a size report, which does not. A name another module uses is public: drop its
+underscore (a package importing its own private submodule, ``from pkg import _startup``, is
+not a name crossing a module boundary). A module holds one
 concept whatever its length, so sizes are read, not capped: the report lists each module over
 400 lines, class over 250 and function over 80 (docstrings included; a package's
 ``__init__.py`` counts as a module) as places to look at, not errors.
 
-    python tests/structure_check.py jaxzero      # cycles (exit status 1 if any), then sizes
+    python tests/structure_check.py jaxzero      # cycles and private imports (exit status 1
+                                                 # if any), then sizes
 
-tests/test_structure.py runs :func:`cycles` on jaxzero and both checks on small packages that
-break each.
+tests/test_structure.py runs :func:`cycles` and :func:`private_imports` on jaxzero and every
+check on small packages that break each.
 """
 
 from __future__ import annotations
@@ -100,20 +104,44 @@ def cycles(package) -> list[str]:
             graph[cycle[1]].discard(cycle[0])
 
 
+def private_imports(package) -> list[str]:
+    """Every private name (``_x``, not a dunder) a module of ``package`` (a directory) imports
+    from another module of it, one line each; empty when it passes. A private submodule
+    imported by name (``from pkg import _startup``) is a module, not a name, and passes."""
+    files = modules(pathlib.Path(package).resolve())
+    root = next(iter(files)).split(".")[0]
+    out = []
+    for name, path in files.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = here[: len(here) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            if module.split(".")[0] != root:
+                continue
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and f"{module}.{alias.name}" not in files:
+                    out.append(f"private import: {name} imports {alias.name} from {module}")
+    return out
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print(__doc__.strip(), file=sys.stderr)
         return 2
     found = cycles(argv[0])
-    for line in found:
+    private = private_imports(argv[0])
+    for line in found + private:
         print(line)
-    print(f"structure: {len(found)} import cycles")
+    print(f"structure: {len(found)} import cycles, {len(private)} private imports")
     report = sizes(argv[0])
     for line in report:
         print(f"size: {line}")
     print(f"sizes: {len(report)} over {LIMITS} (a report, not a failure)")
-    return 1 if found else 0
+    return 1 if found or private else 0
 
 
 if __name__ == "__main__":

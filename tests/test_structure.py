@@ -1,5 +1,5 @@
-"""The package's shape, checked on every run: no import cycle (tests/structure_check.py, shown
-to catch each on a small package that breaks it; its size report is shown to list what is
+"""The package's shape, checked on every run: no import cycle and no private name imported
+across modules (tests/structure_check.py, shown to catch each on a small package that breaks it; its size report is shown to list what is
 over, and fails nothing), and the step's phases named in the compiled HLO."""
 
 import os
@@ -19,6 +19,33 @@ PACKAGE = os.path.dirname(os.path.abspath(jz.__file__))
 def test_jaxzero_has_no_import_cycle():
     assert "jaxzero.zero.config" in structure_check.modules(pathlib.Path(PACKAGE))
     assert structure_check.cycles(PACKAGE) == []
+
+
+def test_no_private_name_crosses_a_module_boundary_in_jaxzero():
+    assert structure_check.private_imports(PACKAGE) == []
+
+
+def test_the_check_reports_a_private_name_imported_from_another_module(tmp_path, capsys):
+    """``from .a import _helper`` and ``from pkg.a import _other`` are reported; a private
+    submodule imported by name, a dunder, a public name and another package's private name
+    are not."""
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg import _startup\n",
+            "pkg/_startup.py": "",
+            "pkg/a.py": "_helper = _other = 1\npublic = 2\n",
+            "pkg/b.py": "from .a import _helper, public\nfrom os import _exit\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/c.py": "from pkg.a import _other\nfrom ..a import __doc__\n",
+        },
+    )
+    assert sorted(structure_check.private_imports(tmp_path / "pkg")) == [
+        "private import: pkg.b imports _helper from pkg.a",
+        "private import: pkg.sub.c imports _other from pkg.a",
+    ]
+    assert structure_check.main([str(tmp_path / "pkg")]) == 1
+    assert "0 import cycles, 2 private imports" in capsys.readouterr().out
 
 
 def _write(root, files):
@@ -71,7 +98,7 @@ def test_the_check_reports_each_broken_limit(tmp_path, capsys):
     assert len(found) == 2, found
     assert structure_check.main([str(tmp_path / "pkg")]) == 1  # the cycles fail it
     out = capsys.readouterr().out
-    assert "structure: 2 import cycles" in out and "sizes: 3 over" in out, out
+    assert "structure: 2 import cycles, 0 private imports" in out and "sizes: 3 over" in out, out
     limits = {"module": 401, "class": 251, "function": 81}
     assert structure_check.sizes(tmp_path / "pkg", limits) == []
     for rel in ("a.py", "b.py", "sub/c.py", "e.py"):  # sizes alone never fail the check
