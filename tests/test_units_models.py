@@ -77,6 +77,7 @@ def test_python_loop_loss_equals_the_scanned_decoder_on_the_same_weights(shape, 
     want_grads = _unstack(want_grads, shape.layers)
     assert set(grads) == set(want_grads)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        # one device, no optimizer step: two forms of one model's gradient, a few ulps apart
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
@@ -118,6 +119,7 @@ def test_nnx_list_loss_equals_the_linen_loop_on_the_same_weights(shape, loop):
     want, want_grads = jax.jit(jax.value_and_grad(make_loss(shape)))(linen, batch)
     got, grads = jax.jit(jax.value_and_grad(loss_fn))(as_nnx, batch)
     np.testing.assert_allclose(got, want, rtol=1e-6)
+    # one device, no optimizer step: two forms of one model's gradient, a few ulps apart
     for i in range(shape.layers):
         jax.tree.map(
             lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6),
