@@ -118,6 +118,7 @@ def test_ema_averages_batch_stats():
         st, _ = step(st, b)
         e_p = jax.tree.map(lambda e, x: 0.5 * e + 0.5 * np.asarray(x), e_p, jz.gather(st))
         e_ms = jax.tree.map(lambda e, x: 0.5 * e + 0.5 * np.asarray(x), e_ms, st.model_state)
+    # the EMA's formula replayed in numpy over the same trajectory: one rounding per update
     np.testing.assert_allclose(flat(gathered["params"]), flat(e_p), atol=1e-6)
     np.testing.assert_allclose(flat(gathered["model_state"]), flat(e_ms), atol=1e-6)
     # evaluating with the EMA uses the EMA's statistics
@@ -125,6 +126,7 @@ def test_ema_averages_batch_stats():
     x = batches[0]["x"]
     out = model.apply({"params": gathered["params"], **gathered["model_state"]}, x, train=False)
     want = model.apply({"params": e_p, **e_ms}, x, train=False)
+    # the same model on EMA weights 1e-6 apart (above): the forward carries that difference
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5)
 
 
