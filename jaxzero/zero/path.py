@@ -22,7 +22,7 @@ from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero.hooks import LossHook
 from jaxzero.zero.layers import plan as layers
 from jaxzero.zero.layers import vocab
-from jaxzero.zero.offload.sums import HostSums
+from jaxzero.zero.offload.sums import HostSums, NoSums
 from jaxzero.zero.units import plan as units
 
 
@@ -122,7 +122,7 @@ class GradientPath:
             invariant=z.stage == 0,
             activations=z.activations,
             placement=z.placement,
-            sums=HostSums(z.layers, grad_sums) if accumulate else None,
+            sums=HostSums(z.layers, grad_sums) if accumulate else NoSums(),
         )
 
     def loss_hooks(

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,9 +55,6 @@ from jax.sharding import PartitionSpec as P
 from jaxzero.trees import path_keys, path_strs
 from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying, varying_axes
 from jaxzero.zero.hooks import CalledHook, plan_var
-from jaxzero.zero.offload.activations import DeviceActivations
-from jaxzero.zero.offload.placement import DeviceMemory
-from jaxzero.zero.offload.sums import NoSums
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_end, subtree_paths
 
 _PLAN = plan_var("jaxzero_layer_plan")  # the LayerPlan of the step being traced
@@ -77,14 +75,6 @@ _NO_LAYER_REDUCE = (
     "layers=. Wrap the scanned block, e.g. nn.remat(nn.map_variables(Block, 'params', "
     "trans_in_fn=jaxzero.gather_layer)), or drop layers=."
 )
-_NO_SCAN_TO_OFFLOAD = (
-    "ZeRO(offload=('activations', ...), layers={}) moves the layer inputs that "
-    "jaxzero.scan_layers saves for the backward to the host, and this model never ran its "
-    "stack with jaxzero.scan_layers (an nn.scan of gather_layer saves what its remat policy "
-    "says, which jaxzero does not place). Run the stack with jaxzero.scan_layers, or drop "
-    "'activations' from offload=."
-)
-
 _NO_SCAN_FOR_PARAMS = (
     "ZeRO(offload=('optimizer', 'params'), layers={}) keeps the layer stacks in host memory "
     "and jaxzero.scan_layers fetches them a layer at a time; gather_layer (an nn.scan over "
@@ -115,13 +105,16 @@ class LayerPlan(CalledHook):
     gather: bool = True
     invariant: bool = False
     seen: set = dataclasses.field(default_factory=set)
-    activations: DeviceActivations = dataclasses.field(default_factory=DeviceActivations)
     scans: int = 0  # jaxzero.scan_layers calls that ran the prefetching loop
-    #: where the stacks live: device memory, or host memory (``offload=("optimizer",
-    #: "params")``: each layer fetched, each layer's gradient written into its host slot)
-    placement: DeviceMemory = dataclasses.field(default_factory=DeviceMemory)
-    #: with the params offloaded and micro-batches, the stacks' host gradient sums
-    sums: NoSums = dataclasses.field(default_factory=NoSums)
+    #: where the saved layer inputs live (the config's ``activations``)
+    activations: Any = dataclasses.field(kw_only=True)
+    #: where the stacks live (the config's ``placement``): device memory, or host memory
+    #: (``offload=("optimizer", "params")``: each layer fetched, each layer's gradient written
+    #: into its host slot)
+    placement: Any = dataclasses.field(kw_only=True)
+    #: the stacks' gradient sums over micro-batches: host accumulators with the params
+    #: offloaded (:mod:`jaxzero.zero.offload.sums`), else none
+    sums: Any = dataclasses.field(kw_only=True)
     var = _PLAN
 
     def wrap(self, fn):
@@ -153,8 +146,7 @@ class LayerPlan(CalledHook):
         super().finish()
         if self.gather and self.comm.wire.hpz and not self.scans:
             raise ValueError(_NO_SCAN_FOR_HPZ.format(self.comm.wire.hpz, self.layers))
-        if self.activations.on_host and not self.scans:
-            raise ValueError(_NO_SCAN_TO_OFFLOAD.format(self.layers))
+        self.activations.check_scanned(self.scans, self.layers)
         if not (self.gather or self.invariant or self.calls):
             warnings.warn(_NO_LAYER_REDUCE.format(self.layers), UserWarning, stacklevel=4)
 
@@ -171,14 +163,15 @@ def build_plan(
     *,
     gather=True,
     invariant=False,
-    activations: DeviceActivations | None = None,
-    placement: DeviceMemory | None = None,
-    sums: NoSums | None = None,
+    activations,
+    placement,
+    sums,
 ) -> LayerPlan:
     """The :class:`LayerPlan` of a per-layer step: for each leaf of one layer (a leaf of a
     ``layers`` stack without its layer axis), the dimension it is (stage 3: ``specs`` of the
     params) or its gradient is (stage 2, ``gather=False``: ``specs`` of the gradients)
-    sharded on; ``sums``: the stacks' host gradient sums (:mod:`jaxzero.zero.offload.sums`)."""
+    sharded on. ``activations``, ``placement``: the config's; ``sums``: the stacks' gradient
+    sums (:mod:`jaxzero.zero.offload.sums`)."""
     flat_specs = dict(
         jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, P))[0]
     )
@@ -188,8 +181,7 @@ def build_plan(
             continue
         d = spec_dim(flat_specs[path])
         dims[_layer_key(path, x.shape, layers)] = None if d is None else d - 1
-    where = {"activations": activations or DeviceActivations()}
-    where["placement"], where["sums"] = placement or DeviceMemory(), sums or NoSums()
+    where = {"activations": activations, "placement": placement, "sums": sums}
     return LayerPlan(comm, layers, dims, gather=gather, invariant=invariant, **where)
 
 

@@ -8,7 +8,9 @@ each saved input is
 copied to the host as its layer's forward starts, and copied back one layer ahead in the
 backward (layer ``i - 1``'s input travels while layer ``i`` recomputes and takes its vjp), so
 the device holds two layer inputs instead of all of them. The placement objects answer
-``store`` and ``fetch``; nothing else in the step knows where the inputs are.
+``store`` and ``fetch``, and refuse a stack no ``scan_layers`` ran
+(:meth:`DeviceActivations.check_scanned`); nothing else in the step knows where the inputs
+are.
 """
 
 from __future__ import annotations
@@ -18,11 +20,27 @@ import jax
 #: the ``offload=`` choice that moves the saved activations (not state) to the host
 ACTIVATIONS = "activations"
 
+_NO_SCAN_TO_OFFLOAD = (
+    "ZeRO(offload=('activations', ...), layers={}) moves the layer inputs that "
+    "jaxzero.scan_layers saves for the backward to the host, and this model never ran its "
+    "stack with jaxzero.scan_layers (an nn.scan of gather_layer saves what its remat policy "
+    "says, which jaxzero does not place). Run the stack with jaxzero.scan_layers, or drop "
+    "'activations' from offload=."
+)
+
 
 class DeviceActivations:
     """The saved layer inputs stay in device memory (the default)."""
 
-    on_host = False
+    def check_scanned(self, scans: int, layers) -> None:
+        """Refuse a traced step whose ``layers`` stacks no :func:`jaxzero.scan_layers` ran
+        (``scans``: its prefetching loops) where that leaves inputs unplaced; on the device
+        every step is fine.
+
+        Args:
+          scans: how many ``scan_layers`` loops the loss ran.
+          layers: the config's stack names, for the message.
+        """
 
     def store(self, x):
         """``x`` where the backward will read it."""
@@ -37,7 +55,9 @@ class HostActivations(DeviceActivations):
     """The saved layer inputs in pinned host memory; fetched back to the device for their
     layer's backward."""
 
-    on_host = True
+    def check_scanned(self, scans: int, layers) -> None:
+        if not scans:
+            raise ValueError(_NO_SCAN_TO_OFFLOAD.format(layers))
 
     def store(self, x):
         return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Host), x)
