@@ -119,7 +119,7 @@ def describe(
         # how stage 3 gathers and where the state lives; absent from checkpoints before them
         "layers": None if zero is None else list(zero.layers or ()) or None,
         "units": None if zero is None else list(zero.units or ()) or None,
-        "offload": None if zero is None or not zero.offload else ",".join(_as_tuple(zero.offload)),
+        "offload": None if zero is None else ",".join(zero.offloaded()) or None,
         "optimizer": optimizer
         if optimizer is not None
         else (None if zero is None else _describe_tx(zero.tx)),
@@ -130,9 +130,3 @@ def describe(
         "total_bytes": sum(r["bytes"] for r in leaves),
         "user": _jsonable(metadata) if metadata is not None else None,
     }
-
-
-def _as_tuple(offload) -> tuple[str, ...]:
-    """``ZeRO.offload`` (a name or a tuple of names) as a tuple, for the metadata's one
-    string (``"optimizer"``, ``"optimizer,params"``)."""
-    return (offload,) if isinstance(offload, str) else tuple(offload)

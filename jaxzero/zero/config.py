@@ -134,6 +134,16 @@ class ZeROConfig:
         memory, or pinned host memory with ``offload`` (:mod:`jaxzero.zero.offload`)."""
         return offload.placement(self.offload, self.stage, self.mesh, self.offload_fraction)
 
+    def offloaded(self) -> tuple[str, ...]:
+        """What the state's ``offload`` moves to pinned host memory, as names (``()``,
+        ``("optimizer",)``, ``("optimizer", "params")``): the checkpoint metadata's record.
+
+        Returns:
+          The names, without ``"activations"`` (:attr:`offload_activations`).
+        """
+        state = self.offload
+        return () if not state else (state,) if isinstance(state, str) else tuple(state)
+
     @property
     def num_shards(self) -> int:
         """N, the size of the data axis the state is split over."""
