@@ -10,16 +10,10 @@ annotated ``backend_config={"known_trip_count":{"n":"K"}, ...}``.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from jaxzero.memory import collective_ops
 from jaxzero.memory.hlo import replica_group_size, replica_groups
 from jaxzero.memory.hlo_reader import Instruction, arrays, element_bits, parse_hlo
-
-# read by benchmarks/offload_schedule.py: an array type with static dimensions, and the
-# computation an async-start or fusion calls
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 # Instructions that launch nothing on the device: bookkeeping, aliasing views, control flow
 # (whose bodies are counted instead) and the waiting half of async pairs.
