@@ -10,7 +10,11 @@ stderr; nothing else is silenced, and only while a jaxzero call runs.
   retrieved, a closed event loop). Python reports them when it collects them, which may be
   at any later point of the user's program. After a failed read they are collected at once,
   with asyncio's reports of exactly those leftovers, the never-awaited-coroutine warnings and
-  the unraisable exceptions they raise dropped; the read's error is reported by jaxzero.
+  the unraisable exceptions they raise dropped; the read's error is reported by jaxzero. A
+  leftover still running then (its read not yet failed, on a loaded machine) is collected
+  later, at the latest when the interpreter exits: from the first failed read on, the
+  unraisable exceptions and asyncio's reports of Orbax's own coroutines and tasks (their
+  code in the ``orbax`` package) are dropped whenever they come, and nothing else is.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -80,9 +85,44 @@ def _leftover(unraisable) -> bool:
     )
 
 
+class _DropOrbaxLater(logging.Filter):
+    """asyncio's reports (:data:`_ASYNCIO_DROPPED`) of a task of Orbax's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        return not (text.startswith(_ASYNCIO_DROPPED) and f"{os.sep}orbax{os.sep}" in text)
+
+
+_later_installed = False
+
+
+def _drop_orbax_leftovers_later() -> None:
+    """From now on, drop the unraisable exceptions and asyncio's reports of Orbax's own
+    leftovers whenever they are collected (installed once)."""
+    global _later_installed
+    with _lock:
+        if _later_installed:
+            return
+        _later_installed = True
+
+    # the hook may run while the interpreter exits, its modules' globals cleared: it reads
+    # only what it was given here
+    def hook(unraisable, previous=sys.unraisablehook, marker=f"{os.sep}orbax{os.sep}"):
+        obj = unraisable.object
+        get_coro = getattr(obj, "get_coro", None)
+        code = getattr(get_coro() if callable(get_coro) else obj, "cr_code", None)
+        if code is None or marker not in code.co_filename:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_DropOrbaxLater())
+
+
 def collect_leftovers() -> None:
     """Collect what a failed read left behind now, with Python's and asyncio's reports of it
-    dropped (call it once the read's exception is no longer referenced)."""
+    dropped (call it once the read's exception is no longer referenced), and drop the reports
+    of Orbax's leftovers still running from now on."""
+    _drop_orbax_leftovers_later()
     previous = sys.unraisablehook
 
     def hook(unraisable):
