@@ -975,7 +975,9 @@ def pick_note(rows, args, width: int = 100) -> str:
         break_on_hyphens=False,
     )
     if args.state_dtype:
-        dtype = {"bf16": "bfloat16", "fp16": "float16"}[args.state_dtype]
+        from jaxzero.gpu.plan import STATE_DTYPES  # the dtype plan_tx compiled with
+
+        dtype = STATE_DTYPES[args.state_dtype]
         lines.append(f"  tx = jz.with_state_dtype(tx, jnp.{dtype})  # import jax.numpy as jnp")
     lines.append(paste(row, width))
     step = _step_line(args, "  ")
