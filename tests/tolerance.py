@@ -8,7 +8,7 @@ from the path's own rounding: the reference is run again with only the order of 
 changed, the ways a data-parallel step changes it (the batch's rows reversed; the gradient as
 the mean of ``n`` per-shard means, as the sharded step reduces it), and the tolerance is
 :data:`SPREAD_MULTIPLE` times the largest distance between those exact references, never below
-:data:`ULPS` float32 ulps of the largest value compared.
+:data:`ULPS` float32 ulps of the largest floating value compared.
 """
 
 from __future__ import annotations
@@ -58,12 +58,19 @@ def max_distance(a, b) -> float:
 
 
 def _largest(tree) -> float:
-    return max((float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree)), default=0.0)
+    """The largest magnitude among ``tree``'s floating leaves (an integer leaf such as Adam's
+    step count is no value the floor's ulps are of: callers compare those exactly)."""
+    floats = (jnp.asarray(x) for x in jax.tree.leaves(tree))
+    return max(
+        (float(jnp.max(jnp.abs(x))) for x in floats if jnp.issubdtype(x.dtype, jnp.inexact)),
+        default=0.0,
+    )
 
 
 def derived_atol(reference, *others) -> float:
     """:data:`SPREAD_MULTIPLE` times the largest distance from ``reference`` to ``others``
-    (the same run with other summation orders), at least :data:`ULPS` ulps of its largest value."""
+    (the same run with other summation orders), at least :data:`ULPS` ulps of its largest floating
+    value."""
     spread = max(max_distance(reference, o) for o in others)
     floor = ULPS * float(np.finfo(np.float32).eps) * _largest(reference)
     return max(SPREAD_MULTIPLE * spread, floor)
