@@ -8,11 +8,20 @@ features that hook into the loss (:mod:`jaxzero.zero.layers`, :mod:`jaxzero.zero
 (:mod:`jaxzero.zero.collectives`). It imports nothing above ``zero/``: creating and updating
 the training state is :class:`jaxzero.ZeRO`'s, in :mod:`jaxzero.train.optimizer`
 (decision 34).
+
+A config is the user's input, checked and in one spelling, and never rewritten: every
+construction (``ZeRO(...)``, ``dataclasses.replace``) passes the arguments through
+:func:`canonical` before the frozen dataclass stores them, ``__post_init__`` checks how they
+combine, and the objects derived from them (:attr:`~ZeROConfig.placement`,
+:attr:`~ZeROConfig.activations`, :attr:`~ZeROConfig.comm`, :attr:`~ZeROConfig.path`) are
+built once, on first use.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from typing import Any
 
 import numpy as np
@@ -30,11 +39,21 @@ from jaxzero.zero.layers import plan as layers
 from jaxzero.zero.layers import vocab
 from jaxzero.zero.offload import activations
 from jaxzero.zero.offload import placement as offload
+from jaxzero.zero.offload.fraction import check_fraction
 from jaxzero.zero.path import GradientPath
 from jaxzero.zero.units import patterns as units
 from jaxzero.zero.wire import encodings as wire
 
 STAGES = (0, 1, 2, 3)
+
+
+def _stage(stage) -> int:
+    if stage not in STAGES or isinstance(stage, bool):
+        raise ValueError(
+            f"stage={stage!r} is not a ZeRO stage; use 0 (plain data parallel), "
+            f"1 (shard optimizer state), 2 (+ shard gradients) or 3 (+ shard parameters)."
+        )
+    return stage
 
 
 def _layer_names(layers) -> tuple[str, ...]:
@@ -62,10 +81,68 @@ def _precision(precision, stage) -> Precision:
     return precision
 
 
+def canonical(given: dict[str, Any]) -> dict[str, Any]:
+    """``ZeRO``'s arguments as the user spelled them, each checked, in the one form the
+    config stores: ``layers``, ``vocab_parallel`` and ``units`` as tuples of names or
+    patterns, ``precision`` a :class:`~jaxzero.precision.Precision`, ``prefetch`` a bool with
+    ``units=`` (None without), ``quantize`` a :class:`~jaxzero.zero.wire.Wire` carrying
+    ``hpz_partition_size``, ``offload`` None, ``"optimizer"`` or ``("optimizer", "params")``
+    with ``"activations"`` moved to ``offload_activations``, ``offload_fraction`` a float.
+    Canonical input comes back unchanged, so ``dataclasses.replace`` round-trips.
+
+    Args:
+      given: every field of :class:`ZeROConfig`, by name.
+
+    Returns:
+      The fields to store, by name.
+    """
+    out = dict(given)
+    stage = _stage(given["stage"])  # the other spellings are checked against it
+    if not (hasattr(given["tx"], "init") and hasattr(given["tx"], "update")):
+        raise TypeError(
+            f"tx={given['tx']!r} is not an optax.GradientTransformation (needs init and update)."
+        )
+    check_mesh(given["mesh"], given["axis"])
+    warn_unnamed_replica_axes(given["mesh"], given["axis"])
+    out["layers"] = _layer_names(given["layers"])
+    out["vocab_parallel"] = vocab.names(given["vocab_parallel"], stage)
+    out["precision"] = _precision(given["precision"], stage)
+    out["units"] = units.patterns(given["units"], stage, out["layers"])
+    out["prefetch"] = units.prefetch_option(given["prefetch"], out["units"])
+    out["quantize"] = wire.wire(given["quantize"], given["hpz_partition_size"])
+    out["hpz_partition_size"] = out["quantize"].hpz
+    state, acts = activations.split(given["offload"])
+    out["offload"] = state = offload.check_offload(state, stage)
+    out["offload_activations"] = acts or given["offload_activations"]
+    fraction = given["offload_fraction"]
+    out["offload_fraction"] = check_fraction(fraction, state, offload.params_offloaded(state))
+    return out
+
+
+class _Canonical(type):
+    """The metaclass of :class:`ZeROConfig`: every construction of one (``ZeRO(...)``,
+    ``dataclasses.replace``, a subclass's) stores what :func:`canonical` makes of the
+    arguments, so no field is rewritten after it is set."""
+
+    def __call__(cls, *args, **kwargs):
+        given = cls.__signature__.bind(*args, **kwargs)
+        given.apply_defaults()
+        return super().__call__(**canonical(given.arguments))
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """The dataclass's parameters (what ``inspect.signature(ZeRO)`` shows), not those of
+        :meth:`__call__`."""
+        init = inspect.signature(cls.__init__)
+        params = list(init.parameters.values())[1:]
+        return init.replace(parameters=params, return_annotation=inspect.Signature.empty)
+
+
 @dataclasses.dataclass(frozen=True)
-class ZeROConfig:
-    """The settings of :class:`jaxzero.ZeRO` (its arguments are documented there), checked
-    on construction, with their mesh facts and the sharding rule's specs."""
+class ZeROConfig(metaclass=_Canonical):
+    """The settings of :class:`jaxzero.ZeRO` (its arguments are documented there), stored in
+    their canonical form (:func:`canonical`), checked on construction, with their mesh facts
+    and the sharding rule's specs."""
 
     tx: optax.GradientTransformation
     mesh: Mesh
@@ -85,33 +162,11 @@ class ZeROConfig:
     offload_activations: bool = False  # set from offload=("activations", ...)
 
     def __post_init__(self):
-        if self.stage not in STAGES or isinstance(self.stage, bool):
-            raise ValueError(
-                f"stage={self.stage!r} is not a ZeRO stage; use 0 (plain data parallel), "
-                f"1 (shard optimizer state), 2 (+ shard gradients) or 3 (+ shard parameters)."
-            )
-        if not (hasattr(self.tx, "init") and hasattr(self.tx, "update")):
-            raise TypeError(
-                f"tx={self.tx!r} is not an optax.GradientTransformation (needs init and update)."
-            )
-        check_mesh(self.mesh, self.axis)
-        warn_unnamed_replica_axes(self.mesh, self.axis)
-        object.__setattr__(self, "layers", _layer_names(self.layers))
-        object.__setattr__(self, "vocab_parallel", vocab.names(self.vocab_parallel, self.stage))
-        object.__setattr__(self, "precision", _precision(self.precision, self.stage))
-        object.__setattr__(self, "units", units.patterns(self.units, self.stage, self.layers))
-        object.__setattr__(self, "prefetch", units.prefetch_option(self.prefetch, self.units))
-        object.__setattr__(self, "quantize", wire.wire(self.quantize, self.hpz_partition_size))
-        object.__setattr__(self, "hpz_partition_size", self.quantize.hpz)
+        """How the canonical fields combine (each field alone was checked by :func:`canonical`)."""
         wire.check(self.quantize, self.stage)
         wire.check_hpz(self.quantize, self.stage, self.num_shards, self.layers, self.units)
         check_loss_scale(self.loss_scale, self.precision)
-        state, acts = activations.split(self.offload)
-        object.__setattr__(self, "offload", state)
-        object.__setattr__(self, "offload_activations", acts or self.offload_activations)
-        object.__setattr__(self, "offload", offload.check_offload(self.offload, self.stage))
-        where = offload.placement(self.offload, self.stage, self.mesh, self.offload_fraction)
-        object.__setattr__(self, "offload_fraction", getattr(where, "fraction", 1.0))
+        self.placement  # noqa: B018 (checked here: host memory on this platform)
         exact = collectives.param_dtype_gradient_exact(self.comm)
         copy, defers = self.precision.separate_master, self.quantize.defers_reduce
         offload.check_params(
@@ -121,14 +176,18 @@ class ZeROConfig:
         if self.offload_activations:
             offload.check_platform(self.mesh)
 
-    @property
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields only: a copy builds its own derived objects (its :attr:`path` is its own)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @functools.cached_property
     def activations(self) -> activations.DeviceActivations:
         """Where per-layer stage 3 keeps the layer inputs saved for the backward: device
         memory, or pinned host memory with ``offload=("activations", ...)``
         (:mod:`jaxzero.zero.offload.activations`)."""
         return activations.check(self.offload_activations, self.stage, self.layers, self.units)
 
-    @property
+    @functools.cached_property
     def placement(self) -> offload.DeviceMemory:
         """Where the master, the optimizer state and the EMA live and are updated: device
         memory, or pinned host memory with ``offload`` (:mod:`jaxzero.zero.offload`)."""
@@ -174,7 +233,7 @@ class ZeROConfig:
         """True at stage 3 with named layer stacks (parameters gathered one layer at a time)."""
         return self.stage == 3 and bool(self.layers)
 
-    @property
+    @functools.cached_property
     def comm(self) -> collectives.Comm:
         """What the collectives inside ``shard_map`` need to know (axes, sizes, dtypes)."""
         return collectives.Comm.create(
@@ -221,7 +280,7 @@ class ZeROConfig:
         return wire.report(self.quantize, params, self.grad_specs(params), *sizes)
 
     # -- inside shard_map (jaxzero.zero.path) ---------------------------------------------------
-    @property
+    @functools.cached_property
     def path(self) -> GradientPath:
         """The gathers, loss hooks and gradient reductions of a step (:mod:`jaxzero.zero.path`):
         what the training step asks inside its ``shard_map``."""

@@ -1,0 +1,166 @@
+"""A ``ZeRO`` stores its arguments checked and in one spelling, and never rewrites them: the
+user's spellings become the canonical fields before the frozen dataclass holds them (for
+``ZeRO(...)`` and ``dataclasses.replace`` alike), ``__post_init__`` only checks, and the
+objects derived from the fields (placement, activations, comm, gradient path) are built once.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+
+import optax
+import pytest
+
+import jaxzero as jz
+from jaxzero.zero.config import ZeROConfig
+
+TX = optax.adam(1e-3)
+
+#: (what the user wrote, the fields a ZeRO of it holds), written out by hand.
+SPELLINGS = [
+    (
+        dict(stage=3, layers="layers", offload=["activations", "optimizer"]),
+        dict(layers=("layers",), offload="optimizer", offload_activations=True),
+    ),
+    (
+        dict(stage=3, layers=["enc", "dec"], offload="optimizer,params", precision="bf16"),
+        dict(
+            layers=("enc", "dec"),
+            offload=("optimizer", "params"),
+            offload_activations=False,
+            precision=jz.Precision.create("bf16"),
+        ),
+    ),
+    (
+        dict(stage=3, units=r"block_\d+", quantize="both"),
+        dict(
+            units=(r"block_\d+",),
+            prefetch=True,
+            quantize=jz.Wire.create(weights=8, grads=8),
+            hpz_partition_size=None,
+        ),
+    ),
+    (
+        dict(stage=3, layers="layers", hpz_partition_size=2),
+        dict(quantize=jz.Wire(hpz=2), hpz_partition_size=2, units=(), prefetch=None),
+    ),
+    (
+        dict(stage=2, offload="optimizer", offload_fraction=1),
+        dict(offload="optimizer", offload_fraction=1.0, precision=jz.Precision()),
+    ),
+    (
+        dict(
+            stage=3, layers="l", vocab_parallel="embed", quantize=jz.Wire.create(weights=8, hpz=4)
+        ),
+        dict(vocab_parallel=("embed",), quantize=jz.Wire.create(weights=8, hpz=4)),
+    ),
+    (
+        dict(stage=1, layers=("layers",), hpz_partition_size=1),
+        dict(layers=("layers",), vocab_parallel=(), quantize=jz.Wire(), hpz_partition_size=None),
+    ),
+]
+
+
+def fields(zero) -> dict:
+    return {f.name: getattr(zero, f.name) for f in dataclasses.fields(zero)}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jz.data_parallel_mesh()
+
+
+@pytest.mark.parametrize("given,stored", SPELLINGS)
+def test_fields_hold_the_canonical_spelling(mesh, given, stored):
+    zero = jz.ZeRO(TX, mesh, **given)
+    for name, want in stored.items():
+        assert getattr(zero, name) == want, name
+        assert type(getattr(zero, name)) is type(want), name
+
+
+@pytest.mark.parametrize("given,stored", SPELLINGS)
+def test_replace_round_trips_and_canonical_input_comes_back_unchanged(mesh, given, stored):
+    zero = jz.ZeRO(TX, mesh, **given)
+    again = dataclasses.replace(zero)
+    assert again == zero and hash(again) == hash(zero) and repr(again) == repr(zero)
+    # the canonical fields, given back as arguments, are stored as they are
+    assert fields(jz.ZeRO(**fields(zero))) == fields(zero)
+    assert fields(again) == fields(zero)
+
+
+def test_replace_normalizes_a_user_spelling(mesh):
+    zero = jz.ZeRO(TX, mesh, stage=3, layers="layers")
+    moved = dataclasses.replace(zero, offload=("activations", "optimizer"), layers=["layers"])
+    assert moved.offload == "optimizer" and moved.offload_activations is True
+    assert moved.layers == ("layers",)
+    assert moved == jz.ZeRO(
+        TX, mesh, stage=3, layers="layers", offload="optimizer", offload_activations=True
+    )
+
+
+def test_replace_checks_the_combination(mesh):
+    zero = jz.ZeRO(TX, mesh, stage=3, quantize="weights")
+    with pytest.raises(ValueError, match="stage=3"):
+        dataclasses.replace(zero, stage=2)
+
+
+def test_post_init_rewrites_no_field(mesh, monkeypatch):
+    """Every field is the same object before and after ``__post_init__`` (which only checks)."""
+    checked = []
+    original = ZeROConfig.__post_init__
+
+    def spy(self):
+        before = fields(self)
+        original(self)
+        after = fields(self)
+        assert all(after[k] is before[k] for k in before), [
+            k for k in before if after[k] is not before[k]
+        ]
+        checked.append(type(self).__name__)
+
+    monkeypatch.setattr(ZeROConfig, "__post_init__", spy)
+    for given, _ in SPELLINGS:
+        dataclasses.replace(jz.ZeRO(TX, mesh, **given))
+    assert checked == ["ZeRO"] * 2 * len(SPELLINGS)
+
+
+def test_spellings_of_one_config_are_equal_and_hash_alike(mesh):
+    a = jz.ZeRO(TX, mesh, stage=3, layers="layers", offload="activations", precision="fp32")
+    b = jz.ZeRO(TX, mesh, stage=3, layers=["layers"], offload_activations=True)
+    assert a == b and hash(a) == hash(b) and repr(a) == repr(b)
+    assert {a: "a"}[b] == "a"
+
+
+def test_derived_objects_are_built_once(mesh):
+    zero = jz.ZeRO(TX, mesh, stage=3, layers="layers", offload="optimizer")
+    for name in ("placement", "activations", "comm", "path"):
+        assert getattr(zero, name) is getattr(zero, name), name
+    assert zero.path.zero is zero
+    assert zero.placement.params_on_host is False and zero.placement.fraction == 1.0
+
+
+def test_a_copy_is_equal_and_builds_its_own_derived_objects(mesh):
+    zero = jz.ZeRO(TX, mesh, stage=2, offload="optimizer")
+    zero.path  # noqa: B018 (built on the original before the copy)
+    dup = copy.copy(zero)
+    assert dup == zero and hash(dup) == hash(zero) and repr(dup) == repr(zero)
+    assert dup.path.zero is dup
+
+
+def test_signature_names_the_fields(mesh):
+    names = [f.name for f in dataclasses.fields(jz.ZeRO)]
+    params = inspect.signature(jz.ZeRO).parameters
+    assert list(params) == names
+    assert params["stage"].default == 2 and params["tx"].default is inspect.Parameter.empty
+    zero = jz.ZeRO(TX, mesh, 3, "data", layers="layers")  # positional, as the dataclass takes
+    assert (zero.stage, zero.axis, zero.layers) == (3, "data", ("layers",))
+
+
+def test_the_checkpoint_records_the_canonical_offload(mesh):
+    given = dict(stage=3, layers="layers", precision="bf16")
+    zero = jz.ZeRO(TX, mesh, **given, offload="params , optimizer")
+    assert zero.offloaded() == ("optimizer", "params")
+    acts = jz.ZeRO(TX, mesh, stage=3, layers="layers", offload="activations")
+    assert acts.offloaded() == () and acts.offload_activations is True
