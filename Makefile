@@ -18,7 +18,7 @@ DOCS_STAMP := $(VENV)/.docs-installed-$(shell cat pyproject.toml Makefile | cksu
 # 2 pytest workers on the 2-core CI machine; each worker simulates 8 CPU devices.
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test test-all test-loaded lint bench docs clean test-latest
+.PHONY: install demo test test-all test-loaded lint bench docs clean test-latest plan-versions
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -90,6 +90,24 @@ $(LATEST_STAMP): $(LATEST_BIN)/python pyproject.toml Makefile constraints-latest
 test-latest: $(LATEST_STAMP)
 	@$(LATEST_BIN)/python -c 'import sys, jax, flax; print(f"make test-latest: Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")'
 	$(LATEST_BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow and not interop" tests
+
+# `make plan-versions`: the same deviceless `jaxzero plan` table (LLaMA-7B on 64 H100s, the
+# recommended XLA flags) and benchmarks/plain_script.py (units=, XLA's defaults) under both ends of
+# the supported jax range, then the diff: a regression in a new jax (decision 49) shows up as a
+# changed line. Minutes per venv on 2 cores; the outputs stay in runs/plan-versions/.
+PLAN_VERSIONS_ARGS ?= --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 \
+	--batch 1 --gpu h100 --devices 64 --stage 3 --stage3 per-layer --xla-flags
+plan-versions: $(STAMP) $(LATEST_STAMP)
+	@mkdir -p runs/plan-versions
+	@for v in $(BIN) $(LATEST_BIN); do \
+		j=$$($$v/python -c 'import jax; print(jax.__version__)'); \
+		echo "jax $$j: jaxzero plan $(PLAN_VERSIONS_ARGS)"; \
+		{ $$v/jaxzero plan $(PLAN_VERSIONS_ARGS) && $$v/python benchmarks/plain_script.py; } \
+			> runs/plan-versions/jax-$$j.txt || exit 1; \
+	done
+	@diff -u runs/plan-versions/jax-$$($(BIN)/python -c 'import jax; print(jax.__version__)').txt \
+		runs/plan-versions/jax-$$($(LATEST_BIN)/python -c 'import jax; print(jax.__version__)').txt \
+		&& echo "plan-versions: the same table under both jax versions" || true
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) runs .pytest_cache docs/_build
