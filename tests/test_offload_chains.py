@@ -13,7 +13,8 @@ import chex
 import jax
 import numpy as np
 import pytest
-from models import chains, reference_run
+import tolerance
+from models import chains
 
 import jaxzero as jz
 from jaxzero.gpu.models import make_problem
@@ -45,7 +46,8 @@ def test_offloaded_chain_matches_single_device_optax(chain, where):
     reorder the gradient's arithmetic), and the weights moved past that tolerance."""
     tx = chains()[chain]
     params, loss_fn, batches = make_problem("transformer", steps=4)
-    want, _ = reference_run(tx, params, loss_fn, batches)
+    want, _, atol = tolerance.reference(tx, params, loss_fn, batches)
+    atol = min(atol, 1e-5)  # never looser than the stated 1e-5: multisteps_adam derives 1.2e-5
     stage = int(where[0])
     units = UNITS if where.endswith("units") else None
     zero = jz.ZeRO(tx, jz.data_parallel_mesh(N), stage=stage, offload="optimizer", units=units)
@@ -60,6 +62,6 @@ def test_offloaded_chain_matches_single_device_optax(chain, where):
     }
     assert kinds == {"pinned_host"}
     got = jax.tree.map(np.asarray, jz.gather(state))
-    chex.assert_trees_all_close(got, jax.tree.map(np.asarray, want), atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(got, jax.tree.map(np.asarray, want), atol=atol, rtol=1e-5)
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), want, params))
     assert max(moved) > 1e-3

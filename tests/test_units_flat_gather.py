@@ -38,6 +38,7 @@ def test_flat_unit_gathers_train_like_single_device_optax(monkeypatch):
         grads = jax.grad(loss_fn)(ref, batch)
         updates, opt = tx.update(grads, opt, ref)
         ref = optax.apply_updates(ref, updates)
+    # stated: tests/tolerance.py derives 4.5e-5 here, looser than this 1e-5
     chex.assert_trees_all_close(jz.gather(state.params), ref, atol=1e-5, rtol=1e-5)
     assert calls  # the flat gather ran
 
