@@ -10,10 +10,14 @@ import copy
 import dataclasses
 import inspect
 
+import jax
+import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxzero as jz
+from jaxzero.train.grads import gradient_zero
 from jaxzero.zero.config import ZeROConfig
 
 TX = optax.adam(1e-3)
@@ -164,3 +168,43 @@ def test_the_checkpoint_records_the_canonical_offload(mesh):
     assert zero.offloaded() == ("optimizer", "params")
     acts = jz.ZeRO(TX, mesh, stage=3, layers="layers", offload="activations")
     assert acts.offloaded() == () and acts.offload_activations is True
+
+
+# ------------------------------------------- the step's reduction: the path's, not a new config
+PARAMS = {
+    "layers": {"w": jax.ShapeDtypeStruct((4, 16, 8), jnp.float32)},
+    "head": jax.ShapeDtypeStruct((16, 8), jnp.float32),
+}
+
+
+def test_stage1_with_layers_reduces_as_stage2_in_its_path_not_its_config(mesh):
+    """A stage-1 step with ``layers=`` and one micro-batch reduce-scatters each layer's
+    gradient, as stage 2 does: the step's path says so, and the config stays stage 1."""
+    zero = jz.ZeRO(TX, mesh, stage=1, layers="layers")
+    stage2 = jz.ZeRO(TX, mesh, stage=2, layers="layers")
+    path = gradient_zero(zero, 1)
+    assert path.zero is zero and zero.stage == 1
+    assert path.stage == 2 and path.reduces_in_backward() and path.reduces_each_micro_batch()
+    assert path.grad_specs(PARAMS) == stage2.grad_specs(PARAMS)
+    assert path.grad_specs(PARAMS)["head"] == P("data")  # 16 rows over the 8 devices
+    # with micro-batches it keeps one all-reduce of the whole gradient after them
+    two = gradient_zero(zero, 2)
+    assert two.stage == 1 and not two.reduces_in_backward() and not two.reduces_each_micro_batch()
+    assert jax.tree.leaves(two.grad_specs(PARAMS)) == [P(), P()]
+    # a step written by hand from the config's pieces reduces as its stage says
+    assert zero.path.stage == 1 and zero.grad_specs(PARAMS) == two.grad_specs(PARAMS)
+
+
+def test_stage0_with_layers_reduces_each_layer_unless_micro_batches(mesh):
+    zero = jz.ZeRO(TX, mesh, stage=0, layers="layers")
+    assert gradient_zero(zero, 1).reduces_in_backward()
+    assert not gradient_zero(zero, 3).reduces_in_backward()
+    assert zero.path.reduces_in_backward() and gradient_zero(zero, 3).zero is zero
+
+
+def test_the_plan_reads_the_steps_reduction(mesh):
+    zero = jz.ZeRO(TX, mesh, stage=1, layers="layers")
+    one = {r.path: r for r in zero.plan(PARAMS).rows}
+    two = {r.path: r for r in zero.plan(PARAMS, accum_steps=2).rows}
+    assert one["layers/w"].reduce == "in_backward" and one["head"].reduce == "reduce_scatter"
+    assert two["layers/w"].reduce == "all_reduce" and two["head"].reduce == "all_reduce"

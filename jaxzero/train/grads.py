@@ -15,6 +15,7 @@ from jaxzero.zero import hooks as loss_hooks
 from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero.collectives import to_varying
 from jaxzero.zero.config import ZeROConfig
+from jaxzero.zero.path import GradientPath
 
 
 def _mean_over(x, axes):
@@ -23,31 +24,29 @@ def _mean_over(x, axes):
     return jax.lax.pmax(x, axes)
 
 
-def gradient_zero(zero: ZeROConfig, accum_steps: int) -> ZeROConfig:
-    """The ZeRO whose gradient path a step runs. Stage 1 with ``layers=`` and nothing to
-    accumulate reduces like stage 2: each layer's gradient is reduce-scattered inside the
-    backward, under the next layer's backward, instead of one all-reduce of the whole gradient
-    after it (the same sums, half an all-reduce's traffic, and no full reduced gradient: the
-    optimizer only reads its shard). Stage 0 with ``layers=`` all-reduces each layer's
-    gradient inside the backward (:mod:`jaxzero.zero.layers.plan`). With micro-batches stages 0/1
-    keep their full local accumulator and reduce once (a reduce per micro-batch would add
-    traffic)."""
-    if zero.stage == 1 and accum_steps == 1 and zero.path.reduces_in_backward(stage=2):
-        return dataclasses.replace(zero, stage=2)
-    if zero.stage == 0 and accum_steps > 1 and zero.layers:
-        return dataclasses.replace(zero, layers=None)  # one all-reduce after the micro-batches
-    return zero
+def gradient_zero(zero: ZeROConfig, accum_steps: int) -> GradientPath:
+    """The gradient path a training step of ``accum_steps`` micro-batches runs:
+    ``zero``'s own, knowing the micro-batches, which decide its reduction
+    (:meth:`GradientPath.for_step <jaxzero.zero.path.GradientPath.for_step>`). Stage 1 with
+    ``layers=`` and nothing to accumulate reduces like stage 2 (each layer's gradient
+    reduce-scattered inside the backward: :attr:`GradientPath.stage
+    <jaxzero.zero.path.GradientPath.stage>`); stage 0 with ``layers=`` all-reduces each layer's
+    gradient inside the backward (:mod:`jaxzero.zero.layers.plan`). With micro-batches stages
+    0/1 keep their full local accumulator and reduce once (a reduce per micro-batch would add
+    traffic). ``zero`` itself is not changed: its stage says where the state lives."""
+    return zero.path.for_step(accum_steps)
 
 
 def local_gradients(
-    zero: ZeROConfig,
+    reducing: GradientPath,
     loss_fn,
     accum_steps: int,
     *,
     stateful: bool = False,
     allow_loss_collectives: bool = False,
 ):
-    """The per-device gradient computation, to run inside ``jax.shard_map``.
+    """The per-device gradient computation, to run inside ``jax.shard_map``, for the step
+    whose gradient path is ``reducing`` (:func:`gradient_zero`).
 
     Returns ``fn(params_local, model_state, batch_local, rng, scale, specs, plan)`` ->
     ``(loss, aux, grads, new_model_state)`` (``plan``: the step's per-leaf plan,
@@ -70,11 +69,12 @@ def local_gradients(
     reduction over the data axes in the user's loss is refused unless
     ``allow_loss_collectives``.
     """
+    zero = reducing.zero
     axes = zero.batch_axes
     # stages 2/3, and stage 0 when it all-reduces each layer in the backward (one micro-batch)
-    reduce_each = zero.path.reduces_each_micro_batch()
+    reduce_each = reducing.reduces_each_micro_batch()
     # the params in host memory: the stacks' gradients summed into host accumulators
-    on_host_sums = zero.path.accumulates_on_host(accum_steps)
+    on_host_sums = reducing.accumulates_on_host(accum_steps)
 
     checked = []
 
@@ -122,7 +122,7 @@ def local_gradients(
         return (loss, count), aux, g, new_state
 
     def fn(params, model_state, batch, rng, scale, specs, plan):
-        path = dataclasses.replace(zero.path, plan=plan)  # each leaf's fate: the plan's rows
+        path = dataclasses.replace(reducing, plan=plan)  # each leaf's fate: the plan's rows
         if model_state is not None:
             model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
         run = lambda ms, b, key, sums=None: micro(path, params, specs, ms, b, key, scale, sums)

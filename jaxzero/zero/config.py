@@ -258,9 +258,12 @@ class ZeROConfig(metaclass=_Canonical):
         """Specs of the master/optimizer-state shards (sharded for stages 1-3)."""
         return self._specs(tree, self.stage >= 1)
 
-    def grad_specs(self, params):
-        """Specs of the reduced gradients: sharded for stages 2/3, replicated for 0/1."""
-        return self._specs(params, self.stage >= 2)
+    def grad_specs(self, params, stage: int | None = None):
+        """Specs of the reduced gradients: sharded for stages 2/3, replicated for 0/1.
+        ``stage``: the stage whose reduction runs (a training step's
+        :attr:`GradientPath.stage <jaxzero.zero.path.GradientPath.stage>`); the config's by
+        default."""
+        return self._specs(params, (self.stage if stage is None else stage) >= 2)
 
     def ema_leaf_specs(self, tree):
         """Specs of a per-leaf EMA tree (always sharded, at every stage)."""

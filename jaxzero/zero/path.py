@@ -31,24 +31,59 @@ class GradientPath:
     """The gathers, loss hooks and gradient reductions of one :class:`ZeROConfig`, reading
     each leaf's fate from the per-leaf plan (:mod:`jaxzero.zero.plan`): the step's ``plan``,
     built once from the global params, or, for a step written by hand from ``ZeRO``'s pieces
-    (no plan given), the plan's feature columns of the tree at hand."""
+    (no plan given), the plan's feature columns of the tree at hand. A training step's path
+    (:meth:`for_step`) knows its micro-batches, which decide the reduction it runs
+    (:attr:`stage`): the config stays as the user gave it."""
 
     zero: Any  # the ZeROConfig it belongs to (which imports this module)
     plan: Any = None  # the step's jaxzero.zero.plan.Plan
+    #: the micro-batches of the training step this path runs (:meth:`for_step`), which
+    #: decide how its gradient is reduced; None for a step written by hand from ``ZeRO``'s
+    #: pieces, which reduces as the config's stage says
+    accum_steps: int | None = None
+
+    def for_step(self, accum_steps: int) -> GradientPath:
+        """The path of a training step with ``accum_steps`` micro-batches (its reduction:
+        :attr:`stage`, :meth:`reduces_in_backward`)."""
+        return dataclasses.replace(self, accum_steps=accum_steps)
 
     # -- which reductions a step runs -------------------------------------------------------
-    def reduces_in_backward(self, stage: int | None = None) -> bool:
-        """Whether a step at ``stage`` (the config's by default) reduces each layer's gradient
-        inside the backward (:func:`jaxzero.zero.layers.plan.reduces_in_backward`)."""
+    @property
+    def stage(self) -> int:
+        """The stage whose gradient reduction this path runs: the config's, but for a training
+        step at stage 1 with ``layers=`` and one micro-batch, which reduces like stage 2: each
+        layer's gradient is reduce-scattered inside the backward, under the next layer's
+        backward, instead of one all-reduce of the whole gradient after it (the same sums,
+        half an all-reduce's traffic, and no full reduced gradient: the optimizer only reads
+        its shard). The config keeps its stage: the state's shardings are stage 1's."""
         z = self.zero
-        stage = z.stage if stage is None else stage
+        if z.stage == 1 and self.accum_steps == 1 and self._in_backward(2):
+            return 2
+        return z.stage
+
+    def _in_backward(self, stage: int) -> bool:
+        z = self.zero
         return layers.reduces_in_backward(stage, z.layers, z.precision, z.replica_axes)
+
+    def reduces_in_backward(self) -> bool:
+        """Whether the step reduces each layer's gradient inside the backward
+        (:func:`jaxzero.zero.layers.plan.reduces_in_backward` at :attr:`stage`). Not stage 0
+        with micro-batches: it keeps its full local accumulator and all-reduces it once (a
+        reduce per micro-batch would add traffic); stage 1 with micro-batches does the same."""
+        if self.zero.stage == 0 and (self.accum_steps or 1) > 1:
+            return False
+        return self._in_backward(self.stage)
 
     def reduces_each_micro_batch(self) -> bool:
         """Whether every micro-batch's gradient is reduced where it is computed (stages 2/3, and
         stage 0 when it all-reduces each layer in the backward), rather than summed locally and
         reduced once."""
-        return self.zero.stage >= 2 or self.reduces_in_backward()
+        return self.stage >= 2 or self.reduces_in_backward()
+
+    def grad_specs(self, tree):
+        """Specs of the reduced gradients of ``tree`` at :attr:`stage`: sharded for stages 2/3,
+        replicated for 0/1."""
+        return self.zero.grad_specs(tree, stage=self.stage)
 
     def unused_layers(self, accum_steps: int) -> str | None:
         """Why ``layers=`` reduces no layer's gradient in the backward of a step with
@@ -112,7 +147,7 @@ class GradientPath:
         gather = z.per_layer
         if not (gather or self.reduces_in_backward()):
             return None
-        specs = specs if gather else z.grad_specs(local_params)
+        specs = specs if gather else self.grad_specs(local_params)
         return layers.build_plan(
             z.comm,
             z.layers,
@@ -148,7 +183,7 @@ class GradientPath:
         plan = next((h for h in hooks if isinstance(h, layers.LayerPlan)), None)
         masks = (self._stacked_mask(grads), layers.scattered_mask(plan, grads))
         masks += (self._tables(grads),)  # complete on every device
-        return collectives.reduce_gradients(z.comm, grads, z.grad_specs(grads), *masks)
+        return collectives.reduce_gradients(z.comm, grads, self.grad_specs(grads), *masks)
 
 
 def _get(row, name: str):

@@ -334,9 +334,8 @@ def build(
     n, p = zero.num_shards, zero.precision
     param_specs = jax.tree.leaves(zero.param_specs(params), is_leaf=lambda s: isinstance(s, P))
     state_specs = jax.tree.leaves(zero.shard_specs(params), is_leaf=lambda s: isinstance(s, P))
-    reducing = zero  # stage 1 with one micro-batch reduces in the backward as stage 2 does
-    if zero.stage == 1 and accum_steps == 1 and zero.path.reduces_in_backward(stage=2):
-        reducing = dataclasses.replace(zero, stage=2)
+    # the step's reduction (stage 1 with one micro-batch may reduce in the backward as stage 2)
+    reducing = zero.path.for_step(accum_steps)
     grad_specs = jax.tree.leaves(reducing.grad_specs(params), is_leaf=lambda s: isinstance(s, P))
     stage = zero.stage
     rows = decisions(zero, paths, accum_steps)
