@@ -61,6 +61,7 @@ class Swapper:
     """Groups of bytes in one file under ``directory``, paged through a bounded buffer pool.
 
     Every check (the directory, its free space, the sizes) runs before the file is created.
+    The caller's methods are meant for one thread; the I/O runs on the swapper's own.
 
     Args:
       directory: an existing, writable directory (an NVMe mount for the tier's purpose).
@@ -238,19 +239,19 @@ class Swapper:
             op.pending -= 1
             if op.pending:
                 return
+            # everything that ends the operation happens under one lock: the operations
+            # waiting on it are queued before flush() or close() can see it done, and its
+            # buffer is back before _take() can see neither a free buffer nor a write in flight
+            for later in op.then:
+                self._start(later)
             op.done.set()
             if op.kind == "write":
-                # the buffer goes back under the same lock that ends the write, so _take never
-                # sees neither a free buffer nor a write in flight while one is landing
                 self._writes.discard(op)
                 self._free.append(op.slot)
                 self.in_use -= 1
                 if op.error is not None:
                     self._errors.append(op.error)
-            nxt = op.then
             self._cond.notify_all()
-        for later in nxt:
-            self._start(later)
 
     # -- the caller's side ---------------------------------------------------------------
 
