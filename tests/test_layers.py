@@ -83,6 +83,7 @@ def test_per_layer_equals_whole_model_stage3_with_ema_bf16():
     params, loss_fn, batches = make_problem("scanned", gather_layer=jz.gather_layer, steps=4)
     ema = jz.ShardedEMA(0.9, tau=2.0)
     per_layer, whole = stage3_per_layer_and_whole_bf16(params, loss_fn, batches, ema)
+    # bf16 compute on both sides: an fp32 reference's spread does not measure its rounding
     chex.assert_trees_all_close(jz.gather(per_layer.master), jz.gather(whole.master), atol=1e-6)
     chex.assert_trees_all_close(jz.gather(per_layer.ema), jz.gather(whole.ema), atol=1e-6)
     chex.assert_trees_all_close(
@@ -209,6 +210,7 @@ def test_stage0_all_reduces_each_layer_in_the_backward_loop():
     ref_params, _ = reference_run(tx, plain_params, plain_loss, plain_batches)
     zero = jz.ZeRO(tx, jz.data_parallel_mesh(n), stage=0, layers="layers")
     state = train(zero, plain_loss, plain_params, plain_batches)
+    # stated: tests/tolerance.py derives 2.1e-5 here, looser than this 1e-5
     chex.assert_trees_all_close(jz.gather(state), ref_params, atol=1e-5)
 
 
@@ -329,4 +331,5 @@ def test_per_layer_on_a_hybrid_mesh_matches_single_device(stage):
     ref_params, _ = reference_run(tx, params, loss_fn, batches)
     mesh = jz.data_parallel_mesh(8, replicas=2)
     state = train(jz.ZeRO(tx, mesh, stage=stage, layers="layers"), loss_fn, params, batches)
+    # stated: tests/tolerance.py derives 2.1e-5 here, looser than this 1e-5
     chex.assert_trees_all_close(jz.gather(state), ref_params, atol=1e-5)
