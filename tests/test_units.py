@@ -188,6 +188,7 @@ def test_units_equal_whole_model_stage3_bf16_ema(replicas):
         )
         for kw in ({"units": pattern}, {})
     )
+    # bf16 compute on both sides: an fp32 reference's spread does not measure its rounding
     for a, b in ((per_unit.master, whole.master), (per_unit.ema, whole.ema)):
         chex.assert_trees_all_close(jz.gather(a), jz.gather(b), atol=1e-6)
     chex.assert_trees_all_close(
@@ -210,6 +211,7 @@ def test_checkpoints_move_between_whole_model_and_units(tmp_path):
         step = jz.make_train_step(loss_fn, second)
         for b in batches[2:]:
             restored, _ = step(restored, b)
+        # stated: tests/tolerance.py derives 2.3e-5 on this model, looser than this 1e-5
         chex.assert_trees_all_close(jz.gather(restored), ref_params, atol=1e-5)
 
 
