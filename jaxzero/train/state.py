@@ -17,6 +17,7 @@ from jaxzero.trees import check_not_donated as check_not_donated
 from jaxzero.trees import leaves_by_keystr
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig
+from jaxzero.zero.offload.remainder import stored_specs
 
 
 class TrainState(struct.PyTreeNode):
@@ -157,7 +158,7 @@ def state_specs(zero: ZeROConfig, state: TrainState) -> TrainState:
     return TrainState(
         step=P(),
         params=zero.param_specs(state.params),
-        master=None if state.master is None else zero.shard_specs(state.master),
+        master=None if state.master is None else stored_specs(zero.shard_specs(state.master)),
         opt_state=zero.shard_specs(state.opt_state),
         skipped=P(),
         ema=ema,
@@ -199,10 +200,15 @@ def _init_raw(zero: ZeROConfig, params, ema: ShardedEMA | None, model_state, rng
     if ema is not None:
         ema_state = ema.init(ema_target(master_view, model_state))
         ema_state = sharded_ema.bucket(zero, ema, ema_state)
+    compute = cast(params, pol.param_dtype) if pol.compute_copy else master_view
+    # the master as the placement keeps it (a remainder beside the compute params: decision 47)
+    master = None
+    if pol.separate_master:
+        master = zero.placement.stored_master(zero, master_view, compute)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
-        params=cast(params, pol.param_dtype) if pol.compute_copy else master_view,
-        master=master_view if pol.separate_master else None,
+        params=compute,
+        master=master,
         opt_state=zero.tx.init(master_view),
         skipped=jnp.zeros((), jnp.int32),
         ema=ema_state,

@@ -9,6 +9,11 @@ host (``compute_on("device_host")`` around a ``jax.jit`` of the update), so the 
 holds the state: it sends the reduced gradient shards to the host and gets the new compute
 params (``param_dtype``) back.
 
+With ``offload=("optimizer", "remainder")`` the fp32 master is kept on the host as a 16-bit
+remainder and a carry bit beside the bf16 compute params (:mod:`.remainder`, decision 47):
+2.125 bytes per param instead of 4 on the host and each way over PCIe, bit-identical steps.
+The update joins it on the device and splits the new master there (:mod:`.stream`).
+
 Two traps of jax 0.10 are handled here. Compile-only devices (``jaxzero.gpu``) report no
 memories, and a ``NamedSharding`` on their concrete mesh silently drops ``memory_kind``: host
 shardings for them are built on ``mesh.abstract_mesh`` (lower under ``jax.set_mesh(mesh)``,
@@ -26,13 +31,18 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxzero.zero.offload.parts as stream_parts
 import jaxzero.zero.offload.stream as stream
 from jaxzero.mesh import in_host_memory
 from jaxzero.zero import specs as sh
+from jaxzero.zero.offload import remainder
 from jaxzero.zero.offload.fraction import check_fraction, host_leaves
 
 OPTIMIZER, PARAMS = "optimizer", "params"
+#: with ``"optimizer"``: the host keeps the fp32 master as a 16-bit remainder and a carry bit
+REMAINDER = "remainder"
 #: what ``offload=`` takes for the state, normalised: the optimizer side, or it and the params
+#: (either with ``REMAINDER`` last)
 OFFLOADS = (OPTIMIZER, (OPTIMIZER, PARAMS))
 HOST = "pinned_host"
 
@@ -48,6 +58,23 @@ def check_offload(offload, stage) -> str | tuple[str, str] | None:
         return None
     if isinstance(offload, str) and "," in offload:
         offload = tuple(x.strip() for x in offload.split(","))
+    if isinstance(offload, tuple | list) and REMAINDER in offload:
+        rest = tuple(x for x in offload if x != REMAINDER)
+        base = check_offload(rest[0] if len(rest) == 1 else rest, stage)
+        if base is None or len(rest) + 1 != len(offload):
+            raise ValueError(
+                f"offload={offload!r}: 'remainder' keeps the offloaded fp32 master as a 16-bit "
+                f"remainder, so it goes with 'optimizer' (once), e.g. offload=('optimizer', "
+                f"'remainder')."
+            )
+        if params_offloaded(base):
+            raise ValueError(
+                f"offload={offload!r}: the remainder master is rebuilt from the bf16 params, "
+                "and with the params offloaded the backward writes the stacks' gradients into "
+                "their buffers. Use offload=('optimizer', 'remainder') or ('optimizer', "
+                "'params')."
+            )
+        return (OPTIMIZER, REMAINDER)
     if isinstance(offload, tuple | list) and sorted(offload) == [OPTIMIZER, PARAMS]:
         offload = (OPTIMIZER, PARAMS)
     if offload not in OFFLOADS:
@@ -162,15 +189,27 @@ def leaf_columns(zero, rows, owners, sizes, accum_steps: int) -> tuple[list[dict
     return columns, other
 
 
+def remainder_master(offload) -> bool:
+    """Whether a checked ``offload`` keeps the host's fp32 master as a remainder."""
+    return isinstance(offload, tuple) and REMAINDER in offload
+
+
 def placement(offload, stage: int, mesh: Mesh, fraction=1.0) -> DeviceMemory | HostMemory:
     """The placement of ``ZeRO(offload=offload, offload_fraction=fraction)``:
     :func:`check_offload` and :func:`~jaxzero.zero.offload.fraction.check_fraction`, then
     :func:`check_platform` when offloading."""
     offload = check_offload(offload, stage)
     fraction = check_fraction(fraction, offload, params_offloaded(offload))
+    kept = remainder_master(offload)
+    if kept and fraction < 1:
+        raise ValueError(
+            f"offload={offload!r} with offload_fraction={fraction:g}: the remainder master is "
+            "built for the whole optimizer side on the host. Use offload_fraction=1, or drop "
+            "'remainder'."
+        )
     if offload:
         check_platform(mesh)
-        return HostMemory(params=params_offloaded(offload), fraction=fraction)
+        return HostMemory(params=params_offloaded(offload), fraction=fraction, remainder=kept)
     return DeviceMemory()
 
 
@@ -187,6 +226,25 @@ class DeviceMemory:
     #: whether the update runs leaf by leaf on each device's shards (streamed: decision 32), so
     #: the EMA's update is local too and needs no ``shard_map`` of its own
     update_is_local = False
+    #: whether the host keeps the fp32 master as a remainder beside the bf16 params
+    remainder = False
+
+    def stored_master(self, zero, master, params):
+        """The state's ``master`` as the placement keeps it: the fp32 tree itself, or (with
+        :attr:`remainder`) each leaf that :func:`~.remainder.storable` admits and that the
+        streamed update runs in chunks (more than :data:`~.parts.SMALL` elements) as a
+        :class:`~.remainder.Remainder` packed row by row beside its bf16 compute copy
+        (``params``' leaf in the master's shards, which must be ``master``'s cast).
+
+        Args:
+          zero: the step's ZeRO config.
+          master: the fp32 master tree, in its shards.
+          params: the compute params (unused without :attr:`remainder`).
+
+        Returns:
+          The master tree as the state holds it.
+        """
+        return master
 
     def shardings(self, mesh: Mesh, specs, host=None):
         """NamedShardings of a state component's ``specs`` (None stays None); ``host``: the
@@ -240,10 +298,37 @@ class HostMemory(DeviceMemory):
     master_on_device = False
     update_is_local = True
 
-    def __init__(self, params: bool = False, fraction: float = 1.0):
+    def __init__(self, params: bool = False, fraction: float = 1.0, remainder: bool = False):
         self.params_on_host = params
         #: the share of the master, optimizer state and EMA bytes kept on the host (decision 43)
         self.fraction = fraction
+        self.remainder = remainder
+
+    def stored_master(self, zero, master, params):
+        if not self.remainder or master is None:
+            return master
+        pol = zero.precision
+        if (pol.param_dtype, pol.master_dtype) != (jnp.bfloat16, jnp.float32):
+            raise ValueError(
+                f"offload={zero.offload!r} keeps the fp32 master as a 16-bit remainder beside "
+                f"bf16 compute params, and the precision has param_dtype "
+                f"{jnp.dtype(pol.param_dtype).name} and master_dtype "
+                f"{jnp.dtype(pol.master_dtype).name}. Use precision='bf16' (or a Precision "
+                f"with bfloat16 params and a float32 master), or drop 'remainder'."
+            )
+        specs = zero.shard_specs(master)
+        named = sh.named(zero.mesh, specs)
+        shards = jax.lax.with_sharding_constraint(params, named)
+
+        def copy(m, c, s):
+            # a small leaf (a bias, a norm's scale) is updated whole in the streamed update's
+            # prologue, beside every other small leaf: it stays fp32 (a few bytes), and the
+            # prologue's fusions, whose FMA contractions the EMA's rounding follows, stay as
+            # they are
+            big = math.prod(m.shape) > stream_parts.SMALL
+            return c if big and remainder.storable(m.shape, s.shard_shape(m.shape)) else None
+
+        return remainder.store(master, jax.tree.map(copy, master, shards, named))
 
     def shardings(self, mesh: Mesh, specs, host=None):
         if specs is None:
@@ -293,40 +378,45 @@ class HostMemory(DeviceMemory):
         its params and master (the update reads ``master``). ``grads_in_params=False``: the
         host gradients are accumulators apart from the params (micro-batches: decision 42),
         and the new params go back into the params' own buffers."""
+        leaf = remainder.is_stored
         args = (state.replace(params=None, master=None), master, grads, *rest)
-        mark = lambda t, on: jax.tree.map(lambda _: on, t)
+        mark = lambda t, on: jax.tree.map(lambda _: on, t, is_leaf=leaf)
         separate = state.master is not None
-        on = self.host_flags(
-            zero.mesh, state, specs[0].replace(master=specs[1] if separate else None)
-        )
+        # a stored master's carry is sharded as its lo (one spec, one flag per Remainder)
+        master_specs = remainder.stored_specs(specs[1]) if separate else None
+        on = self.host_flags(zero.mesh, state, specs[0].replace(master=master_specs))
         host_master, host_opt, host_ema = on
+        one = lambda t: jax.tree.map(lambda x: x.lo if leaf(x) else x, t, is_leaf=leaf)
+        host_master, specs = one(host_master), (specs[0], one(specs[1]), *specs[2:])
         in_host = mark(args[0], False).replace(opt_state=host_opt, ema=host_ema)
         grads_host = jax.tree.map(in_host_memory, grads)
         master_host = host_master if separate else mark(master, False)
         flags = (in_host, master_host, grads_host, mark(rest, False))
         # each new state leaf replaces its own (donated) input leaf
-        index = jax.tree.unflatten(jax.tree.structure(args), range(len(jax.tree.leaves(args))))
+        flat = lambda t: jax.tree.leaves(t, is_leaf=leaf)
+        index = jax.tree.unflatten(jax.tree.structure(args, is_leaf=leaf), range(len(flat(args))))
         olds = jax.tree.leaves((index[0].opt_state, index[0].ema))
-        m = len(jax.tree.leaves(master))
+        m = len(flat(master))
         if state.master is not None:  # the update reads the master as its own argument
             olds = jax.tree.leaves(index[1]) + olds
         first = 0 if state.master is not None else m  # the new master replaces the old one
         alias = {first + o: i for o, i in enumerate(olds)}
         # each output where its state leaf lives; the compute shards on the device unless the
         # params are offloaded; the finite flag and the norm on the device
-        stays = lambda t: [not h for h in jax.tree.leaves(t)]
+        stays = lambda t: [not h for h in flat(t)]
         device_outputs = (
             (stays(host_master) if separate else [False] * m)
             + stays((host_opt, host_ema))
             + [not self.params_on_host] * m
             + [True, True]
         )
+        stored = [leaf(x) for x in flat(master)]
         if zero.stage == 3 and state.master is not None:
             # the new 16-bit shards are written into the old ones (no longer read: the loss
             # has run), so no second copy of the params is held; a stack whose gradient the
             # backward wrote into its params' host buffer gets them back in that buffer
             args = (*args, state.params)
-            start = len(jax.tree.leaves(args)) - m
+            start = len(flat(args)) - m
             tail = len(olds) + first  # the compute outputs follow the state's
             into = [
                 g if on and grads_in_params else start + o
@@ -338,8 +428,17 @@ class HostMemory(DeviceMemory):
             fn = lambda *a: update(*a[:-1])
             specs = (specs, zero.param_specs(state.params))
             flags = (*flags, mark(state.params, self.params_on_host))
+        elif any(stored):  # the params, which the stored master is joined with, ride along
+            args = (*args, state.params)
+            fn = lambda *a: update(*a[:-1])
+            specs = (specs, zero.param_specs(state.params))
+            flags = (*flags, mark(state.params, False))
         else:
             fn = update
+        # each stored master leaf's compute copy: the params' leaf, the last arguments
+        n = len(flat(args))
+        first_master = len(flat(args[0]))
+        pairs = {first_master + i: n - m + i for i, s in enumerate(stored) if s}
         return stream.run(
             fn,
             args,
@@ -348,6 +447,7 @@ class HostMemory(DeviceMemory):
             host=jax.tree.leaves(flags),
             alias=alias,
             device_outputs=device_outputs,
+            stored=pairs,
         )
 
     def new_params(self, compute, params, keep):

@@ -15,6 +15,12 @@ one above it, whatever rounding made it, so it is exact for every finite fp32 (s
 and the largest finite value, which rounds to inf in bf16 included) and for +-inf. A NaN master
 comes back a NaN, its payload possibly changed; the step skips non-finite updates, so the
 master holds none.
+
+The offloaded step keeps the master this way with ``offload=("optimizer", "remainder")``
+(:mod:`.placement`): the carry is then packed along each leaf's last axis (``axis=-1``), so a
+leaf's rows, its shards and the streamed update's chunks (:mod:`.stream`) each own whole carry
+bytes; :func:`storable` says which leaves, :func:`rows` and :func:`put_rows` cut and write a
+chunk.
 """
 
 from __future__ import annotations
@@ -53,6 +59,22 @@ def host_bytes_per_param() -> float:
     return _LO_BYTES + _CARRY_BYTES
 
 
+def carry_shape(shape, axis: int | None = None) -> tuple[int, ...]:
+    """The shape of the packed carry of a master of ``shape``.
+
+    Args:
+      shape: the master's shape.
+      axis: None (packed along the flattened array) or -1 (along the last axis, row by row).
+
+    Returns:
+      ``(ceil(size / 8),)``, or ``shape[:-1] + (ceil(shape[-1] / 8),)``.
+    """
+    shape = tuple(shape)
+    if axis is None:
+        return (carry_bytes(math.prod(shape)),)
+    return shape[:-1] + (carry_bytes(shape[-1]),)
+
+
 def carry_bytes(size: int) -> int:
     """Bytes of the packed carry of an array of ``size`` elements.
 
@@ -74,7 +96,15 @@ def _check_compute(compute) -> None:
         )
 
 
-def split(master: jax.Array, compute: jax.Array) -> Remainder:
+def _check_axis(shape, axis) -> None:
+    if axis not in (None, -1) or (axis == -1 and not shape):
+        raise ValueError(
+            f"the carry is packed along the flattened array (axis=None) or along the last "
+            f"axis of an array with one (axis=-1), and got axis={axis!r} for shape {shape}"
+        )
+
+
+def split(master: jax.Array, compute: jax.Array, axis: int | None = None) -> Remainder:
     """The remainder of an fp32 master beside its bf16 compute copy.
 
     Args:
@@ -82,13 +112,16 @@ def split(master: jax.Array, compute: jax.Array) -> Remainder:
       compute: its bf16 compute copy, of the same shape: ``master.astype(jnp.bfloat16)``
         (taken as an argument because the device already holds it). Any rounding that gives
         the truncated high half or one above it will do.
+      axis: None to pack the carry along the flattened array, -1 to pack it along the last
+        axis, each row padded to whole bytes (what the offloaded step stores).
 
     Returns:
       A :class:`Remainder`: ``lo`` of the master's shape, ``carry`` of
-      ``carry_bytes(master.size)`` bytes.
+      ``carry_shape(master.shape, axis)``.
 
     Raises:
-      ValueError: ``master`` is not float32, ``compute`` not bfloat16, or their shapes differ.
+      ValueError: ``master`` is not float32, ``compute`` not bfloat16, their shapes differ,
+        or ``axis`` is neither None nor -1 (or -1 for a scalar).
     """
     if master.dtype != jnp.float32:
         raise ValueError(
@@ -101,21 +134,26 @@ def split(master: jax.Array, compute: jax.Array) -> Remainder:
             f"the master has shape {master.shape} and its compute copy {compute.shape}: pass "
             f"the compute copy of this master (master.astype(jnp.bfloat16))"
         )
+    _check_axis(master.shape, axis)
     bits = jax.lax.bitcast_convert_type(master, jnp.uint32)
     high = (bits >> 16).astype(jnp.uint16)
     h = jax.lax.bitcast_convert_type(compute, jnp.uint16)
     carry = (h != high).astype(jnp.uint8)
-    # packed along the flattened array: a static shape for any leaf shape or local shard
-    packed = jnp.packbits(carry.reshape(-1), bitorder="little")
+    if axis is None:
+        # packed along the flattened array: a static shape for any leaf shape or local shard
+        packed = jnp.packbits(carry.reshape(-1), bitorder="little")
+    else:  # row by row: a row's carry bytes stay with its row in any shard or chunk of rows
+        packed = jnp.packbits(carry, axis=-1, bitorder="little")
     return Remainder(lo=bits.astype(jnp.uint16), carry=packed)
 
 
-def join(compute: jax.Array, rem: Remainder) -> jax.Array:
+def join(compute: jax.Array, rem: Remainder, axis: int | None = None) -> jax.Array:
     """The fp32 master, bit for bit, from its bf16 compute copy and its remainder.
 
     Args:
       compute: the bf16 compute copy :func:`split` was given.
       rem: the :class:`Remainder` :func:`split` returned.
+      axis: the ``axis`` :func:`split` was given.
 
     Returns:
       The fp32 master, of ``compute``'s shape.
@@ -125,7 +163,8 @@ def join(compute: jax.Array, rem: Remainder) -> jax.Array:
         its shape.
     """
     _check_compute(compute)
-    want = (compute.shape, (carry_bytes(compute.size),))
+    _check_axis(compute.shape, axis)
+    want = (compute.shape, carry_shape(compute.shape, axis))
     if (rem.lo.shape, rem.carry.shape) != want or rem.lo.dtype != jnp.uint16:
         raise ValueError(
             f"a compute copy of shape {compute.shape} needs a remainder with lo uint16 "
@@ -133,8 +172,104 @@ def join(compute: jax.Array, rem: Remainder) -> jax.Array:
             f"carry {rem.carry.shape}: pass the remainder split() returned for this master"
         )
     h = jax.lax.bitcast_convert_type(compute, jnp.uint16).astype(jnp.uint32)
-    bits = jnp.unpackbits(rem.carry, count=compute.size, bitorder="little")
+    if axis is None:
+        bits = jnp.unpackbits(rem.carry, count=compute.size, bitorder="little")
+    else:
+        bits = jnp.unpackbits(rem.carry, axis=-1, count=compute.shape[-1], bitorder="little")
     carry = bits.reshape(compute.shape).astype(jnp.uint32)
     # h is the truncated high half, or one above it where the cast rounded up
     master = ((h - carry) << 16) | rem.lo.astype(jnp.uint32)
     return jax.lax.bitcast_convert_type(master, jnp.float32)
+
+
+def is_stored(x) -> bool:
+    """Whether ``x`` (a leaf of a state's master) is a :class:`Remainder`."""
+    return isinstance(x, Remainder)
+
+
+def storable(shape, local_shape) -> bool:
+    """Whether the offloaded step can keep a master leaf as a :class:`Remainder` packed row by
+    row: it has an axis, and its last axis holds a whole number of carry bytes per device,
+    so every shard and every chunk of 8 rows of it owns its carry bytes.
+
+    Args:
+      shape: the leaf's shape.
+      local_shape: its shard's shape on one device.
+
+    Returns:
+      True where ``shape`` has an axis and ``local_shape[-1]`` is a positive multiple of 8.
+    """
+    return len(shape) >= 1 and local_shape[-1] > 0 and local_shape[-1] % 8 == 0
+
+
+def store(master, compute):
+    """The offloaded step's stored master: each leaf of ``master`` where ``compute`` has a
+    bf16 leaf its :func:`split` row by row, the others left whole.
+
+    Args:
+      master: the fp32 master tree.
+      compute: a tree of its shape: per leaf its bf16 compute copy, or None to keep the leaf
+        whole.
+
+    Returns:
+      ``master`` with :class:`Remainder` leaves where ``compute`` has a copy.
+    """
+    one = lambda m, c: m if c is None else split(m, c, axis=-1)
+    return jax.tree.map(one, master, compute, is_leaf=lambda c: c is None)
+
+
+def stored_specs(specs):
+    """PartitionSpecs of a stored master whose ``specs`` were computed leaf by leaf: a
+    :class:`Remainder`'s carry is sharded as its ``lo`` (the carry's own shape may pick
+    another axis).
+
+    Args:
+      specs: the tree of PartitionSpecs of a stored master's leaves.
+
+    Returns:
+      ``specs`` with each :class:`Remainder`'s carry spec set to its ``lo`` spec.
+    """
+    fix = lambda s: Remainder(s.lo, s.lo) if is_stored(s) else s
+    return jax.tree.map(fix, specs, is_leaf=is_stored)
+
+
+def _carry_range(rem: Remainder, start, size: int, dim: int):
+    last = dim == rem.lo.ndim - 1
+    return (start // 8, size // 8) if last else (start, size)
+
+
+def rows(rem: Remainder, start, size: int, dim: int) -> Remainder:
+    """``size`` rows of ``rem`` (packed row by row) along ``dim`` from ``start``.
+
+    Args:
+      rem: a :class:`Remainder` packed along the last axis.
+      start: the first row (a multiple of 8 when ``dim`` is the last axis).
+      size: how many (a multiple of 8 when ``dim`` is the last axis).
+      dim: the axis to cut.
+
+    Returns:
+      The rows' :class:`Remainder`.
+    """
+    at, n = _carry_range(rem, start, size, dim)
+    cut = lambda x, s, k: jax.lax.dynamic_slice_in_dim(x, s, k, dim, allow_negative_indices=False)
+    return Remainder(cut(rem.lo, start, size), cut(rem.carry, at, n))
+
+
+def put_rows(rem: Remainder, piece: Remainder, start, dim: int) -> Remainder:
+    """``rem`` with ``piece`` (from :func:`rows`' cut of ``rem``'s shape) written at ``start``
+    along ``dim``.
+
+    Args:
+      rem: a :class:`Remainder` packed along the last axis.
+      piece: the rows to write.
+      start: the first row (a multiple of 8 when ``dim`` is the last axis).
+      dim: the axis of the cut.
+
+    Returns:
+      The updated :class:`Remainder`.
+    """
+    at, _ = _carry_range(rem, start, piece.lo.shape[dim], dim)
+    put = lambda x, y, s: jax.lax.dynamic_update_slice_in_dim(
+        x, y, s, dim, allow_negative_indices=False
+    )
+    return Remainder(put(rem.lo, piece.lo, start), put(rem.carry, piece.carry, at))

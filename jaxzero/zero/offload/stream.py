@@ -18,6 +18,12 @@ sum of squares of a global norm, a finite check, of host-resident gradients), ru
 way: a ``fori_loop`` over chunks, each chunk of those values fetched, the elementwise chain
 computed on it and reduced, the chunks' values combined by the reduction's monoid. Such a
 host value is never fetched whole, unless another equation of the prologue reads it whole.
+
+A master kept as a 16-bit remainder and a carry bit (:mod:`jaxzero.zero.offload.remainder`,
+decision 47) is traced as the fp32 master it stands for: where a part fetches it (whole or a
+chunk of rows) the remainder's bytes are fetched and joined on the device with the same rows
+of its bf16 compute copy, and where the new master is written back it is split there and only
+the remainder's bytes go to the host.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 import jaxzero.zero.offload.parts as stream_parts
 from jaxzero._compat import bind_params
 from jaxzero.zero import jaxpr_eval
+from jaxzero.zero.offload import remainder
 
 __all__ = ["CHUNK", "chunk_dim", "rows_per_chunk", "run"]
 
@@ -43,10 +50,11 @@ DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
 CHUNK = 1 << 22
 
 
-def rows_per_chunk(rows: int, row_elements: int, chunk: int) -> int:
-    """The most rows, dividing ``rows``, whose elements fit ``chunk`` (at least one row)."""
-    fit = max(1, chunk // max(1, row_elements))
-    return max(d for d in range(1, min(rows, fit) + 1) if rows % d == 0)
+def rows_per_chunk(rows: int, row_elements: int, chunk: int, multiple: int = 1) -> int:
+    """The most rows, dividing ``rows`` and a multiple of ``multiple`` (which divides
+    ``rows``), whose elements fit ``chunk`` (at least ``multiple`` rows)."""
+    fit = max(multiple, chunk // max(1, row_elements))
+    return max(d for d in range(multiple, min(rows, fit) + 1, multiple) if rows % d == 0)
 
 
 def _run_eqns(jaxpr, eqns, env, shape=None):
@@ -70,9 +78,12 @@ class _Run:
     whole (:meth:`whole`) or in a loop over chunks (:meth:`chunked`), the prologue with its
     full reductions over host values in loops over chunks (:meth:`prologue`)."""
 
-    def __init__(self, plan, mesh, specs, host, to_device, alias):
+    def __init__(self, plan, mesh, specs, host, to_device, alias, stored):
         self.plan, self.mesh = plan, mesh
         jaxpr = plan.jaxpr.jaxpr
+        self.stored = stored  # a remainder-stored master input -> its compute copy's input
+        # outputs written back as remainders: those replacing a stored input
+        self.stored_out = {v for v, u in alias.items() if u in stored}
         self.spec = dict(zip(jaxpr.invars, specs, strict=True))
         self.host = {v for v, h in zip(jaxpr.invars, host, strict=True) if h}
         self.to_device = to_device  # jaxpr outvars that end on the device
@@ -86,14 +97,41 @@ class _Run:
             vals, _ = jax.lax.optimization_barrier((vals, self.chain))
         return vals
 
-    def fetched(self, v, x):
-        """``x``, the value of ``v``, in device memory."""
+    def fetched(self, v, x, env=None):
+        """``x``, the value of ``v``, in device memory (a stored master joined there with its
+        compute copy, read from ``env``)."""
+        if v in self.stored:
+            w = self.stored[v]
+            return self._joined(v, x, self.fetched(w, env[w]))
         return jax.device_put(x, DEVICE) if v in self.host else x
+
+    def _joined(self, v, rem, compute):
+        """The fp32 master from the stored ``rem`` of ``v`` and its ``compute`` rows."""
+        if v in self.host:
+            rem = jax.device_put(rem, DEVICE)
+        return remainder.join(compute, rem, axis=-1)
+
+    def piece(self, v, src, start, c, k, env, loop=None):
+        """Rows ``[start, start + c)`` along ``k`` of ``src``, the value of ``v``, in device
+        memory; a stored master's joined with its compute copy's rows, read from ``loop``
+        (``{input: buffer}``, the inputs a loop writes chunk by chunk) or ``env``."""
+        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, c, k, allow_negative_indices=False)
+        if v not in self.stored:
+            return jax.device_put(cut(src), DEVICE) if v in self.host else cut(src)
+        w = self.stored[v]
+        compute = self.piece(w, (loop or {}).get(w, env[w]), start, c, k, env)
+        return self._joined(v, remainder.rows(src, start, c, k), compute)
+
+    def multiple(self, vs, k, shape) -> int:
+        """The rows a chunk along ``k`` must be a multiple of: 8 along a stored master's last
+        axis (its carry bytes), else 1."""
+        last = k == len(shape) - 1
+        return 8 if last and any(v in self.stored or v in self.stored_out for v in vs) else 1
 
     def whole(self, env, part):
         """``part`` under jit's sharding, its host inputs fetched whole."""
         vals = self.chained([env[v] for v in part.inputs])
-        vals = [self.fetched(v, x) for v, x in zip(part.inputs, vals, strict=True)]
+        vals = [self.fetched(v, x, env) for v, x in zip(part.inputs, vals, strict=True)]
         local = dict(zip(part.inputs, vals, strict=True))
         local.update(zip(self.plan.jaxpr.jaxpr.constvars, self.plan.jaxpr.consts, strict=True))
         local = _run_eqns(self.plan.jaxpr.jaxpr, part.eqns, local)
@@ -118,12 +156,14 @@ class _Run:
         spec = next(iter(specs))
         return spec if chunk_dim(spec, bigs[0].aval.shape) is not None else None
 
-    def _chunks(self, spec, shape, chunk):
+    def _chunks(self, spec, shape, chunk, vs=()):
         """``(dimension, rows, chunk shape)`` of a loop over chunks of ``shape`` under ``spec``,
-        each at most ``chunk`` elements per device."""
+        each at most ``chunk`` elements per device (whole carry bytes of the stored masters
+        among ``vs``)."""
         local = NamedSharding(self.mesh, spec).shard_shape(shape)
         k = chunk_dim(spec, shape)
-        c = rows_per_chunk(shape[k], math.prod(local) // shape[k], chunk)
+        per_row = math.prod(local) // shape[k]
+        c = rows_per_chunk(shape[k], per_row, chunk, self.multiple(vs, k, shape))
         return k, c, shape[:k] + (c,) + shape[k + 1 :]
 
     def chunked(self, env, part, spec, chunk):
@@ -134,7 +174,7 @@ class _Run:
         big = [v for v in part.inputs if stream_parts.big(v)]
         small = [v for v in part.inputs if not stream_parts.big(v)]
         shape = part.outputs[0].aval.shape
-        k, c, chunk_shape = self._chunks(spec, shape, chunk)
+        k, c, chunk_shape = self._chunks(spec, shape, chunk, (*big, *part.outputs))
         into = []
         for v in part.outputs:
             u = self.alias.get(v)
@@ -146,19 +186,24 @@ class _Run:
                 ok = u in big and u in self.host and u not in self.protected
             into.append(u if ok and u not in into else None)
         big_vals, small_vals = self.chained(([env[v] for v in big], [env[v] for v in small]))
-        small_vals = [self.fetched(v, x) for v, x in zip(small, small_vals, strict=True)]
+        small_vals = [self.fetched(v, x, env) for v, x in zip(small, small_vals, strict=True)]
 
         def body(j, carry):
             start = j * c
             envl = dict(zip(small, small_vals, strict=True))
+            loop = {u: acc for u, acc in zip(into, carry, strict=True) if u is not None}
             for v, x in zip(big, big_vals, strict=True):
-                src = carry[into.index(v)] if v in into else x
-                s = jax.lax.dynamic_slice_in_dim(src, start, c, k, allow_negative_indices=False)
-                envl[v] = jax.device_put(s, DEVICE) if v in self.host else s
+                envl[v] = self.piece(v, loop.get(v, x), start, c, k, env, loop)
             _run_eqns(jaxpr, part.eqns, envl, chunk_shape)
             new = []
             for acc, v in zip(carry, part.outputs, strict=True):
-                y = envl[v] if v in self.to_device else jax.device_put(envl[v], HOST)
+                y = envl[v]
+                if v in self.stored_out:  # only the remainder's bytes go back
+                    y = remainder.split(y, y.astype(jnp.bfloat16), axis=-1)
+                y = y if v in self.to_device else jax.device_put(y, HOST)
+                if v in self.stored_out:
+                    new.append(remainder.put_rows(acc, y, start, k))
+                    continue
                 new.append(
                     jax.lax.dynamic_update_slice_in_dim(
                         acc, y, start, k, allow_negative_indices=False
@@ -172,6 +217,8 @@ class _Run:
                 init.append(big_vals[big.index(u)] if u in big else env[u])
                 continue
             z = jnp.zeros(shape, v.aval.dtype)
+            if v in self.stored_out:
+                z = remainder.split(z, z.astype(jnp.bfloat16), axis=-1)
             init.append(z if v in self.to_device else jax.device_put(z, HOST))
         outs = list(jax.lax.fori_loop(0, shape[k] // c, body, tuple(init)))
         self.written.update(v for v in part.outputs if v not in self.to_device)
@@ -192,7 +239,7 @@ class _Run:
         whole = set(jaxpr_eval.reads(rest))
         vals = self.chained([env[v] for v in part.inputs])
         local = {
-            v: self.fetched(v, x) if v in whole or not stream_parts.big(v) else x
+            v: self.fetched(v, x, env) if v in whole or not stream_parts.big(v) else x
             for v, x in zip(part.inputs, vals, strict=True)
         }
         local.update(zip(jaxpr.constvars, self.plan.jaxpr.consts, strict=True))
@@ -201,7 +248,7 @@ class _Run:
             if i in loops and i not in done:
                 group = self._group(loops, i, local, done)
                 done.update(group)
-                sums = self.reduced(local, [(j, loops[j]) for j in group], chunk)
+                sums = self.reduced(local, [(j, loops[j]) for j in group], chunk, env)
                 local.update(
                     (jaxpr.eqns[j].outvars[0], r) for j, r in zip(group, sums, strict=True)
                 )
@@ -229,27 +276,27 @@ class _Run:
 
         return [i] + [j for j in loops if j > i and j not in done and key(j) == key(i) and ready(j)]
 
-    def reduced(self, local, items, chunk):
+    def reduced(self, local, items, chunk, env):
         """The full reductions ``items`` (``(equation, its chain)`` pairs of the jaxpr, over
         large values of one shape) in one loop over chunks under jit's sharding: each chunk of
         the large values the chains read from ``local`` sliced (and fetched, from host memory)
         once, the chains computed on the chunk, each reduction's chunk combined with the chunks
-        before by its monoid. Returns the reductions' values."""
+        before by its monoid (``env``: where a stored master's compute copy is read). Returns
+        the reductions' values."""
         jaxpr = self.plan.jaxpr.jaxpr
         eqns = sorted(set().union(*(e for _, e in items)))
         reads = jaxpr_eval.reads([jaxpr.eqns[j] for j in (*eqns, *(i for i, _ in items))])
         big = [v for v in reads if stream_parts.big(v)]
         small = {v: local[v] for v in reads if not stream_parts.big(v)}
         shape = jaxpr.eqns[items[0][0]].invars[0].aval.shape
-        k, c, chunk_shape = self._chunks(self._spec(big), shape, chunk)
+        k, c, chunk_shape = self._chunks(self._spec(big), shape, chunk, big)
         big_vals = self.chained([local[v] for v in big])
         ops = [jaxpr.eqns[i] for i, _ in items]
 
         def body(j, accs):
             envl = dict(small)
             for v, y in zip(big, big_vals, strict=True):
-                s = jax.lax.dynamic_slice_in_dim(y, j * c, c, k, allow_negative_indices=False)
-                envl[v] = jax.device_put(s, DEVICE) if v in self.host else s
+                envl[v] = self.piece(v, y, j * c, c, k, env)
             _run_eqns(jaxpr, eqns, envl, chunk_shape)
             return tuple(
                 _MONOIDS[e.primitive.name](a, e.primitive.bind(envl[e.invars[0]], **bind_params(e)))
@@ -296,29 +343,38 @@ def _identity(name: str, dtype):
     return jnp.asarray(1 if name == "reduce_prod" else 0, dtype)
 
 
-def run(fn, args, *, mesh, specs, host, device_outputs, alias, chunk: int | None = None):
+def run(
+    fn, args, *, mesh, specs, host, device_outputs, alias, chunk: int | None = None, stored=None
+):
     """``fn(*args)`` computed on the device, streamed from and into host memory.
 
     Args:
       fn: a function of pytrees of arrays (traced once, as on the device).
       args: its arguments; ``specs`` and ``host`` give, per flat leaf, its PartitionSpec and
-        whether it lives in host memory (the state, which ``fn``'s outputs replace).
+        whether it lives in host memory (the state, which ``fn``'s outputs replace). A
+        :class:`~jaxzero.zero.offload.remainder.Remainder` is one leaf: the fp32 master it
+        stands for, which ``fn`` is traced with.
       device_outputs: how many of the last flat outputs stay on the device, the others
         written to host memory; or, per flat output, whether it stays on the device.
       alias: ``{flat output index: flat input index}``, the state leaf each host output
         replaces; it is written chunk by chunk into that leaf's (donated) buffer.
       chunk: elements per device that one loop iteration fetches of each leaf (default
         :data:`CHUNK`).
+      stored: ``{flat input index: flat input index}``: each Remainder leaf's bf16 compute
+        copy (packed row by row: ``remainder.split(..., axis=-1)``); an output that replaces a
+        Remainder (``alias``) is written back as one.
 
     Returns:
       ``fn(*args)``'s outputs, each where ``device_outputs`` puts it.
     """
     chunk = CHUNK if chunk is None else chunk
-    flat = jax.tree.leaves(args)
-    avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat)
-    closed, out_tree = stream_parts.flat_jaxpr(
-        lambda *xs: fn(*jax.tree.unflatten(jax.tree.structure(args), xs)), avals
+    flat, tree = jax.tree.flatten(args, is_leaf=remainder.is_stored)
+    aval = lambda x: jax.ShapeDtypeStruct(
+        x.lo.shape if remainder.is_stored(x) else x.shape,
+        jnp.float32 if remainder.is_stored(x) else x.dtype,
     )
+    avals = tuple(aval(x) for x in flat)
+    closed, out_tree = stream_parts.flat_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), avals)
     plan = stream_parts.plan(closed)
     jaxpr = closed.jaxpr
     n_out = len(jaxpr.outvars)
@@ -331,7 +387,8 @@ def run(fn, args, *, mesh, specs, host, device_outputs, alias, chunk: int | None
         v = jaxpr.outvars[o]
         if isinstance(v, Var) and v not in pairs:
             pairs[v] = jaxpr.invars[i]
-    r = _Run(plan, mesh, specs, host, dev, pairs)
+    stored = {jaxpr.invars[i]: jaxpr.invars[j] for i, j in (stored or {}).items()}
+    r = _Run(plan, mesh, specs, host, dev, pairs, stored)
     env = dict(zip(jaxpr.invars, flat, strict=True))
     env.update(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(r.prologue(env, plan.prologue, chunk))
@@ -341,6 +398,8 @@ def run(fn, args, *, mesh, specs, host, device_outputs, alias, chunk: int | None
     outs = []
     for i, v in enumerate(jaxpr.outvars):
         x = jnp.asarray(v.val) if isinstance(v, Literal) else env[v]
+        if v in r.stored_out and not remainder.is_stored(x):  # computed whole on the device
+            x = remainder.split(x, x.astype(jnp.bfloat16), axis=-1)
         on_host = isinstance(v, Var) and (v in r.host or v in r.written)
         if stays[i] == on_host:
             x = jax.device_put(x, DEVICE if on_host else HOST)
