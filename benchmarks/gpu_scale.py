@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxzero as jz  # noqa: E402
 from jaxzero import gpu  # noqa: E402
 from jaxzero.gpu.models import model_shape  # noqa: E402
+from jaxzero.gpu.plan import plan_tx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import docs_tables  # noqa: E402
@@ -74,15 +75,21 @@ def persistent_formula(phi, n, stage, precision):
     )
 
 
+def plan_zero(kind, n, precision="bf16"):
+    """The plan's ZeRO: its Adam on ``n`` compile-only GPUs of ``kind``, stage 3 over the
+    decoder's layer stack (each case of the plan takes what acts at its stage)."""
+    mesh = gpu.compile_only_mesh(kind, n)
+    return jz.ZeRO(plan_tx(), mesh, stage=3, precision=precision, layers="layers")
+
+
 def part1(kind, n):
     shape = model_shape(layers=32, hidden=4096, heads=32, vocab=32000, seq=2048, batch=1)
     out = []
     for precision in ("fp32", "bf16"):
         rows = gpu.plan(
+            plan_zero(kind, n, precision),
             shape,
-            gpu=kind,
-            devices=n,
-            precision=precision,
+            cases=gpu.plan_cases(None, "both"),
             on_case=lambda label, i, t, pr=precision: log(
                 f"part 1: {pr} stage {label} ({i + 1}/{t})"
             ),
@@ -114,10 +121,9 @@ def part2(kind, n):
     # LLaMA-7B's width with 36 layers: Φ = 7.55e9, the paper's 7.5B within 1%.
     shape = model_shape(layers=36, hidden=4096, heads=32, vocab=32000, seq=2048, batch=1)
     rows = gpu.plan(
+        plan_zero(kind, n),
         shape,
-        gpu=kind,
-        devices=n,
-        stage3="whole",
+        cases=gpu.plan_cases(None, "whole"),
         on_case=lambda label, i, t: log(f"part 2: stage {label} ({i + 1}/{t})"),
     )
     phi = shape.num_params
@@ -209,7 +215,7 @@ def part4(kind, n):
         shape = model_shape(
             layers=32, hidden=4096, heads=32, vocab=32000, seq=2048, batch=1, attention=attention
         )
-        (r,) = gpu.plan(shape, gpu=kind, devices=n, stages=[3], stage3="per-layer")
+        (r,) = gpu.plan(plan_zero(kind, n), shape)
         log(f"part 4: {attention} attention: peak {r.gpu_bytes / GB:.2f} GB")
         out.append(
             {

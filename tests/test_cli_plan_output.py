@@ -22,6 +22,7 @@ import jaxzero as jz
 from jaxzero import cli, gpu
 from jaxzero.cli.plan import formula_note, log_summary, progress
 from jaxzero.gpu import offload_fraction
+from jaxzero.gpu.plan import plan_tx
 from jaxzero.memory import format_bytes
 
 ARGV = ["plan", "--devices", "8", "--layers", "2", "--hidden", "256", "--heads", "2"]
@@ -162,7 +163,9 @@ def test_formula_note_explains_an_estimate_that_disagrees_with_the_verdict():
     from jaxzero.gpu.models import model_shape
 
     shape = model_shape(layers=2, hidden=256, heads=2, vocab=512, seq=16)
-    (row,) = gpu.plan(shape, devices=8, stages=[3], stage3="per-layer")
+    mesh = gpu.compile_only_mesh("h100", 8)
+    zero = jz.ZeRO(plan_tx(), mesh, stage=3, precision="bf16", layers="layers")
+    (row,) = gpu.plan(zero, shape)
     assert formula_note([row]) is None  # 84.93 GB: both fit
     peak = row.report.peak_bytes
     more = dataclasses.replace(row.estimate, activations=row.estimate.activations + 2 * peak)
@@ -245,11 +248,9 @@ def test_paste_builds_the_zero_the_plan_compiled(case):
     """The pasted lines, run as Python, build the ZeRO that ``ZeRO(tx, mesh, **zero_options)``
     builds (the keyword arguments the plan compiled the row with), whatever the options."""
     from jaxzero.cli.plan import paste
-    from jaxzero.gpu.models import model_shape
     from jaxzero.gpu.plan import zero_options
 
-    shape = model_shape(layers=2, hidden=256, heads=2, vocab=512, seq=16, arch="gpt")
-    options = zero_options(shape, *case)
+    options = zero_options(*case)
     text = paste(types.SimpleNamespace(zero_options=options))
     assert all(len(line) <= 100 for line in text.splitlines()), text
     ns = {"jz": jz, "tx": optax.adam(1e-3), "mesh": jz.data_parallel_mesh(8)}

@@ -38,6 +38,7 @@ from jaxzero.gpu.models import (
     make_loss,
     model_shape,
 )
+from jaxzero.gpu.plan import plan_tx
 from jaxzero.zero import specs as zero_specs
 
 N = 8
@@ -816,8 +817,11 @@ def test_gpu_plan_without_compute_copy_compiles_and_estimates_fsdps_layout(capsy
     assert states[True]["3 per layer"] != states[False]["3 per layer"]
     phi, s, r, _ = sizes(abstract_params(SHAPE4), N, True)
     rows = {}
+    mesh = gpu.compile_only_mesh("h100", N)
     for copy in (True, False):
-        (row,) = gpu.plan(SHAPE4, devices=N, stages=[3], stage3="per-layer", compute_copy=copy)
+        precision = jz.Precision.create("bf16", compute_copy=copy)
+        zero = jz.ZeRO(plan_tx(), mesh, stage=3, precision=precision, layers="layers")
+        (row,) = gpu.plan(zero, SHAPE4)
         rows[copy] = row
     assert rows[True].state_bytes - rows[False].state_bytes == 2 * (s // N + r)
     assert rows[False].estimate.params == 0
@@ -838,7 +842,11 @@ def test_gpu_plan_vocab_parallel_keeps_the_table_sharded_at_stage_3_only(capsys)
         model_shape(layers=4, hidden=64, heads=2, vocab=128, seq=16, arch="gpt"),
         vocab_parallel=True,
     )
-    rows = gpu.plan(shape, devices=N, stages=[2, 3], stage3="per-layer")
+    mesh = gpu.compile_only_mesh("h100", N)
+    zero = jz.ZeRO(
+        plan_tx(), mesh, stage=3, precision="bf16", layers="layers", vocab_parallel="embed"
+    )
+    rows = gpu.plan(zero, shape, cases=[(2, False), (3, True)])
     table = re.compile(r"(all-gather|reduce-scatter)-start.*bf16\[128,64\]")
     assert [bool(table.search(r.report.hlo_text)) for r in rows] == [True, False]
     with pytest.raises(SystemExit):

@@ -529,7 +529,7 @@ def test_gpu_plan_runs_an_unscanned_model_unit_by_unit_and_says_which_prefetch(c
     import dataclasses
 
     from jaxzero import cli
-    from jaxzero.gpu.plan import plan, prefetch_advice
+    from jaxzero.gpu.plan import plan, plan_tx, prefetch_advice
 
     shape = model_shape(layers=4, hidden=64, heads=2, vocab=128, seq=16, arch="gpt", loop="python")
     argv = ["plan", "--devices", "8", "--layers", "4", "--hidden", "64", "--heads", "2"]
@@ -575,8 +575,11 @@ def test_gpu_plan_runs_an_unscanned_model_unit_by_unit_and_says_which_prefetch(c
         with pytest.raises(SystemExit):
             cli.main([*argv, *bad])
         assert message in capsys.readouterr().err
-    with pytest.raises(ValueError, match="prefetch='maybe' must be one of on, off, both"):
-        gpu.plan(shape, devices=8, stages=[3], stage3="per-layer", prefetch="maybe")
+    mesh = gpu.compile_only_mesh("h100", 8)
+    off = jz.ZeRO(plan_tx(), mesh, stage=3, precision="bf16", units=r"block_\d+", prefetch=False)
+    with pytest.raises(ValueError, match=r"ZeRO\(prefetch=False\) chooses"):
+        gpu.plan(off, shape, cases=[(3, False)])
     scanned = dataclasses.replace(shape, loop="prefetch")
+    layers = jz.ZeRO(plan_tx(), mesh, stage=3, precision="bf16", layers="layers")
     with pytest.raises(ValueError, match="needs a Python loop of blocks"):
-        gpu.plan(scanned, devices=8, stages=[3], prefetch="both")
+        gpu.plan(layers, scanned, both_prefetch=True)

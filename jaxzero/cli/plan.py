@@ -424,8 +424,8 @@ def offload_words(args) -> str:
 
 
 def _quantize(args):
-    """What ``plan(quantize=)`` gets: ``--quantize``'s name, or with ``--grad-bits 4`` the
-    :class:`~jaxzero.Wire` of those widths."""
+    """What the plan's ``ZeRO(quantize=)`` gets (:func:`plan_zero`): ``--quantize``'s name, or
+    with ``--grad-bits 4`` the :class:`~jaxzero.Wire` of those widths."""
     if args.grad_bits != 4:
         return args.quantize
     from jaxzero.zero.wire import Wire
@@ -439,6 +439,37 @@ def _qgz(args) -> bool:
     from jaxzero.zero.wire import wire
 
     return wire(_quantize(args)).defers_reduce
+
+
+def plan_zero(args: argparse.Namespace):
+    """The ``ZeRO`` the flags describe, for :func:`jaxzero.gpu.plan`: Adam (its state in
+    ``--state-dtype``) on a compile-only mesh of ``--devices`` GPUs of ``--gpu`` (``--replicas``,
+    ``--gpu-memory``), at stage 3 with the model's layer stack (``--loop python``: its blocks,
+    ``--prefetch``) and every option, each of which the plan applies where it acts."""
+    from jaxzero.gpu.plan import UNITS, plan_tx
+    from jaxzero.gpu.topology import compile_only_mesh
+    from jaxzero.precision import Precision
+    from jaxzero.train.optimizer import ZeRO
+
+    mesh = compile_only_mesh(
+        args.gpu, args.devices, replicas=args.replicas, memory_bytes=args.gpu_memory
+    )
+    units = args.loop == "python"
+    offload = "optimizer" if args.offload == "auto" else args.offload
+    return ZeRO(
+        plan_tx(args.state_dtype),
+        mesh,
+        stage=3,
+        precision=Precision.create(args.precision, compute_copy=args.compute_copy),
+        layers=None if units else "layers",
+        units=UNITS if units else None,
+        prefetch=args.prefetch != "off" if units else None,
+        vocab_parallel="embed" if args.vocab_parallel else None,
+        offload=offload,
+        offload_fraction=args.offload_fraction,
+        quantize=_quantize(args),
+        hpz_partition_size=args.hpz,
+    )
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
@@ -458,35 +489,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         parser.error(f"--network-gbps: {args.network_gbps} must be two positive Gbit/s figures")
     cases = plan_cases(stages, args.stage3, args.stage2, args.stage1)
     both = args.prefetch == "both" and (3, True) in cases  # the per-unit row twice
-    options = pick(
-        args,
-        "gpu",
-        "devices",
-        "replicas",
-        "stage3",
-        "stage2",
-        "stage1",
-        "precision",
-        "accum",
-        "ema",
-        "compute_copy",
-        "offload",
-        "prefetch",
-        "hpz",
-        "pcie_gbps",
-        "offload_fraction",
-        "gpu_memory",
-        "state_dtype",
-    )
-    options["quantize"] = _quantize(args)
     flags = xla_options(quantized_grads=_qgz(args)) if args.xla_flags else None
     logs = None
     try:
         with xla_logs_captured() as logs:  # XLA's C++ log lines: summed up after the table
             on_case, close = progress(len(cases) + both, logs.stream)
             try:
+                zero = plan_zero(args)
                 rows = plan(
-                    shape, stages=args.stage, on_case=on_case, compiler_options=flags, **options
+                    zero,
+                    shape,
+                    cases=cases,
+                    both_prefetch=args.prefetch == "both",
+                    fit_offload=args.offload == "auto",
+                    on_case=on_case,
+                    compiler_options=flags,
+                    **pick(args, "accum", "ema", "gpu_memory", "pcie_gbps"),
                 )
             finally:
                 close()
@@ -500,29 +518,26 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         raise
     _print_tables(rows, args)
     if args.leaves:
-        _print_leaves(rows, shape, args)
+        _print_leaves(rows, zero, shape, args)
     _print_logs(logs.lines, args.verbose)
     return 0
 
 
-def _print_leaves(rows, shape, args) -> None:
+def _print_leaves(rows, zero, shape, args) -> None:
     """The per-leaf plan (:meth:`jaxzero.ZeRO.plan`) of the picked row, or of every row when
     none fits: the same ``ZeRO`` options the row was compiled with, on the model's abstract
     params (nothing allocated)."""
     from jaxzero.ema import ShardedEMA
     from jaxzero.gpu.models import abstract_params
-    from jaxzero.gpu.plan import plan_tx
-    from jaxzero.gpu.topology import compile_only_mesh
     from jaxzero.train.optimizer import ZeRO
 
     pick = chosen(rows)
-    mesh = compile_only_mesh(args.gpu, args.devices, replicas=args.replicas)
     params = abstract_params(shape)
     ema = ShardedEMA(0.999) if args.ema else None
     for row in [pick] if pick is not None else rows:
-        zero = ZeRO(plan_tx(args.state_dtype), mesh, **row.zero_options)
+        leaves = ZeRO(zero.tx, zero.mesh, **row.zero_options)
         print(f"\nper-leaf plan of {row.label} (ZeRO.plan):")
-        print(zero.plan(params, accum_steps=args.accum, ema=ema), flush=True)
+        print(leaves.plan(params, accum_steps=args.accum, ema=ema), flush=True)
 
 
 def _print_tables(rows, args) -> None:

@@ -2,8 +2,7 @@
 needed, nothing allocated) and set the GPU compiler's bytes per device next to
 :func:`jaxzero.estimate_memory`'s, for every stage.
 
-Its argument checks (:func:`check_loop`, :func:`check_hpz`, :func:`check_plan_offload`) are
-``jaxzero plan``'s too: each refuses a combination that would not compile or would change
+Its argument checks (:func:`check_loop`, :func:`check_hpz`) are ``jaxzero plan``'s too: each refuses a combination that would not compile or would change
 nothing, naming the fix."""
 
 from __future__ import annotations
@@ -12,23 +11,26 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import optax
 
+from jaxzero import trees
 from jaxzero.ema import ShardedEMA
 from jaxzero.gpu.models import PYTHON_LOOPS, ModelShape, abstract_params, batch_shapes, make_loss
 from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_time
 from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
 from jaxzero.gpu.offload_fraction import fraction_estimate, limited, or_params, smallest_fraction
 from jaxzero.gpu.report import CompileReport, compile_report
-from jaxzero.gpu.topology import compile_only_mesh
+from jaxzero.gpu.targets import GPU_KINDS
+from jaxzero.gpu.topology import gpu_kind_of
 from jaxzero.memory import MemoryEstimate, estimate_memory, format_bytes
 from jaxzero.memory.estimate import param_bytes
 from jaxzero.precision import Precision, with_state_dtype
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.offload import check_offload, params_offloaded
-from jaxzero.zero.offload.fraction import check_fraction
-from jaxzero.zero.wire import Wire
+from jaxzero.zero.wire import Wire, wire
 
 __all__ = [
     "PlanRow",
@@ -45,8 +47,6 @@ __all__ = [
 ]
 
 UNITS = r"block_\d+"  # the unscanned decoder's blocks (jaxzero.gpu.models, loop="python")
-PREFETCH = {"on": (True,), "off": (False,), "both": (True, False)}
-PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +64,10 @@ class PlanRow:
     ``ZeRO(hpz_partition_size=...)`` (None on the other rows). ``cost``: with offload, the
     host <-> device bytes of the compiled step and the step time they predict
     (:func:`jaxzero.gpu.offload_cost.offload_cost`; None without offload). ``fraction``: the
-    row's ``ZeRO(offload_fraction=...)`` with a fraction or ``auto`` (None: not offloaded);
-    ``params_offloaded``: ``auto`` offloaded the params too, as nothing less fits.
-    ``zero_options``: the keyword arguments the row's step was compiled with,
-    ``ZeRO(tx, mesh, **zero_options)`` (:func:`zero_options`).
+    row's ``ZeRO(offload_fraction=...)``, the plan's or the one ``fit_offload`` picked (None:
+    not offloaded); ``params_offloaded``: ``fit_offload`` offloaded the params too, as
+    nothing less fits. ``zero_options``: the keyword arguments the row's step was compiled
+    with, ``ZeRO(tx, mesh, **zero_options)`` (:func:`zero_options`).
     """
 
     stage: int
@@ -81,8 +81,8 @@ class PlanRow:
     hpz: int | None = None
     cost: OffloadCost | None = None
     fraction: float | None = 1.0
-    tries: tuple = ()  # auto: every (fraction, compiled peak bytes) it compiled
-    params_offloaded: bool = False  # auto: the params offloaded too (offload_fraction.or_params)
+    tries: tuple = ()  # fit_offload: every (fraction, compiled peak bytes) it compiled
+    params_offloaded: bool = False  # fit_offload: the params too (offload_fraction.or_params)
     zero_options: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @property
@@ -135,33 +135,15 @@ def check_hpz(hpz, shape: ModelShape, stages, stage3: str, devices: int, replica
         raise ValueError(f"hpz={hpz!r}: {why}.")
 
 
-def check_plan_offload(offload, fraction) -> tuple[bool, str | None, float]:
-    """``(auto, offload, fraction)``: ``offload="auto"`` is ``"optimizer"`` at a fraction
-    each case picks; ``fraction`` checked against ``offload`` (it needs ``"optimizer"``)."""
-    auto = offload == "auto"
-    offload = "optimizer" if auto else offload
-    on_host = params_offloaded(check_offload(offload, 3))
-    return auto, offload, check_fraction(fraction, offload, on_host)
-
-
-def _check_plan_args(precision, accum, devices, replicas, quantize=None, pcie_gbps=None):
-    """:func:`plan`'s scalar arguments, each refused with what it must be."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} must be one of {', '.join(PRECISIONS)}.")
-    for name, v in (("accum", accum), ("devices", devices), ("replicas", replicas)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive int.")
-    if devices % replicas:
-        raise ValueError(f"replicas={replicas} must divide devices={devices}.")
+def _check_plan_args(accum, pcie_gbps=None) -> None:
+    """:func:`plan`'s own scalar arguments (the ``ZeRO`` checked its own), each refused with
+    what it must be."""
+    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+        raise ValueError(f"accum={accum!r} must be a positive int.")
     if pcie_gbps is not None and (
         isinstance(pcie_gbps, bool) or not isinstance(pcie_gbps, int | float) or pcie_gbps <= 0
     ):
         raise ValueError(f"pcie_gbps={pcie_gbps!r} must be a positive number of GB/s.")
-    if not isinstance(quantize, Wire) and quantize not in (None, "weights", "grads", "both"):
-        raise ValueError(
-            f"quantize={quantize!r} must be None, 'weights', 'grads', 'both' or a "
-            f"jaxzero.Wire (e.g. Wire.create(weights=8, grads=4): DeepSpeed's ZeRO++ widths)."
-        )
 
 
 def plan_cases(
@@ -202,6 +184,7 @@ def row_estimate(
     prefetch: bool = True,
     accum: int = 1,
     state_dtype: str | None = None,
+    optimizer: str = "adam",
 ) -> MemoryEstimate:
     """The estimate column of a plan row: ``estimate_memory`` for this shape and stage, with
     activations of the whole stack, plus the whole model gathered (stage 3), one layer
@@ -209,12 +192,13 @@ def row_estimate(
     accounting (stage 3 per unit, ``per="unit"``: that layer and, in ``gathered``, the next
     unit's prefetched weights and, with ``prefetch``, the last unit's, kept from its forward
     for its backward). ``accum``: the micro-batches (with the params offloaded, their host
-    gradient sums)."""
+    gradient sums); ``optimizer``, ``state_dtype``: the state's (:func:`optimizer_of`)."""
     dims = {k: getattr(shape, k) for k in ("batch", "seq", "hidden", "layers", "heads", "vocab")}
     est = estimate_memory(
         shape.num_params,
         n,
         stage=stage,
+        optimizer=optimizer,
         precision=precision,
         ema=ema,
         ckpt_every=1,
@@ -266,18 +250,33 @@ def unit_bound(
 
 
 def zero_options(
-    shape: ModelShape, stage, per, precision, copy, offload, quantize, prefetch, hpz, f=1.0
+    stage,
+    per,
+    precision,
+    copy,
+    offload,
+    quantize,
+    prefetch,
+    hpz,
+    f=1.0,
+    *,
+    layers="layers",
+    units=UNITS,
+    vocab_parallel=None,
 ) -> dict:
     """The keyword arguments of the plan's ``ZeRO(tx, mesh, ...)`` for one case; ``per``: False
     (whole), ``"layer"`` (the scanned stack, ``layers=``, with ``hpz``) or ``"unit"`` (the
-    Python loop's blocks, ``units=``, with ``prefetch``); ``f``: the offload fraction (None:
-    not offloaded)."""
+    Python loop's blocks, ``units=``, with ``prefetch``); ``precision``: a name or a
+    ``Precision``, with ``compute_copy=copy``; ``f``: the offload fraction (None: not
+    offloaded); ``vocab_parallel``: the stage-3 cases' embedding names (None: none)."""
+    if isinstance(precision, str):
+        precision = Precision.create(precision, compute_copy=copy)
     return dict(
         stage=stage,
-        precision=Precision.create(precision, compute_copy=copy),
-        layers="layers" if per == "layer" else None,
-        units=UNITS if per == "unit" else None,
-        vocab_parallel="embed" if shape.vocab_parallel and stage == 3 else None,
+        precision=dataclasses.replace(precision, compute_copy=copy),
+        layers=layers if per == "layer" else None,
+        units=units if per == "unit" else None,
+        vocab_parallel=vocab_parallel if stage == 3 else None,
         offload=offload if f is not None else None,
         offload_fraction=f if offload and f is not None else 1.0,
         prefetch=prefetch if per == "unit" else None,
@@ -301,35 +300,84 @@ def plan_tx(state_dtype: str | None = None) -> optax.GradientTransformation:
     return tx if state_dtype is None else with_state_dtype(tx, STATE_DTYPES[state_dtype])
 
 
-def _zero(shape: ModelShape, mesh, case: dict, f=1.0, state_dtype=None):
-    """The plan's ``ZeRO`` for one ``case`` (:func:`zero_options`'s keyword arguments but the
-    shape and the fraction ``f``), with :func:`plan_tx`'s Adam."""
-    return ZeRO(plan_tx(state_dtype), mesh, **zero_options(shape, **case, f=f))
+def optimizer_of(tx) -> tuple[str, str | None]:
+    """The estimate's ``optimizer`` and ``state_dtype`` for ``tx``, read from its state on a
+    float32 probe leaf: two moments of the leaf's shape are ``"adam"``'s bytes, one
+    ``"sgd"``'s (with momentum), none ``"adafactor"``'s; their dtype float32 (None), bfloat16
+    (``"bf16"``) or float16 (``"fp16"``, :func:`jaxzero.with_state_dtype`).
+
+    Raises:
+      ValueError: more than two moments, or moments of another dtype or of mixed dtypes.
+    """
+    probe = jax.ShapeDtypeStruct((4,), jnp.float32)
+    state = jax.eval_shape(tx.init, {"w": probe})
+    moments = [
+        x
+        for x in jax.tree.leaves(state)
+        if x.shape == probe.shape and jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    dtypes = {jnp.dtype(x.dtype).name for x in moments}
+    names = {"float32": None, "bfloat16": "bf16", "float16": "fp16"}
+    if len(moments) > 2 or len(dtypes) > 1 or not dtypes <= names.keys():
+        raise ValueError(
+            f"tx keeps {len(moments)} moments of {sorted(dtypes)} per parameter; the plan's "
+            "estimate column knows Adam's two, SGD's one or none, in float32, bfloat16 or "
+            "float16 (jaxzero.gpu.plan.plan_tx builds the plan's Adam)."
+        )
+    optimizer = {2: "adam", 1: "sgd", 0: "adafactor"}[len(moments)]
+    return optimizer, names[dtypes.pop()] if dtypes else None
+
+
+def _one(names: tuple[str, ...]):
+    """A ``ZeRO`` names field as its keyword argument is written: one name as itself."""
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def _quantize_option(quantize: Wire):
+    """``ZeRO.quantize`` (its :class:`~jaxzero.Wire`, hpZ left out) as the plan's cases take
+    it: ``"weights"``, ``"grads"`` or ``"both"`` where it is one of those, None where exact,
+    else the ``Wire``."""
+    bare = dataclasses.replace(quantize, hpz=None)
+    if bare == wire(None):
+        return None
+    return next((q for q in ("weights", "grads", "both") if wire(q) == bare), bare)
+
+
+def _zero(zero: ZeRO, case: dict, f=1.0, names: dict | None = None) -> ZeRO:
+    """The ``ZeRO`` of one plan ``case`` (:func:`zero_options`'s keyword arguments but the
+    fraction ``f`` and the ``names``): ``zero``'s optimizer, mesh, axis and loss scaling."""
+    return ZeRO(
+        zero.tx,
+        zero.mesh,
+        axis=zero.axis,
+        loss_scale=zero.loss_scale,
+        skip_nonfinite=zero.skip_nonfinite,
+        **zero_options(**case, f=f, **(names or {})),
+    )
 
 
 def _compiler(
+    zero: ZeRO,
     shape: ModelShape,
-    mesh,
+    names: dict,
     *,
-    devices,
     accum,
     ema: bool,
     gpu,
     compiler_options,
     gpu_memory,
-    state_dtype=None,
 ) -> Callable[[dict, float | None], CompileReport]:
     """``compile_case(case, fraction)``: the compile report of one plan ``case`` (as
     :func:`_zero` takes it) at ``fraction`` (None: without offload), judged against
     ``gpu_memory``; the loss, the EMA, the abstract params and the batch of ``accum``
     micro-batches are made once, for every case."""
-    batch = batch_shapes(shape, shape.batch * devices * accum)
+    batch = batch_shapes(shape, shape.batch * zero.mesh.size * accum)
     sema = ShardedEMA(0.999) if ema else None
     loss_fn, params = make_loss(shape), abstract_params(shape)
 
     def compile_case(case, fraction):
         step = make_train_step(
-            loss_fn, _zero(shape, mesh, case, fraction, state_dtype), ema=sema, accum_steps=accum
+            loss_fn, _zero(zero, case, fraction, names), ema=sema, accum_steps=accum
         )
         report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
         return limited(report, gpu_memory)
@@ -343,13 +391,13 @@ def _label(stage: int, per_layer: bool, per: str, prefetch) -> str:
     return label + ("" if prefetch is not False else ", prefetch=False")
 
 
-def _params_too(shape: ModelShape, mesh, case: dict, compile_case):
+def _params_too(zero: ZeRO, case: dict, compile_case, names: dict):
     """A function compiling ``case`` with the params offloaded too, or None where ZeRO refuses
     that offload for it (the refusal is :func:`~jaxzero.zero.offload.placement.check_params`'s,
     raised before anything is compiled)."""
     case = {**case, "offload": ("optimizer", "params")}
     try:
-        _zero(shape, mesh, case)
+        _zero(zero, case, names=names)
     except ValueError:
         return None
     return lambda: compile_case(case, 1.0)
@@ -371,25 +419,23 @@ def plan_stages(stages, offload):
     return stages
 
 
-def _unit_cases(cases, per: str, prefetch: str) -> list[tuple[int, bool, bool | None]]:
-    """``cases`` with each per-unit stage-3 case once per ``prefetch`` choice (``"on"``,
-    ``"off"`` or ``"both"``); refused where no per-unit case exists, as it would change
-    nothing."""
-    if prefetch not in PREFETCH:
-        raise ValueError(f"prefetch={prefetch!r} must be one of {', '.join(PREFETCH)}.")
+def _unit_cases(
+    cases, per: str, prefetch: bool | None, both: bool = False
+) -> list[tuple[int, bool, bool | None]]:
+    """``cases`` with each per-unit stage-3 case at the ``ZeRO``'s ``prefetch``, or with
+    ``both`` once with ``prefetch=True`` and once with False; a ``prefetch=False`` or ``both``
+    without a per-unit case is refused, as it would change nothing."""
     units = [(s, pl) for s, pl in cases if s == 3 and pl and per == "unit"]
-    if prefetch != "on" and not units:
+    if (both or prefetch is False) and not units:
+        which = "both_prefetch=True" if both else "ZeRO(prefetch=False)"
         raise ValueError(
-            f"prefetch={prefetch!r} chooses ZeRO(prefetch=...) for stage 3 per unit, which "
-            "this plan does not compile: it needs a Python loop of blocks (loop='python') and "
-            "stage3='per-layer' or 'both'. A scanned stack always prefetches the next layer. "
-            "Leave prefetch='on'."
+            f"{which} chooses ZeRO(prefetch=...) for stage 3 per unit, which this plan does "
+            "not compile: it needs a Python loop of blocks (loop='python') and the case "
+            "(3, True). A scanned stack always prefetches the next layer. Leave prefetch at "
+            "its default."
         )
-    return [
-        (s, pl, pf)
-        for s, pl in cases
-        for pf in (PREFETCH[prefetch] if (s, pl) in units else (None,))
-    ]
+    choices = (True, False) if both else (prefetch,)
+    return [(s, pl, pf) for s, pl in cases for pf in (choices if (s, pl) in units else (None,))]
 
 
 def prefetch_advice(rows: Sequence[PlanRow]) -> str | None:
@@ -414,84 +460,128 @@ def prefetch_advice(rows: Sequence[PlanRow]) -> str | None:
     return f"neither fits the GPU ({peaks}): shard over more devices or offload."
 
 
+def _cases(zero: ZeRO, cases, per: str, names: dict) -> list[tuple[int, bool]]:
+    """The ``(stage, per_layer)`` cases to compile (default: ``zero``'s own stage, per layer
+    where it names layers or units), checked: stages 0-3, a per-layer case only where
+    ``zero`` names the model's stack (``layers=``, a scanned stack) or blocks (``units=``, a
+    Python loop; stage 3 only), and ``zero``'s offload allowed at every stage."""
+    if cases is None:
+        cases = [(zero.stage, bool(zero.layers or zero.units))]
+    cases = [(s, bool(pl)) for s, pl in cases]
+    bad = [s for s, _ in cases if isinstance(s, bool) or s not in (0, 1, 2, 3)]
+    if bad or not cases:
+        raise ValueError(f"cases={cases!r} must be (stage, per_layer) pairs of stages 0-3.")
+    named = names["units"] if per == "unit" else names["layers"]
+    layered = [s for s, pl in cases if pl]
+    if layered and named is None:
+        fix = 'layers="layers" (the scanned stack)' if per == "layer" else f'units=r"{UNITS}"'
+        raise ValueError(
+            f"the per-layer cases of stages {layered} need the ZeRO to name the model's "
+            f"layers: ZeRO({fix})."
+        )
+    if per == "unit" and any(s != 3 for s in layered):
+        raise ValueError(
+            f"per-layer cases at stages {[s for s in layered if s != 3]} need a scanned layer "
+            f"stack (ZeRO(layers=...)); the shape's loop={PYTHON_LOOPS[0]!r} is a Python loop "
+            "of blocks, which stage 3 alone runs unit by unit (ZeRO(units=...))."
+        )
+    check_offload(zero.offload, tuple(sorted({s for s, _ in cases})))
+    return cases
+
+
 def plan(
+    zero: ZeRO,
     shape: ModelShape,
     *,
-    gpu: str = "h100",
-    devices: int = 8,
-    replicas: int = 1,
-    stages: Sequence[int] | None = None,
-    stage3: str = "both",
-    stage2: str = "whole",
-    stage1: str = "whole",
-    precision: str = "bf16",
+    cases: Sequence[tuple[int, bool]] | None = None,
+    both_prefetch: bool = False,
+    fit_offload: bool = False,
     accum: int = 1,
     ema: bool = False,
-    on_case: Callable[[str, int, int], None] | None = None,
-    compiler_options: dict | None = None,
-    compute_copy: bool = True,
-    offload: str | None = None,
-    prefetch: str = "on",
-    quantize: str | Wire | None = None,
-    hpz: int | None = None,
-    pcie_gbps: float | None = None,
-    offload_fraction: float = 1.0,
     gpu_memory: int | None = None,
-    state_dtype: str | None = None,
+    pcie_gbps: float | None = None,
+    compiler_options: dict | None = None,
+    on_case: Callable[[str, int, int], None] | None = None,
 ) -> list[PlanRow]:
-    """Compile the Adam train step of ``shape`` at each stage for ``devices`` GPUs of ``gpu``.
+    """Compile the train step of ``shape`` under ``zero`` for the GPUs of ``zero.mesh``, at
+    each of ``cases``, and set each compile next to :func:`jaxzero.estimate_memory`.
 
-    The model is :class:`jaxzero.gpu.models.Decoder` (scanned, rematerialised layers; params
-    from ``jax.eval_shape``), the global batch ``shape.batch x devices x accum`` sequences, the
-    optimizer ``optax.adam`` with ZeRO's ``precision`` policy, plus an fp32 ``ShardedEMA`` with
-    ``ema=True``. ``on_case(label, i, total)`` is called before each compile (progress).
-    ``compiler_options``: XLA options for every compile (e.g. ``jaxzero.gpu.xla_options()``,
-    the recommended GPU flags). ``compute_copy=False``: stage 3 in FSDP's layout
-    (``Precision(compute_copy=False)``: no 16-bit params copy beside the fp32 master). A
-    ``shape`` with ``vocab_parallel=True`` runs its stage-3 cases with
-    ``ZeRO(vocab_parallel="embed")`` (the estimate column still gathers the table).
-    ``offload="optimizer"``: ``ZeRO(offload=...)``, the master, Adam and the EMA in host
-    memory (stages 1-3; the default stages are then 1, 2 and 3). A ``shape`` with a Python
-    loop (``loop="python"``: blocks ``block_0`` ... unscanned, as most Flax code is written)
-    runs stage 3 "per layer" one block at a time, ``ZeRO(units=r"block_\\d+")``, and its rows
-    read "3 per unit"; stages 1-2 then reduce the whole gradient. ``prefetch``: that row with
-    ``ZeRO(prefetch=True)`` (``"on"``), ``prefetch=False`` (``"off"``) or both rows
-    (``"both"``; :func:`prefetch_advice` then says which to pick). ``quantize`` (``"weights"``,
-    ``"grads"``, ``"both"``: int8; or a ``Wire``, e.g. ``Wire.create(weights=8, grads=4)``):
-    ZeRO++'s collectives where each acts (:func:`stage_quantize`); ``hpz``: its hpZ. With
-    ``offload``, each row's ``cost``: the host <-> device bytes and the step time at
-    ``pcie_gbps`` GB/s (default: the GPU kind's) for ``batch x seq x accum`` tokens per GPU.
-    ``offload_fraction``: ``ZeRO(offload_fraction=...)``; ``offload="auto"``: the smallest
-    that fits ``gpu_memory`` bytes per device (compiled for, instead of the kind's; decision 43),
-    and the params offloaded too where all of it does not fit (stage 3 per layer or unit).
-    ``state_dtype``: Adam's state stored in ``"bf16"`` or ``"fp16"`` (:func:`plan_tx`, the
-    estimate's ``state_dtype``); None: fp32.
+    ``zero`` is the configuration planned: its optimizer, its mesh (a compile-only mesh of a
+    GPU kind, :func:`jaxzero.gpu.compile_only_mesh`: the kind, the devices and the replica
+    axis), its precision, offload and ``offload_fraction``, ``quantize`` (ZeRO++'s
+    collectives, each where it acts: :func:`stage_quantize`), hpZ, ``vocab_parallel``,
+    ``prefetch``, and the names of the model's layer stack (``layers="layers"``) or blocks
+    (``units=r"block_\\d+"``, a ``shape`` with ``loop="python"``: its rows read "3 per
+    unit"). ``cases``: the ``(stage, per_layer)`` pairs to compile (:func:`plan_cases`;
+    default ``zero``'s own), each with ``zero``'s settings where they act: the layers or
+    units on per-layer cases, ``Precision(compute_copy=False)``, ``vocab_parallel`` and
+    weight quantization at stage 3, hpZ on stage 3 per layer.
+
+    The model is :class:`jaxzero.gpu.models.Decoder` (params from ``jax.eval_shape``), the
+    global batch ``shape.batch x devices x accum`` sequences, plus an fp32 ``ShardedEMA``
+    with ``ema=True``. ``both_prefetch``: the per-unit row with ``ZeRO(prefetch=True)`` and
+    with False (:func:`prefetch_advice` then says which to pick). ``fit_offload`` (``zero``
+    with ``offload="optimizer"``): each row at the smallest ``offload_fraction`` that fits
+    ``gpu_memory`` (decision 43), the params offloaded too where all of the optimizer does
+    not fit (stage 3 per layer or unit). ``gpu_memory``: the bytes per device the verdicts
+    judge by (the mesh compiled for that memory, ``compile_only_mesh(memory_bytes=)``;
+    default the kind's). With offload, each row's ``cost``: the host <-> device bytes and
+    the step time at ``pcie_gbps`` GB/s (default: the GPU kind's) for ``batch x seq x accum``
+    tokens per GPU. ``compiler_options``: XLA options for every compile (e.g.
+    ``jaxzero.gpu.xla_options()``, the recommended GPU flags). ``on_case(label, i, total)``
+    is called before each compile (progress).
 
     Returns:
-      One :class:`PlanRow` per case of :func:`plan_cases`.
+      One :class:`PlanRow` per case (two for a per-unit case with ``both_prefetch``).
 
     Raises:
-      ValueError: a bad argument. PluginMissingError: jax's CUDA plugin is not installed.
+      ValueError: a bad argument, or a case ``zero``'s settings do not reach.
     """
-    _check_plan_args(precision, accum, devices, replicas, quantize, pcie_gbps)
-    plan_tx(state_dtype)  # refuses an unknown storage dtype before anything compiles
-    check_loop(shape, stage2, stage1)
-    check_hpz(hpz, shape, stages, stage3, devices, replicas)
+    _check_plan_args(accum, pcie_gbps)
+    gpu = gpu_kind_of(zero.mesh)
+    if gpu is None:
+        raise ValueError(
+            "zero's mesh must be of a GPU kind the plan knows: jaxzero.gpu.compile_only_mesh("
+            f"kind, devices), kind one of {', '.join(GPU_KINDS)}."
+        )
+    if zero.offload_activations:
+        raise ValueError(
+            "the plan compiles the state's offload only: drop 'activations' from offload=."
+        )
     per = "unit" if shape.loop in PYTHON_LOOPS else "layer"
-    auto, offload, fraction = check_plan_offload(offload, offload_fraction)
-    cases = plan_cases(plan_stages(stages, offload), stage3, stage2, stage1)
-    cases = _unit_cases(cases, per, prefetch)
-    mesh = compile_only_mesh(gpu, devices, replicas=replicas, memory_bytes=gpu_memory)
+    names = {
+        "layers": _one(zero.layers),
+        "units": _one(zero.units),
+        "vocab_parallel": _one(zero.vocab_parallel),
+    }
+    cases = _cases(zero, cases, per, names)
+    hpz = zero.hpz_partition_size
+    if hpz and (3, True) not in cases:
+        raise ValueError(
+            f"hpz_partition_size={hpz}: it acts on stage 3 per layer only (the backward's "
+            "gathers): include the case (3, True)."
+        )
+    # the params offload as jaxzero plan's --offload writes it (the paste line's spelling)
+    offload = ",".join(zero.offload) if isinstance(zero.offload, tuple) else zero.offload
+    fraction = zero.offload_fraction
+    if fit_offload and (offload != "optimizer" or fraction != 1):
+        raise ValueError(
+            f"fit_offload=True picks the fraction of offload='optimizer' (got offload="
+            f"{offload!r}, offload_fraction={fraction:g}): pass ZeRO(offload='optimizer')."
+        )
+    cases = _unit_cases(cases, per, zero.prefetch, both_prefetch)
+    optimizer, state_dtype = optimizer_of(zero.tx)
+    precision = trees.PRECISION_NAMES[jnp.dtype(zero.precision.param_dtype).name]
+    quantize = _quantize_option(zero.quantize)
     compile_case = _compiler(
+        zero,
         shape,
-        mesh,
-        devices=devices,
+        names,
         accum=accum,
         ema=ema,
         gpu=gpu,
         compiler_options=compiler_options,
         gpu_memory=gpu_memory,
-        state_dtype=state_dtype,
     )
     batch_bytes = 2 * shape.batch * accum * shape.seq * 4
     rows = []
@@ -499,25 +589,25 @@ def plan(
         if on_case is not None:
             on_case(_label(stage, per_layer, per, pf), i, len(cases))
         # compute_copy=False: a layout of stage 3 only; hpZ: the per-layer stage-3 row only
-        copy = compute_copy or stage != 3
+        copy = zero.precision.compute_copy or stage != 3
         g = hpz if stage == 3 and per_layer else None
         case = dict(
             stage=stage,
             per=per_layer and per,
-            precision=precision,
+            precision=zero.precision,
             copy=copy,
             offload=offload,
             quantize=quantize,
             prefetch=pf,
             hpz=g,
         )
-        # the case compiled at the fraction asked (None: without offload), or with auto at the
-        # smallest that fits, the params too where nothing less fits and the case is stage 3
-        # a layer or a unit at a time
+        # the case compiled at the ZeRO's fraction, or with fit_offload at the smallest that
+        # fits (None: without offload), the params too where nothing less fits and the case
+        # is stage 3 a layer or a unit at a time
         compile_at = functools.partial(compile_case, case)
-        if auto:
+        if fit_offload:
             more = (
-                _params_too(shape, mesh, case, compile_case) if stage == 3 and per_layer else None
+                _params_too(zero, case, compile_case, names) if stage == 3 and per_layer else None
             )
             f, report, tries, params = or_params(smallest_fraction(compile_at), more)
             tries = tuple(tries)
@@ -526,7 +616,7 @@ def plan(
         off = ("optimizer", "params") if params else offload if f is not None else None
         est = row_estimate(
             shape,
-            devices // replicas,
+            zero.num_shards,
             stage,
             per_layer,
             precision,
@@ -537,6 +627,7 @@ def plan(
             prefetch=pf is not False,
             accum=accum,
             state_dtype=state_dtype,
+            optimizer=optimizer,
         )
         rows.append(
             PlanRow(
@@ -553,7 +644,7 @@ def plan(
                 fraction=f,
                 tries=tries,
                 params_offloaded=params,
-                zero_options=zero_options(shape, **{**case, "offload": off}, f=f),
+                zero_options=zero_options(**{**case, "offload": off}, f=f, **names),
             )
         )
     return rows
