@@ -1,0 +1,529 @@
+"""The optimizer's update with its state on disk (the NVMe tier's second stage, decision 50):
+the fp32 master and the optax state live in one file of the :class:`~.nvme.Swapper`, and the
+update pages them through its bounded window of host buffers a group of leaves at a time.
+
+The update is the host offload's (decision 32): the same function of ``(opt_state, master,
+grads, loss scale)`` traced once to a flat jaxpr and cut by :mod:`~.parts` into a prologue
+(the small values several leaves read: a global norm, a step count, the finite check) and
+independent parts, one per group of connected large leaves. Each state leaf then has a home:
+
+- *on disk*, a large leaf (more than :data:`~.parts.SMALL` elements) of the optimizer state or
+  of a separate master: its shards, one per distinct shard index among this process's devices
+  (a replicated leaf once), in the group of the part that reads and replaces it;
+- *resident*, a small leaf (Adam's count, a bias's moments): kept on the device with its
+  sharding, read and replaced by the prologue; its bytes are negligible;
+- *on the device*, the master when the params are the master (fp32 without a copy).
+
+A step runs the prologue under jit, then iterates the groups with :meth:`Swapper.pipelined`
+(group ``g+1`` read and ``g-1`` written while ``g`` updates): each group's shards go from its
+buffer to their devices, the group's parts run under jit with the prologue's values, and the
+new state's shards come back into the same buffer, which is written back. The new compute
+shards stay on the device. Host memory holds the swapper's window; the device holds the
+params, the gradients, one group's state and the new compute shards.
+
+Each part's equations run as the host offload runs them (the same primitives, on the same
+shardings), so the numbers are the host offload's: tests/test_nvme_step.py compares them bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.extend.core import Literal, Var
+from jax.sharding import NamedSharding
+
+import jaxzero.zero.offload.parts as stream_parts
+from jaxzero.zero import jaxpr_eval
+from jaxzero.zero.offload.nvme import Swapper
+
+__all__ = ["NVMe", "DiskUpdate", "update_fn"]
+
+#: a shard's bytes start at a multiple of this within its group (whole cache lines)
+PIECE_ALIGN = 64
+
+DISK, RESIDENT, DEVICE = "disk", "resident", "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class NVMe:
+    """Where and how the optimizer state is paged (DeepSpeed's ``offload_optimizer: {device:
+    nvme, nvme_path, buffer_count}``).
+
+    Args:
+      path: an existing, writable directory (an NVMe mount); the state's file is made there.
+      buffer_count: host buffers of the swapper's window (4: a group updating, one read ahead,
+        one or two written behind).
+      buffer_mb: MiB of each buffer, the most one group holds; by default the largest leaf's
+        state (a leaf's shards are never split between groups).
+      block_bytes: bytes of one read or write call (:class:`~.nvme.Swapper`).
+      queue_depth: I/O threads.
+      direct: ``O_DIRECT``: required (True), never (False), where the filesystem allows
+        (None).
+    """
+
+    path: str | os.PathLike
+    buffer_count: int = 4
+    buffer_mb: float | None = None
+    block_bytes: int = 4 << 20
+    queue_depth: int = 4
+    direct: bool | None = None
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
+def update_fn(tx, precision, skip_nonfinite: bool):
+    """The update the disk state runs: ``fn(opt_state, master, grads, scale) -> (new_master,
+    new_opt_state, compute, finite, norm)``, the arithmetic of the host offload's update
+    (``jaxzero.train.update``) without an EMA: the gradients in ``output_dtype`` divided by
+    the loss ``scale`` (None: none), the finite check, optax, each leaf kept where a
+    non-finite step is skipped, the new compute shards, the gradients' norm."""
+
+    def fn(opt_state, master, grads, scale):
+        grads = _cast(grads, precision.output_dtype)
+        if scale is not None:
+            factor = 1.0 / scale
+            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        apply = finite if skip_nonfinite else jnp.asarray(True)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
+        updates, new_opt = tx.update(grads, opt_state, master)
+        new_master = keep(optax.apply_updates(master, updates), master)
+        compute = new_master
+        if precision.compute_copy:
+            compute = _cast(new_master, precision.param_dtype)
+        norm = optax.tree.norm(grads)
+        return new_master, keep(new_opt, opt_state), compute, finite, norm
+
+    return fn
+
+
+def finite_and_norm(precision, grads, scale):
+    """``(finite, norm)`` of the unscaled gradients: what decides, before any state is read,
+    whether the step runs (the update computes the same values again, in its prologue)."""
+    grads = _cast(grads, precision.output_dtype)
+    if scale is not None:
+        factor = 1.0 / scale
+        grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    return finite, optax.tree.norm(grads)
+
+
+def _key(index) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+@dataclasses.dataclass
+class _Leaf:
+    """A state leaf on disk: its sharding, its distinct shards (index, devices) among this
+    process's devices, and where each shard's bytes sit in its group."""
+
+    input: int  # flat input index of the traced update
+    shape: tuple
+    dtype: np.dtype
+    sharding: NamedSharding
+    shards: list  # [(index key, index, [devices])]
+    shard_shape: tuple
+    group: int = -1
+    offsets: list = dataclasses.field(default_factory=list)
+
+    @property
+    def shard_bytes(self) -> int:
+        return math.prod(self.shard_shape) * self.dtype.itemsize
+
+    def piece_bytes(self) -> int:
+        return -(-self.shard_bytes // PIECE_ALIGN) * PIECE_ALIGN
+
+    def nbytes(self) -> int:
+        return self.piece_bytes() * len(self.shards)
+
+    def views(self, buffer):
+        """Each shard's bytes in ``buffer`` as an array of the shard's shape."""
+        return [
+            buffer[o : o + self.shard_bytes].view(self.dtype).reshape(self.shard_shape)
+            for o in self.offsets
+        ]
+
+    def to_device(self, buffer) -> jax.Array:
+        """The leaf as a global array on its devices, from its shards in ``buffer``."""
+        arrays = []
+        by_device = {}
+        for (_, _, devices), view in zip(self.shards, self.views(buffer), strict=True):
+            for d in devices:
+                by_device[d] = view
+        for d in self.sharding.addressable_devices_indices_map(self.shape):
+            arrays.append(jax.device_put(by_device[d], d))
+        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+
+    def from_device(self, x: jax.Array, buffer) -> None:
+        """The shards of ``x`` (this leaf's new value, in its sharding) copied into
+        ``buffer``."""
+        got = {_key(s.index): s.data for s in x.addressable_shards}
+        for (key, _, _), view in zip(self.shards, self.views(buffer), strict=True):
+            view[...] = np.asarray(got[key])
+
+
+def _leaf(i, aval, sharding) -> _Leaf:
+    shards: dict = {}
+    for d, index in sharding.addressable_devices_indices_map(aval.shape).items():
+        shards.setdefault(_key(index), (index, []))[1].append(d)
+    return _Leaf(
+        i,
+        tuple(aval.shape),
+        np.dtype(aval.dtype),
+        sharding,
+        [(k, index, devices) for k, (index, devices) in shards.items()],
+        tuple(sharding.shard_shape(aval.shape)),
+    )
+
+
+def _evaluator(closed, eqns, ins, outs, shardings):
+    """A jitted function of the values of ``ins`` (jaxpr variables) giving those of ``outs``,
+    the equations ``eqns`` of the flat jaxpr evaluated one by one (as the host offload's
+    stream does); an output with a sharding in ``shardings`` is constrained to it."""
+    jaxpr = closed.jaxpr
+    consts = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+
+    def fn(*vals):
+        env = dict(consts)
+        env.update(zip(ins, vals, strict=True))
+        for i in eqns:
+            jaxpr_eval.bind(jaxpr.eqns[i], env)
+        got = []
+        for v in outs:
+            x = jaxpr_eval.read(env, v)
+            if v in shardings:
+                x = jax.lax.with_sharding_constraint(x, shardings[v])
+            got.append(x)
+        return got
+
+    return jax.jit(fn)
+
+
+class DiskUpdate:
+    """The traced update, its state leaves placed (disk, resident, device) and grouped into
+    the swapper's file, and the loop that runs it a group at a time.
+
+    Args:
+      tx: the optax transformation.
+      precision: the step's :class:`~jaxzero.precision.Precision`.
+      skip_nonfinite: whether a step with a non-finite gradient leaves the state unchanged.
+      opt_state: the optax state's avals (global shapes).
+      master: the master's avals: the separate fp32 master (kept on disk), or the params when
+        they are the master (``master_on_device``).
+      opt_shardings, master_shardings: their shards' NamedShardings.
+      master_on_device: the master is the params, read from the device, never stored.
+      scaled: the update divides by a loss scale.
+      nvme: where and how the state is paged.
+
+    Raises:
+      NotImplementedError: the prologue reads a large state leaf whole (an update that mixes
+        leaves through one: every leaf's state would have to be read before any group).
+      ValueError: a leaf's state is larger than ``nvme.buffer_mb``.
+    """
+
+    def __init__(
+        self,
+        tx,
+        precision,
+        skip_nonfinite: bool,
+        *,
+        opt_state,
+        master,
+        opt_shardings,
+        master_shardings,
+        master_on_device: bool,
+        scaled: bool,
+        nvme: NVMe,
+    ):
+        self.precision = precision
+        grads = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, precision.output_dtype), master
+        )
+        scale = jax.ShapeDtypeStruct((), jnp.float32) if scaled else None
+        fn = update_fn(tx, precision, skip_nonfinite)
+        self.closed, self.out_tree = stream_parts.flat_jaxpr(fn, (opt_state, master, grads, scale))
+        self.plan = stream_parts.plan(self.closed)
+        jaxpr = self.closed.jaxpr
+        self.opt_tree = jax.tree.structure(opt_state)
+        self.master_tree = jax.tree.structure(master)
+        n_o, n_m = self.opt_tree.num_leaves, self.master_tree.num_leaves
+        self.n_o, self.n_m = n_o, n_m
+        o_avals, m_avals = jax.tree.leaves(opt_state), jax.tree.leaves(master)
+        o_sh, m_sh = jax.tree.leaves(opt_shardings), jax.tree.leaves(master_shardings)
+        self.avals = [*o_avals, *m_avals]
+        self.shardings = [*o_sh, *m_sh]  # of the state inputs: opt_state, then master
+        # each flat input's home
+        kinds = []
+        for i, v in enumerate(jaxpr.invars):
+            state = i < n_o or (i < n_o + n_m and not master_on_device)
+            kinds.append(DEVICE if not state else DISK if stream_parts.big(v) else RESIDENT)
+        self.kinds = kinds
+        self.master_on_device = master_on_device
+        # outputs: new_master (n_m), new_opt_state (n_o), compute (n_m), finite, norm
+        outs = jaxpr.outvars
+        self.state_out = {}  # state input -> the variable (or literal) of its new value
+        for j in range(n_m):
+            if not master_on_device:
+                self.state_out[n_o + j] = outs[j]
+        for j in range(n_o):
+            self.state_out[j] = outs[n_m + j]
+        self.compute_out = list(outs[n_m + n_o : n_m + n_o + n_m])
+        # the sharding each large output is constrained to: its state leaf's, or the master's
+        self.out_sharding = {}
+        for i, v in self.state_out.items():
+            if isinstance(v, Var):
+                self.out_sharding.setdefault(v, self.shardings[i])
+        for j, v in enumerate(self.compute_out):
+            if isinstance(v, Var) and stream_parts.big(v):
+                self.out_sharding.setdefault(v, m_sh[j])
+        self._check_prologue()
+        self._layout(nvme)
+        # new disk leaves no other output is (a compute shard, a resident leaf): dropped from
+        # the device once their group is written
+        others = {v for v in self.compute_out if isinstance(v, Var)}
+        others |= {v for i, v in self.state_out.items() if i not in self.leaves}
+        self._dropped = {
+            v
+            for i, v in self.state_out.items()
+            if i in self.leaves and isinstance(v, Var) and v not in others
+        }
+
+    # -- building ------------------------------------------------------------------------
+
+    def _check_prologue(self):
+        invars = self.closed.jaxpr.invars
+        disk = {invars[i] for i, k in enumerate(self.kinds) if k == DISK}
+        read = disk.intersection(self.plan.prologue.inputs)
+        if read:
+            raise NotImplementedError(
+                f"the optimizer's update reads {len(read)} large state leaves before any "
+                "leaf's own update (a value that mixes leaves, e.g. a flattened state): the "
+                "NVMe tier updates the state a group of leaves at a time and supports "
+                "updates that are per leaf after small shared values (Adam, clipping, "
+                "weight decay, schedules)"
+            )
+        made = {v for i in self.plan.prologue.eqns for v in self.closed.jaxpr.eqns[i].outvars}
+        for i, v in self.state_out.items():
+            if self.kinds[i] == DISK and isinstance(v, Var) and v in made:
+                raise NotImplementedError(
+                    f"state leaf {i} is large but its new value comes from the update's "
+                    "prologue; the NVMe tier writes a leaf back from its own group"
+                )
+
+    def _layout(self, nvme: NVMe):
+        jaxpr = self.closed.jaxpr
+        invars = jaxpr.invars
+        self.leaves = {
+            i: _leaf(i, self.avals[i], self.shardings[i])
+            for i, k in enumerate(self.kinds)
+            if k == DISK
+        }
+        var_leaf = {invars[i]: i for i in self.leaves}
+        out_leaf = {
+            v: i for i, v in self.state_out.items() if i in self.leaves and isinstance(v, Var)
+        }
+        # each part with the disk leaves it reads or replaces
+        units, homeless = [], []
+        owner = {}
+        for p, part in enumerate(self.plan.parts):
+            mine = {var_leaf[v] for v in part.inputs if v in var_leaf}
+            mine |= {out_leaf[v] for v in part.outputs if v in out_leaf}
+            for i in mine:
+                if owner.setdefault(i, p) != p:
+                    raise NotImplementedError(f"state leaf {i} is read by two parts")
+            (units if mine else homeless).append((p, sorted(mine)))
+        # leaves no part reads or replaces: stored, never updated
+        still = [i for i in self.leaves if i not in owner]
+        unit_bytes = lambda u: sum(self.leaves[i].nbytes() for i in u[1])
+        sizes = [unit_bytes(u) for u in units] + [self.leaves[i].nbytes() for i in still]
+        if not sizes:
+            sizes = [0]
+        limit = int(nvme.buffer_mb * (1 << 20)) if nvme.buffer_mb else max(sizes)
+        if max(sizes) > limit:
+            raise ValueError(
+                f"a leaf's optimizer state takes {max(sizes):,} bytes, more than a buffer's "
+                f"{limit:,} (buffer_mb={nvme.buffer_mb}): raise buffer_mb; a leaf's shards are "
+                "never split between groups"
+            )
+        self.groups: list[list[int]] = []  # parts of each group that updates
+        self.group_leaves: list[list[int]] = []
+        group_bytes: list[int] = []
+        for (p, mine), size in zip(units, sizes, strict=False):
+            if not self.groups or group_bytes[-1] + size > limit or not self.groups[-1]:
+                self.groups.append([])
+                self.group_leaves.append([])
+                group_bytes.append(0)
+            self.groups[-1].append(p)
+            self.group_leaves[-1].extend(mine)
+            group_bytes[-1] += size
+        self.updating = len(self.groups)
+        for i in still:
+            self.groups.append([])
+            self.group_leaves.append([i])
+            group_bytes.append(self.leaves[i].nbytes())
+        self.device_parts = [p for p, _ in homeless]  # parts with no state on disk
+        for g, leaves in enumerate(self.group_leaves):
+            at = 0
+            for i in leaves:
+                leaf = self.leaves[i]
+                leaf.group = g
+                leaf.offsets = [at + k * leaf.piece_bytes() for k in range(len(leaf.shards))]
+                at += leaf.nbytes()
+        self.swapper = None
+        if self.leaves:
+            self.swapper = Swapper(
+                nvme.path,
+                group_bytes,
+                buffer_count=nvme.buffer_count,
+                buffer_bytes=limit,
+                block_bytes=nvme.block_bytes,
+                queue_depth=nvme.queue_depth,
+                direct=nvme.direct,
+            )
+        # the jitted pieces
+        pro = self.plan.prologue
+        self._prologue = _evaluator(self.closed, pro.eqns, pro.inputs, pro.outputs, {})
+        self._group_fns = [self._group_fn(parts) for parts in self.groups[: self.updating]]
+        self._device_fn = self._group_fn(self.device_parts) if self.device_parts else None
+
+    def _group_fn(self, parts):
+        chosen = [self.plan.parts[p] for p in parts]
+        ins = list(dict.fromkeys(v for part in chosen for v in part.inputs))
+        outs = list(dict.fromkeys(v for part in chosen for v in part.outputs))
+        eqns = sorted({i for part in chosen for i in part.eqns})
+        return ins, outs, _evaluator(self.closed, eqns, ins, outs, self.out_sharding)
+
+    # -- the state -----------------------------------------------------------------------
+
+    @property
+    def window_bytes(self) -> int:
+        """The host memory the swapper's window holds at most."""
+        return 0 if self.swapper is None else self.swapper.buffer_count * self.swapper.buffer_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the state file."""
+        return 0 if self.swapper is None else self.swapper.file_bytes
+
+    def store(self, opt_state, master) -> dict:
+        """Write the state's large leaves to disk, a group at a time.
+
+        Args:
+          opt_state, master: the state's trees of arrays in their shards (``master`` ignored
+            when it is the params).
+
+        Returns:
+          The resident leaves, ``{flat input index: array}``.
+        """
+        flat = [*jax.tree.leaves(opt_state)]
+        flat += jax.tree.leaves(master) if not self.master_on_device else [None] * self.n_m
+        for g, leaves in enumerate(self.group_leaves):
+            buffer = self.swapper.acquire(g)
+            for i in leaves:
+                leaf = self.leaves[i]
+                x = jax.device_put(flat[i], leaf.sharding)
+                leaf.from_device(x, buffer)
+            self.swapper.write_back(g, buffer)
+        if self.swapper is not None:
+            self.swapper.flush()
+        return {
+            i: jax.device_put(flat[i], self.shardings[i])
+            for i, k in enumerate(self.kinds)
+            if k == RESIDENT
+        }
+
+    def read(self, resident: dict):
+        """``(opt_state, master)`` as trees of global numpy arrays: the disk leaves read
+        through the window a group at a time, the resident ones from the device (``master``
+        None when it is the params).
+
+        Args:
+          resident: the resident leaves (:meth:`store`'s, or a step's).
+        """
+        flat: list = [None] * (self.n_o + self.n_m)
+        for i, x in resident.items():
+            flat[i] = np.asarray(jax.device_get(x))
+        if self.swapper is not None:
+            for g, buffer in self.swapper.pipelined(write=False):
+                for i in self.group_leaves[g]:
+                    leaf = self.leaves[i]
+                    out = np.empty(leaf.shape, leaf.dtype)
+                    for (_, index, _), view in zip(leaf.shards, leaf.views(buffer), strict=True):
+                        out[index] = view
+                    flat[i] = out
+        opt = jax.tree.unflatten(self.opt_tree, flat[: self.n_o])
+        master = None
+        if not self.master_on_device:
+            master = jax.tree.unflatten(self.master_tree, flat[self.n_o :])
+        return opt, master
+
+    # -- a step --------------------------------------------------------------------------
+
+    def run(self, resident: dict, grads, master, scale):
+        """One update: the prologue, then every group through the window (its state updated on
+        disk in place).
+
+        Args:
+          resident: the resident leaves, ``{flat input index: array}``.
+          grads: the reduced gradients, in the master's shards (a tree like the master).
+          master: the params as the master (``master_on_device``), in the master's shards;
+            else None.
+          scale: the loss scale (a scalar array) or None.
+
+        Returns:
+          ``(resident, compute)``: the new resident leaves and the new compute shards (a list
+          in the master's leaf order, in the master's shards).
+        """
+        jaxpr = self.closed.jaxpr
+        invars = jaxpr.invars
+        env: dict = {}
+        n_o, n_m = self.n_o, self.n_m
+        flat_in = [None] * len(invars)
+        for i, x in resident.items():
+            flat_in[i] = x
+        if self.master_on_device:
+            flat_in[n_o : n_o + n_m] = jax.tree.leaves(master)
+        flat_in[n_o + n_m : n_o + 2 * n_m] = jax.tree.leaves(grads)
+        if scale is not None:
+            flat_in[n_o + 2 * n_m] = scale
+        for v, x in zip(invars, flat_in, strict=True):
+            if x is not None:
+                env[v] = x
+        pro = self.plan.prologue
+        env.update(zip(pro.outputs, self._prologue(*[env[v] for v in pro.inputs]), strict=True))
+        var_leaf = {invars[i]: i for i in self.leaves}
+        if self.swapper is not None:
+            order = range(self.updating)
+            for g, buffer in self.swapper.pipelined(order):
+                ins, outs, fn = self._group_fns[g]
+                local = {}
+                for v in ins:
+                    i = var_leaf.get(v)
+                    local[v] = self.leaves[i].to_device(buffer) if i is not None else env[v]
+                got = dict(zip(outs, fn(*[local[v] for v in ins]), strict=True))
+                for i in self.group_leaves[g]:
+                    v = self.state_out[i]
+                    if isinstance(v, Var) and v in got:
+                        self.leaves[i].from_device(got[v], buffer)
+                # the group's new state is on disk now: only what else reads it stays
+                env.update((v, x) for v, x in got.items() if v not in self._dropped)
+        if self._device_fn is not None:
+            ins, outs, fn = self._device_fn
+            env.update(zip(outs, fn(*[env[v] for v in ins]), strict=True))
+        value = lambda v: jnp.asarray(v.val) if isinstance(v, Literal) else env[v]
+        new_resident = {i: value(self.state_out[i]) for i in resident}
+        return new_resident, [value(v) for v in self.compute_out]
+
+    def close(self) -> None:
+        """Close the swapper's file (it stays on disk)."""
+        if self.swapper is not None:
+            self.swapper.close()
