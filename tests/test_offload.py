@@ -144,6 +144,7 @@ def test_offload_matches_single_device_optax(stage):
     want, _ = reference_run(tx, params, loss_fn, batches)
     zero = jz.ZeRO(tx, jz.data_parallel_mesh(N), stage=stage, offload="optimizer")
     state, _ = _run(zero, loss_fn, zero.init(params), batches, None)
+    # stated: tests/tolerance.py derives 3.8e-5 here, looser than this 1e-5
     chex.assert_trees_all_close(_numpy(state.params), want, rtol=1e-5, atol=1e-5)
     moved = max(jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), want, params)))
     assert moved > 1e-2  # 3 Adam steps of 1e-2 moved the weights far past the tolerance
@@ -188,6 +189,7 @@ def test_gather_and_ema_params_read_offloaded_state():
         trees = (jz.gather(state.ema), jz.ema_params(state), jz.gather(state.master))
         assert _host_kinds(trees) == {"device"}, off
         losses[off] = [float(jax.jit(loss_fn)(t, batches[0])) for t in trees[:2]]
+    # the same sums on host and device: a few ulps, under tests/tolerance.py's 16-ulp floor
     chex.assert_trees_all_close(out["optimizer"], out[None], rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose(losses["optimizer"], losses[None], rtol=1e-6)
 
