@@ -32,10 +32,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxzero.zero.offload.parts as stream_parts
+import jaxzero.zero.offload.remainder as remainder
 import jaxzero.zero.offload.stream as stream
 from jaxzero.mesh import in_host_memory
 from jaxzero.zero import specs as sh
-from jaxzero.zero.offload import remainder
 from jaxzero.zero.offload.fraction import check_fraction, host_leaves
 
 OPTIMIZER, PARAMS = "optimizer", "params"

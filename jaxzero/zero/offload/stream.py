@@ -38,9 +38,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxzero.zero.offload.parts as stream_parts
+import jaxzero.zero.offload.remainder as remainder
 from jaxzero._compat import bind_params
 from jaxzero.zero import jaxpr_eval
-from jaxzero.zero.offload import remainder
 
 __all__ = ["CHUNK", "chunk_dim", "rows_per_chunk", "run"]
 
