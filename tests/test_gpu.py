@@ -318,6 +318,33 @@ def test_gpu_plan_cli_bad_flags_exit_2_with_one_line(argv, message, capsys):
     assert len(err.splitlines()) == 1 and message in err, err
 
 
+def test_gpu_plan_reads_every_setting_off_its_zero_and_refuses_what_it_cannot_reach():
+    """``gpu.plan(zero, shape)`` takes the optimizer's state from ``zero.tx`` (Adam: two
+    moments, 8 bytes per param in fp32 and 4 stored in bf16; SGD with momentum one), and
+    refuses before compiling: a mesh of no GPU kind, a per-layer case the ZeRO names no
+    layers for, hpZ without the stage-3 per-layer case, ``fit_offload`` without
+    ``offload="optimizer"``."""
+    from jaxzero.gpu.plan import optimizer_of
+
+    assert optimizer_of(optax.adam(1e-3)) == ("adam", None)
+    assert optimizer_of(jz.with_state_dtype(optax.adam(1e-3), jnp.bfloat16)) == ("adam", "bf16")
+    assert optimizer_of(optax.sgd(0.1, momentum=0.9)) == ("sgd", None)
+    h100 = gpu.compile_only_mesh("h100", N)
+    refused = [
+        (jz.ZeRO(plan_tx(), jz.data_parallel_mesh(N), stage=3), {}, "GPU kind"),
+        (jz.ZeRO(plan_tx(), h100, stage=3), {"cases": [(3, True)]}, 'layers="layers"'),
+        (
+            jz.ZeRO(plan_tx(), h100, stage=3, layers="layers", hpz_partition_size=4),
+            {"cases": [(3, False)]},
+            "include the case \\(3, True\\)",
+        ),
+        (jz.ZeRO(plan_tx(), h100, stage=2), {"fit_offload": True}, "offload='optimizer'"),
+    ]
+    for zero, kw, message in refused:
+        with pytest.raises(ValueError, match=message):
+            gpu.plan(zero, SHAPE4, **kw)
+
+
 def test_gpu_ema_kernels_per_update_one_per_leaf_or_one_bucket():
     """On a GPU each kernel is a launch: a replicated tree.map EMA of L leaves is L fused
     kernels, jaxzero's per-leaf sharded EMA L + 1 (its update counter), and the bucketed EMA

@@ -474,16 +474,20 @@ def _cases(zero: ZeRO, cases, per: str, names: dict) -> list[tuple[int, bool]]:
     named = names["units"] if per == "unit" else names["layers"]
     layered = [s for s, pl in cases if pl]
     if layered and named is None:
-        fix = 'layers="layers" (the scanned stack)' if per == "layer" else f'units=r"{UNITS}"'
+        fix = (
+            'layers="layers"), its scanned stack'
+            if per == "layer"
+            else f'units=r"{UNITS}"), its blocks'
+        )
         raise ValueError(
             f"the per-layer cases of stages {layered} need the ZeRO to name the model's "
-            f"layers: ZeRO({fix})."
+            f"layers: ZeRO({fix}."
         )
     if per == "unit" and any(s != 3 for s in layered):
         raise ValueError(
             f"per-layer cases at stages {[s for s in layered if s != 3]} need a scanned layer "
-            f"stack (ZeRO(layers=...)); the shape's loop={PYTHON_LOOPS[0]!r} is a Python loop "
-            "of blocks, which stage 3 alone runs unit by unit (ZeRO(units=...))."
+            "stack (ZeRO(layers=...)); the shape is a Python loop of blocks, which stage 3 "
+            "alone runs unit by unit (ZeRO(units=...))."
         )
     check_offload(zero.offload, tuple(sorted({s for s, _ in cases})))
     return cases
