@@ -112,7 +112,7 @@ def test_nvme_trains_like_the_host_offload_and_optax(stage, precision, tmp_path)
     # also w1's; 0.45 MiB its master, mu and nu
     mb = 0.45 if precision is BF16 else 0.3
     first, got, state = _nvme(zero, params, loss_fn, batches, str(tmp_path), buffer_mb=mb)
-    assert len(state.disk.groups) == 2 and state.disk.disk_bytes > 0
+    assert len(state.disk.groups) == 2 and state.disk.programs == 2 and state.disk.disk_bytes > 0
     on_disk = 3 if precision is BF16 else 2  # (master,) mu, nu of each large kernel
     assert len(state.disk.leaves) == 2 * on_disk
     jax.tree.map(np.testing.assert_array_equal, first, want_first)
@@ -202,6 +202,7 @@ _RSS_SCRIPT = textwrap.dedent(
     for _ in range(3):
         state, m = step(state, batch)
     assert int(state.step) == 3
+    assert state.disk.programs == 1  # eight groups of the same shapes: one program
     print(state.disk.disk_bytes, state.disk.window_bytes, group, 2 * leaves * side * side,
           *grown)
     """

@@ -190,7 +190,7 @@ def _leaf(i, aval, sharding) -> _Leaf:
 
 
 def _evaluator(closed, eqns, ins, outs, shardings):
-    """A jitted function of the values of ``ins`` (jaxpr variables) giving those of ``outs``,
+    """A function of the values of ``ins`` (jaxpr variables) giving those of ``outs``,
     the equations ``eqns`` of the flat jaxpr evaluated one by one (as the host offload's
     stream does); an output with a sharding in ``shardings`` is constrained to it."""
     jaxpr = closed.jaxpr
@@ -209,7 +209,7 @@ def _evaluator(closed, eqns, ins, outs, shardings):
             got.append(x)
         return got
 
-    return jax.jit(fn)
+    return fn
 
 
 class DiskUpdate:
@@ -395,7 +395,8 @@ class DiskUpdate:
             )
         # the jitted pieces
         pro = self.plan.prologue
-        self._prologue = _evaluator(self.closed, pro.eqns, pro.inputs, pro.outputs, {})
+        self._prologue = jax.jit(_evaluator(self.closed, pro.eqns, pro.inputs, pro.outputs, {}))
+        self._programs: dict = {}  # a group's traced update -> its jitted program
         self._group_fns = [self._group_fn(parts) for parts in self.groups[: self.updating]]
         self._device_fn = self._group_fn(self.device_parts) if self.device_parts else None
 
@@ -404,7 +405,14 @@ class DiskUpdate:
         ins = list(dict.fromkeys(v for part in chosen for v in part.inputs))
         outs = list(dict.fromkeys(v for part in chosen for v in part.outputs))
         eqns = sorted({i for part in chosen for i in part.eqns})
-        return ins, outs, _evaluator(self.closed, eqns, ins, outs, self.out_sharding)
+        fn = _evaluator(self.closed, eqns, ins, outs, self.out_sharding)
+        # groups of the same leaves' shapes (a model's layers) share one program: the same
+        # equations, told by the traced update's text and the arrays it captures
+        traced = jax.make_jaxpr(fn)(
+            *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ins]
+        )
+        key = (str(traced), tuple(id(c) for c in traced.consts))
+        return ins, outs, self._programs.setdefault(key, jax.jit(fn))
 
     # -- the state -----------------------------------------------------------------------
 
@@ -412,6 +420,11 @@ class DiskUpdate:
     def window_bytes(self) -> int:
         """The host memory the swapper's window holds at most."""
         return 0 if self.swapper is None else self.swapper.buffer_count * self.swapper.buffer_bytes
+
+    @property
+    def programs(self) -> int:
+        """How many programs the groups' updates compile to (one per distinct group)."""
+        return len(self._programs)
 
     @property
     def disk_bytes(self) -> int:
