@@ -8,7 +8,16 @@ of the host offload's gradient path), then :class:`~jaxzero.zero.offload.nvme_up
 update, a group of leaves at a time, which gives the host offload's numbers (the first
 step's bit for bit, later ones to the last bits: see there).
 The compute params live on the device (replicated at stages 1 and 2, sharded at stage 3),
-as with the host offload; host memory holds the swapper's window.
+as with the host offload; host memory holds the swapper's window::
+
+    zero = jz.ZeRO(tx, mesh, stage=2, offload="optimizer")
+    step = make_nvme_train_step(loss_fn, zero, NVMe("/nvme/run", buffer_count=4, buffer_mb=64))
+    state = step.init(params)
+    state, metrics = step(state, batch)
+    opt_state, master = state.optimizer_state()  # read back from the file
+
+A step updates the file in place, and an error in the middle of a step leaves it part
+updated (decision 50's gaps).
 """
 
 from __future__ import annotations
