@@ -273,7 +273,7 @@ def test_nnx_module_matches_linen_twin_stage3_with_ema():
     for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
     trained = model_def.merge(results[0][0])
-    # a forward on weights that tolerance apart: its matmuls carry the difference
+    # a forward on weights 1e-6 apart (above): its matmuls carry the difference
     np.testing.assert_allclose(
         np.asarray(trained(batches[0]["x"])),
         np.asarray(linen.apply({"params": results[1][0]}, batches[0]["x"])),
