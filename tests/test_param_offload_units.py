@@ -8,7 +8,8 @@ Numbers: on 8 simulated CPU devices the run equals the run with the params on th
 single-device optax within the tolerance that bf16's rounding of the gradient sets. Memory:
 the deviceless H100 compile holds the state and the params in host memory and nothing more
 (the gradients take the params' bytes), and the device's arguments are the batch and two
-counters. What is not built is refused with the fix.
+counters. What is not built is refused with the fix; micro-batches:
+tests/test_param_offload_units_accum.py.
 """
 
 from __future__ import annotations
@@ -94,15 +95,12 @@ def test_gpu_units_params_offload_holds_state_and_params_on_the_host_and_nothing
     assert report.argument_bytes == 2 * 4 * 64 + 2 * 4  # one 64-token row of x and y each
 
 
-def test_units_params_offload_refuses_what_is_not_built(capsys, problem):
-    """``prefetch=False`` (each unit its own segment) and micro-batches are refused naming the
-    fix, before any state exists; ``jaxzero plan --loop python --prefetch off`` says so as a
-    usage error before compiling."""
-    params, loss_fn, _ = problem
+def test_units_params_offload_refuses_what_is_not_built(capsys):
+    """``prefetch=False`` (each unit its own segment) is refused naming the fix, before any
+    state exists; ``jaxzero plan --loop python --prefetch off`` says so as a usage error before
+    compiling. (Micro-batches are built: tests/test_param_offload_units_accum.py.)"""
     with pytest.raises(ValueError, match=r"prefetch=False .* not built for it. Drop"):
         _zero(PARAMS, optax.sgd(0.1), prefetch=False)
-    with pytest.raises(ValueError, match=r"accum_steps=2 .* built for layer stacks"):
-        jz.make_train_step(loss_fn, _zero(PARAMS, optax.sgd(0.1)), accum_steps=2)
     argv = ["plan", "--devices", "8", "--layers", "2", "--hidden", "64", "--heads", "2"]
     argv += ["--loop", "python", "--offload", "optimizer,params", "--prefetch", "off"]
     with pytest.raises(SystemExit) as e:

@@ -312,13 +312,6 @@ def make_train_step(
             "rng=True."
         )
     user_loss.check_signature(loss_fn, rng=bool(rng), stateful=stateful)
-    if accum_steps > 1 and zero.placement.params_on_host and zero.units:
-        raise ValueError(
-            f"accum_steps={accum_steps} with ZeRO(offload={zero.offload!r}, units=...): the "
-            "host gradient sums over micro-batches are built for layer stacks (layers= with "
-            "jaxzero.scan_layers), not for units. Use accum_steps=1 with a larger batch per "
-            "step, or offload='optimizer'."
-        )
     unused = zero.path.unused_layers(accum_steps)
     if unused:
         warnings.warn(

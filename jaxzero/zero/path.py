@@ -136,11 +136,11 @@ class GradientPath:
         return vocab.varying(z.comm, tables, full)
 
     def accumulates_on_host(self, accum_steps: int) -> bool:
-        """Whether a step with ``accum_steps`` micro-batches sums the layer stacks' gradients
-        into host accumulators (the params in host memory: decision 42)."""
+        """Whether a step with ``accum_steps`` micro-batches sums the layer stacks' or the
+        units' gradients into host accumulators (the params in host memory: decision 42)."""
         return accum_steps > 1 and self.zero.placement.params_on_host
 
-    def _layer_plan(self, local_params, specs, grad_sums, accumulate) -> layers.LayerPlan | None:
+    def _layer_plan(self, local_params, specs, sums) -> layers.LayerPlan | None:
         """The plan of a per-layer stage-3 step (gather), or of a stage 2/0 step that reduces in
         the backward (:meth:`reduces_in_backward`); None otherwise."""
         z = self.zero
@@ -157,7 +157,7 @@ class GradientPath:
             invariant=z.stage == 0,
             activations=z.activations,
             placement=z.placement,
-            sums=HostSums(z.layers, grad_sums) if accumulate else NoSums(),
+            sums=sums,
         )
 
     def loss_hooks(
@@ -165,13 +165,17 @@ class GradientPath:
     ) -> list[LossHook]:
         """The features that hook into this step's loss (:mod:`jaxzero.zero.hooks`):
         ``vocab_parallel=``, ``layers=`` and ``units=``, each where it acts. ``accumulate``
-        (:meth:`accumulates_on_host`): the stacks' gradients are added into host accumulators,
-        those of ``grad_sums`` (the earlier micro-batches' gradients; None at the first)."""
+        (:meth:`accumulates_on_host`): the stacks' or the units' gradients are added into host
+        accumulators, those of ``grad_sums`` (the earlier micro-batches' gradients; None at
+        the first)."""
         z = self.zero
+        sums = HostSums(z.layers, grad_sums) if accumulate else NoSums()
         hooks = (
             vocab.build_plan(z.comm, z.vocab_parallel, local_params, specs),
-            self._layer_plan(local_params, specs, grad_sums, accumulate),
-            units.build_plan(z.comm, z.units, local_params, specs, z.prefetch, z.vocab_parallel),
+            self._layer_plan(local_params, specs, sums),
+            units.build_plan(
+                z.comm, z.units, local_params, specs, z.prefetch, z.vocab_parallel, sums
+            ),
         )
         return [h for h in hooks if h is not None]
 

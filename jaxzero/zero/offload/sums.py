@@ -1,13 +1,14 @@
-"""Where the layer stacks' gradients are summed over micro-batches with the params in host
-memory (``ZeRO(offload=("optimizer", "params"))``, ``accum_steps > 1``: decision 42).
+"""Where the gradients of the leaves fetched from host memory are summed over micro-batches
+(``ZeRO(offload=("optimizer", "params"))``, ``accum_steps > 1``: decision 42): the layer
+stacks' (``layers=``) and the units' (``units=``).
 
-With one micro-batch, :func:`jaxzero.scan_layers`' backward writes each layer's reduced
-gradient into that layer's params in host memory (decision 37). With several, the next
-micro-batch's forward reads those params, so each stack's gradient is summed into a host
+With one micro-batch, such a leaf's reduced gradient is written into its params' host memory
+(:func:`jaxzero.scan_layers`' backward, decision 37; the unit chain). With several, the next
+micro-batch's forward reads those params, so each leaf's gradient is summed into a host
 accumulator of its shape in ``output_dtype`` instead: the first micro-batch's backward
-creates it, each later one adds into it a layer's slot at a time, and the streamed update
-reads the sum and divides it. These objects tell the stack loop which accumulator belongs
-to which stack leaf; nothing else in the step knows of them.
+creates it, each later one adds into it (:func:`add_on_host`), and the streamed update reads
+the sum and divides it. The objects here hand each leaf's accumulator so far to the code
+that adds into it; nothing else in the step knows of them.
 """
 
 from __future__ import annotations
@@ -25,8 +26,22 @@ _NOT_THE_STACK = (
 )
 
 
+def add_on_host(earlier, g, dtype):
+    """The host sum of one leaf: ``g`` (a reduced gradient on the device) in ``dtype``, plus
+    ``earlier`` (the sum so far, in host memory; None at the first micro-batch) fetched to the
+    device once ``g`` exists, written to host memory. Without that order XLA fetches every
+    leaf's sum at the start of the backward and holds the whole gradient on the device."""
+    total = g.astype(dtype)
+    if earlier is not None:
+        earlier, _ = jax.lax.optimization_barrier((earlier, g))
+        total = jax.device_put(earlier, jax.memory.Space.Device) + total
+    return jax.device_put(total, jax.memory.Space.Host)
+
+
 class NoSums:
-    """No host accumulators: the stacks' gradients leave the backward as they are."""
+    """No host accumulators: the gradients leave the backward as they are."""
+
+    summing = False  # whether the backward adds into host accumulators
 
     def wrap(self, fn):
         """The loss ``fn`` as the step differentiates it."""
@@ -36,15 +51,22 @@ class NoSums:
         """The host accumulators of a stack's ``leaves``: None (there are none)."""
         return None
 
+    def flat(self, count: int) -> list:
+        """The host accumulator of each of the loss's ``count`` params leaves, in flat
+        order: None (there are none)."""
+        return [None] * count
+
 
 class HostSums(NoSums):
-    """The host accumulators of one micro-batch's stacks: ``earlier``, the gradient tree of
-    the micro-batches before it (None at the first), whose leaves under the ``layers``
-    stacks are the sums so far."""
+    """The host accumulators of one micro-batch: ``earlier``, the gradient tree of the
+    micro-batches before it (None at the first), whose leaves fetched from host memory (under
+    the ``layers`` stacks, or the units') are the sums so far."""
 
-    def __init__(self, layers: tuple[str, ...], earlier=None):
+    summing = True
+
+    def __init__(self, layers: tuple[str, ...] | None, earlier=None):
         self.layers = layers
-        self.earlier = None if earlier is None else self._stacked(earlier)
+        self.earlier = earlier
         self._by_id: dict = {}
 
     def _stacked(self, tree):
@@ -57,7 +79,7 @@ class HostSums(NoSums):
 
         def noted(params, *rest):
             stacks = self._stacked(params)
-            sums = self.earlier or [None] * len(stacks)
+            sums = [None] * len(stacks) if self.earlier is None else self._stacked(self.earlier)
             self._by_id = {id(x): a for x, a in zip(stacks, sums, strict=True)}
             return fn(params, *rest)
 
@@ -70,3 +92,9 @@ class HostSums(NoSums):
         if missing:
             raise ValueError(_NOT_THE_STACK.format(self.layers, missing[:4]))
         return [self._by_id[id(x)] for x in leaves]
+
+    def flat(self, count: int) -> list:
+        """The accumulator so far of each of the loss's ``count`` params leaves, in flat order
+        (the gradient tree has the params' structure): None at the first micro-batch. Only
+        the leaves the plan sums on host are read (the units' leaves)."""
+        return [None] * count if self.earlier is None else jax.tree.leaves(self.earlier)

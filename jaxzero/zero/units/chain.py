@@ -39,7 +39,8 @@ from jaxzero.mesh import in_host_memory
 from jaxzero.zero.collectives import reduce_leaves, to_varying, varying_axes
 from jaxzero.zero.jaxpr_eval import bind, bind_unrematted
 from jaxzero.zero.jaxpr_eval import reads as read_vars
-from jaxzero.zero.layers.plan import gather_shard
+from jaxzero.zero.layers.plan import gather_leaf, gather_shard
+from jaxzero.zero.offload.sums import add_on_host
 from jaxzero.zero.wire.encodings import Exact
 
 
@@ -166,10 +167,13 @@ def pieces(segments, eqns, lazy, last_use, defined_at, outside=frozenset()) -> l
 class Chain:
     """The pieces from the first unit's to the last unit's, as one custom VJP (see the module
     docstring). ``shard_of(v)``: the shard (a loss argument) of gathered weight ``v``;
-    ``dim_of(v)``: the dimension it is gathered on (None: a replicated leaf, not gathered)."""
+    ``dim_of(v)``: the dimension it is gathered on (None: a replicated leaf, not gathered);
+    ``summing``: each unit's reduced gradient is added into its host accumulator over
+    micro-batches (the params offloaded, ``accum_steps > 1``: decision 42)."""
 
-    def __init__(self, comm, chain: list[Piece], dim_of, chain_outs):
+    def __init__(self, comm, chain: list[Piece], dim_of, chain_outs, summing: bool = False):
         self.comm, self.pieces, self.dim_of = comm, chain, dim_of
+        self.summing = summing
         self.units = [i for i, p in enumerate(chain) if p.unit]
         # the weights of the last unit and of what follows it are kept for their backward
         last = max((i for i in self.units if chain[i].in_unit), default=self.units[-1])
@@ -186,11 +190,17 @@ class Chain:
         # (at N = 8: AG 0.91 -> 0.45 hidden, RS 0.83 -> 0), so there they are left out
         # (decision 42).
         self._one = comm.num_batch_shards == 1
+        # the piece whose backward reduces a weight's gradient last (the backward runs the
+        # pieces in reverse): there a micro-batch's gradient is complete, and summed
+        self.last_reduced = {v: i for i in reversed(range(len(chain))) for v in chain[i].gathered}
 
-    def __call__(self, shards, ins):
-        fn = jax.custom_vjp(lambda s, i: self._forward(s, i)[0])
+    def __call__(self, shards, ins, accs):
+        """The chain's outputs from the gathered weights' ``shards`` and its other inputs
+        ``ins``; ``accs``: each weight's host gradient sum over the earlier micro-batches
+        (None at the first, and without ``summing``), not differentiated."""
+        fn = jax.custom_vjp(lambda s, i, a: self._forward(s, i, a)[0])
         fn.defvjp(self._forward, self._backward)
-        return fn(shards, ins)
+        return fn(shards, ins, accs)
 
     # -- gathers ---------------------------------------------------------------------------
     def _gather(self, i, shard_of, tok):
@@ -225,7 +235,10 @@ class Chain:
         return self.units[k] if 0 <= k < len(self.units) else None
 
     # -- forward ---------------------------------------------------------------------------
-    def _forward(self, shards, ins):
+    def _forward(self, shards, ins, accs):
+        # a later micro-batch fetches no weight before the earlier ones' sums are written:
+        # else XLA runs its forward under the previous backward, holding both
+        shards = barrier(list(shards), [a for a in accs if a is not None])
         shard_of = dict(zip(self.gathered, shards, strict=True))
         env = dict(zip(self.ins, ins, strict=True))
         weights = {self.units[0]: self._gather(self.units[0], shard_of, None)}
@@ -245,13 +258,14 @@ class Chain:
                     del env[v]
                 if i not in self.kept:
                     del weights[i]
-        res = ([saved[v] for v in self.saved], [weights[i] for i in self.kept], shards)
+        res = ([saved[v] for v in self.saved], [weights[i] for i in self.kept], shards, accs)
         return [env[v] for v in self.outs], res
 
     # -- backward --------------------------------------------------------------------------
     def _backward(self, res, cts):
-        saved_values, last_weights, shards = res
+        saved_values, last_weights, shards, accs = res
         shard_of = dict(zip(self.gathered, shards, strict=True))
+        acc_of = dict(zip(self.gathered, accs, strict=True))
         value = dict(zip(self.saved, saved_values, strict=True))
         ct = {v: c for v, c in zip(self.outs, cts, strict=True) if _float(v) and c is not None}
         grads: dict = {}
@@ -291,14 +305,18 @@ class Chain:
             for v, g in zip(xs, dxs, strict=True):
                 ct[v] = g if v not in ct else ct[v] + g
             if p.unit:
-                reduced, sent = self._reduce(p, dw, shard_of, grads, [reduced, *sent])
-        return [grads[v] for v in self.gathered], [ct.get(v) for v in self.ins]
+                before = [reduced, *sent]
+                reduced, sent = self._reduce(i, dw, shard_of, acc_of, grads, before)
+        return [grads[v] for v in self.gathered], [ct.get(v) for v in self.ins], None
 
-    def _reduce(self, p: Piece, dw, shard_of, grads, before):
-        """Reduce-scatter piece ``p``'s weight gradients ``dw`` after ``before`` (the previous
+    def _reduce(self, i: int, dw, shard_of, acc_of, grads, before):
+        """Reduce-scatter piece ``i``'s weight gradients ``dw`` after ``before`` (the previous
         unit's token and the gradients it sent to host memory, which must have left the
         device first: else XLA completes every copy at the end and holds every unit's
-        gradient); returns their token and those of them sent to host memory."""
+        gradient); returns their token and those of them sent to host memory. With
+        ``summing``, a weight's gradient, once complete, is added into its host accumulator
+        (``acc_of``) instead of written over its params."""
+        p = self.pieces[i]
         ties = [t for t in before if t is not None]
         dw = [barrier([g], ties)[0] for g in dw]
         dims = [self.dim_of(v) for v in p.gathered]
@@ -306,11 +324,32 @@ class Chain:
         for v, r in zip(p.gathered, reduce_leaves(self.comm, dw, dims), strict=True):
             r = r.astype(shard_of[v].dtype)
             total = r if v not in grads else fetched(grads[v]) + r
-            # with the params offloaded, each unit's gradient leaves the device at once
-            grads[v] = (
-                jax.device_put(total, jax.memory.Space.Host)
-                if in_host_memory(shard_of[v])
-                else total
-            )
+            if self.summing and self.last_reduced[v] == i:
+                grads[v] = add_on_host(acc_of[v], total, self.comm.output_dtype)
+            elif in_host_memory(shard_of[v]):  # each unit's gradient leaves the device at once
+                grads[v] = jax.device_put(total, jax.memory.Space.Host)
+            else:
+                grads[v] = total
             out.append(r)
         return token(out), [grads[v] for v in p.gathered if in_host_memory(grads[v]) and self._one]
+
+
+def gathered_into_sum(comm, shard, d, acc):
+    """``shard`` (in host memory) fetched and gathered along ``d`` (None: replicated) as
+    :func:`~jaxzero.zero.layers.plan.gather_leaf` gathers it, whose gradient, reduced as
+    that gather's transpose reduces it, is added into ``acc``, its host accumulator over the
+    earlier micro-batches (None at the first; decision 42): a leaf outside the units that
+    several segments read (a tied embedding), gathered once for all of them."""
+
+    def fwd(shard, acc):
+        whole, pull = jax.vjp(lambda x: gather_leaf(comm, x, d), fetched(shard))
+        return whole, (pull, acc)
+
+    def bwd(res, ct):
+        pull, acc = res
+        (g,) = pull(ct)
+        return add_on_host(acc, g, comm.output_dtype), None
+
+    fn = jax.custom_vjp(lambda shard, acc: fwd(shard, acc)[0])
+    fn.defvjp(fwd, bwd)
+    return fn(shard, acc)

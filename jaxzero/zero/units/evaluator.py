@@ -107,12 +107,19 @@ class Evaluator(Segments):
     segment as a ``jax.checkpoint`` that gathers its weights first, or the units together as
     one prefetching chain (:mod:`.chain`); see :mod:`.plan`'s docstring."""
 
-    def run(self, consts, args):
+    def run(self, consts, args, accs):
+        """The loss's outputs from ``consts`` and ``args`` (the params' leaves first);
+        ``accs``: per params leaf, its host gradient sum over the earlier micro-batches (None
+        at the first, or where nothing is summed on the host)."""
         env = dict(zip(self.jaxpr.constvars, consts, strict=True))
         env.update(zip(self.jaxpr.invars, args, strict=True))
+        self.accs = accs
         for v, i in self.eager.items():
-            shard = unit_chain.fetched(env[self.jaxpr.invars[i]])  # its gradient goes back there
-            env[v] = gather_leaf(self.plan.comm, shard, self.plan.dims[i])
+            shard, d = env[self.jaxpr.invars[i]], self.plan.dims[i]
+            if self.plan.sums.summing:  # its gradient added into its host accumulator
+                env[v] = unit_chain.gathered_into_sum(self.plan.comm, shard, d, accs[i])
+            else:  # fetched: its gradient goes back there
+                env[v] = gather_leaf(self.plan.comm, unit_chain.fetched(shard), d)
         self.plan.segments = 0
         self.tokens: list = []  # per segment run: a scalar of its first gathered weight
         segments = self.segments
@@ -141,9 +148,10 @@ class Evaluator(Segments):
         defined = dict.fromkeys(v for p in pieces for e in p.eqns for v in e.outvars)
         outs = [v for v in defined if self._live(v, hi)]
         dim_of = lambda v: self.plan.dims[self.lazy[v]]
-        chain = unit_chain.Chain(self.plan.comm, pieces, dim_of, outs)
+        chain = unit_chain.Chain(self.plan.comm, pieces, dim_of, outs, self.plan.sums.summing)
         shards = [env[self.jaxpr.invars[self.lazy[v]]] for v in chain.gathered]
-        results = chain(shards, [env[v] for v in chain.ins])
+        accs = [self.accs[self.lazy[v]] for v in chain.gathered]
+        results = chain(shards, [env[v] for v in chain.ins], accs)
         env.update(zip(outs, results, strict=True))
         self.plan.segments += len(chain.units)
 

@@ -50,6 +50,7 @@ from jaxzero.zero.collectives import Comm
 from jaxzero.zero.hooks import LossHook
 from jaxzero.zero.jaxpr_eval import inline_calls
 from jaxzero.zero.layers.plan import gather_shard
+from jaxzero.zero.offload.sums import NoSums
 from jaxzero.zero.specs import spec_dim, subtree_mask
 from jaxzero.zero.units.chain import fetched
 from jaxzero.zero.units.evaluator import MARK, Evaluator, is_jit
@@ -59,12 +60,20 @@ __all__ = ["UnitPlan", "build_plan", "run", "unit_names"]
 
 
 def build_plan(
-    comm: Comm, units: tuple[str, ...], local_params, specs, prefetch: bool = True, tables=()
+    comm: Comm,
+    units: tuple[str, ...],
+    local_params,
+    specs,
+    prefetch: bool = True,
+    tables=(),
+    sums: NoSums | None = None,
 ) -> UnitPlan | None:
     """The :class:`UnitPlan` of a stage-3 step with ``units`` (None without), from the local
     params and their global ``specs``; with ``prefetch`` the leaves outside the units are
     gathered where they are read too (:data:`OUTSIDE`), except the ``vocab_parallel`` tables
-    (``tables``: their names), which are never gathered."""
+    (``tables``: their names), which are never gathered. ``sums``: the host accumulators the
+    units' gradients are added into over micro-batches (the params offloaded:
+    :mod:`jaxzero.zero.offload.sums`); None: none."""
     if not units:
         return None
     flat_specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
@@ -74,13 +83,14 @@ def build_plan(
         names = [
             None if t else u for u, t in zip(names, vocab_mask(local_params, tables), strict=True)
         ]
-    return UnitPlan(comm, names, dims, prefetch=prefetch)
+    return UnitPlan(comm, names, dims, prefetch=prefetch, sums=sums or NoSums())
 
 
 @dataclasses.dataclass
 class UnitPlan(LossHook):
     """Per flat params leaf: its unit (None: not in a unit) and the dimension its shard was
-    split on (None: replicated); ``segments``: how many segments the last trace ran. As a
+    split on (None: replicated); ``segments``: how many segments the last trace ran;
+    ``sums``: the units' host gradient accumulators over micro-batches (decision 42). As a
     :class:`~jaxzero.zero.hooks.LossHook` it runs the loss unit by unit (:func:`run`)."""
 
     comm: Comm
@@ -88,6 +98,7 @@ class UnitPlan(LossHook):
     dims: list[int | None]
     segments: int = 0
     prefetch: bool = True
+    sums: NoSums = dataclasses.field(default_factory=NoSums)
 
     def wrap(self, fn):
         return lambda params, *rest: run(self, fn, params, *rest)
@@ -118,7 +129,8 @@ def run(plan: UnitPlan, fn, params, *rest):
     if any(is_jit(e) for e in closed.jaxpr.eqns):  # a jitted loss (or model): inline it
         inline = lambda *a: inline_calls(closed.jaxpr, closed.consts, a, is_jit)
         closed = jax.make_jaxpr(inline)(*flat)
-    outs = Evaluator(plan, closed.jaxpr, len(leaves)).run(closed.consts, flat)
+    accs = plan.sums.flat(len(leaves))  # each leaf's host gradient sum so far, or None
+    outs = Evaluator(plan, closed.jaxpr, len(leaves)).run(closed.consts, flat, accs)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
