@@ -1,8 +1,9 @@
 """``ZeRO(offload=("optimizer", "remainder"))``: the offloaded fp32 master kept on the host as
 a 16-bit remainder and a carry bit beside the bf16 compute params (decision 47). On 8 simulated
-CPU devices the steps give the fp32-master run's params, master and optimizer state bit for
-bit, the host holds 2.125 bytes per param of the master instead of 4, the compiled step moves
-that many fewer bytes each way, and a checkpoint restores and trains on.
+CPU devices the steps give the fp32-master run's params, master, optimizer state and EMA bit
+for bit (stages 1-3, and stage 3 per layer over a scanned stack), the host holds 2.125 bytes
+per param of the master instead of 4, the compiled step moves that many fewer bytes each way,
+and a checkpoint restores and trains on.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import jaxzero as jz
 from jaxzero import checkpoint as ck
 from jaxzero import gpu
+from jaxzero.gpu.models import make_problem
 from jaxzero.zero.offload import remainder, stream
 
 N = 8
@@ -68,20 +70,23 @@ def _bits(x) -> np.ndarray:
     return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
-def _master_bits(state):
-    """Each master leaf's fp32 bit pattern: a stored leaf rebuilt in numpy from the bf16
-    params' bits, ``lo`` and the carry bits unpacked along the last axis."""
-    out = {}
-    for k in SHAPES:
-        m, p = state.master[k], state.params[k]
-        if not remainder.is_stored(m):
-            out[k] = _bits(m)
-            continue
-        h = _bits(p).astype(np.uint32)
-        n = h.shape[-1]
-        carry = np.unpackbits(np.asarray(m.carry), axis=-1, count=n, bitorder="little")
-        out[k] = ((h - carry.astype(np.uint32)) << 16) | np.asarray(m.lo).astype(np.uint32)
-    return out
+def _rebuilt_bits(m, p) -> np.ndarray:
+    """A master leaf's fp32 bit pattern: a stored one rebuilt in numpy from the bf16 params'
+    bits ``p``, ``lo`` and the carry bits unpacked along the last axis."""
+    if not remainder.is_stored(m):
+        return _bits(m)
+    h = _bits(p).astype(np.uint32)
+    carry = np.unpackbits(np.asarray(m.carry), axis=-1, count=h.shape[-1], bitorder="little")
+    return ((h - carry.astype(np.uint32)) << 16) | np.asarray(m.lo).astype(np.uint32)
+
+
+def _assert_master_equal(state, fp32_master):
+    """``state``'s master, rebuilt leaf by leaf, equals ``fp32_master`` bit for bit."""
+    leaves = jax.tree.leaves(state.master, is_leaf=remainder.is_stored)
+    for m, p, want in zip(
+        leaves, jax.tree.leaves(state.params), jax.tree.leaves(fp32_master), strict=True
+    ):
+        np.testing.assert_array_equal(_rebuilt_bits(m, p), _bits(want))
 
 
 def _assert_bits_equal(a, b):
@@ -109,9 +114,7 @@ def test_steps_are_bit_identical_to_the_fp32_master(stage):
     _assert_bits_equal(rem.params, fp32.params)
     _assert_bits_equal(rem.opt_state, fp32.opt_state)
     _assert_bits_equal(rem.ema, fp32.ema)
-    got = _master_bits(rem)
-    for k in SHAPES:
-        np.testing.assert_array_equal(got[k], _bits(fp32.master[k]), err_msg=k)
+    _assert_master_equal(rem, fp32.master)
     assert int(rem.step) == int(fp32.step) == STEPS
     moved = np.abs(np.asarray(fp32.master["w1"]) - np.asarray(params["w1"])).max()
     assert moved > 1e-2  # the steps moved the weights
@@ -207,3 +210,29 @@ def test_refuses_what_it_cannot_keep():
             optax.adam(1e-2), jz.data_parallel_mesh(N), stage=1, offload=REMAINDER, precision="fp16"
         ).init(params)
     assert zero.init(params).master is None  # fp32 params are the master: nothing to keep
+
+
+def test_per_layer_stage3_stacks_are_bit_identical():
+    """Stage 3 per layer over a scanned stack (``layers=``, the layer axis first, the shards
+    on another axis), bf16 reduce: the stacks' kernels are kept as remainders and the run is
+    the fp32-master run's, bit for bit."""
+    params, loss_fn, batches = make_problem(
+        "scanned", steps=3, gather_layer=jz.gather_layer, d_model=64
+    )
+    runs = {}
+    for off in ("optimizer", REMAINDER):
+        zero = jz.ZeRO(
+            optax.adam(1e-2, eps=1e-6),
+            jz.data_parallel_mesh(N),
+            stage=3,
+            offload=off,
+            precision="bf16",
+            layers="layers",
+        )
+        runs[off] = _train(zero, loss_fn, zero.init(params, ema=EMA), batches)
+    fp32, rem = runs["optimizer"], runs[REMAINDER]
+    kernels = rem.master["layers"]["block"]["linear1"]["kernel"]
+    assert remainder.is_stored(kernels) and kernels.lo.shape == (3, 64, 64)
+    for part in ("params", "opt_state", "ema"):
+        _assert_bits_equal(getattr(rem, part), getattr(fp32, part))
+    _assert_master_equal(rem, fp32.master)
