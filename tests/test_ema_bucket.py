@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 import test_ema as base
+import tolerance
 from conftest import require
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -561,7 +562,9 @@ def test_bucketed_ema_of_layer_stacks_matches_numpy_on_the_single_device_traject
         p = optax.apply_updates(p, updates)
         want = jax.tree.map(lambda e, x: decay * e + (1 - decay) * x, want, base.np64(p))
     got = jax.tree.map(np.asarray, jz.gather(state.ema))
-    chex.assert_trees_all_close(got, want, atol=1e-5)
+    # the EMA averages the params: within their derived tolerance of plain optax
+    _, _, atol = tolerance.reference(tx, params, loss_fn, batches)
+    chex.assert_trees_all_close(got, want, atol=atol)
     # The rows are the per-leaf EMA the ZeRO's rule places: its specs, not the plain rule's.
     per_leaf = jz.unbucket_ema(state.ema).ema
     want_specs = zero.ema_leaf_specs(params)
@@ -598,5 +601,6 @@ def test_layer_stacks_restore_from_stage2_onto_per_layer_stage3_and_continue(tmp
         updates, opt = tx.update(jax.grad(loss_fn)(p, b), opt, p)
         p = optax.apply_updates(p, updates)
         want = jax.tree.map(lambda e, x: decay * e + (1 - decay) * x, want, base.np64(p))
-    chex.assert_trees_all_close(jax.tree.map(np.asarray, jz.gather(restored)), p, atol=1e-5)
-    chex.assert_trees_all_close(jax.tree.map(np.asarray, jz.gather(restored.ema)), want, atol=1e-5)
+    _, _, atol = tolerance.reference(tx, params, loss_fn, batches[:3])
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, jz.gather(restored)), p, atol=atol)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, jz.gather(restored.ema)), want, atol=atol)
