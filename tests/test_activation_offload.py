@@ -43,6 +43,7 @@ def test_activation_offload_matches_single_device_optax(offload, accum):
     assert zero.offload_activations
     assert zero.offload == (None if offload == "activations" else "optimizer")
     state = train(zero, loss_fn, params, batches, accum_steps=accum)
+    # stated, not tests/tolerance.py's: that derives 1.5e-5 here, looser than this 1e-5
     chex.assert_trees_all_close(jz.gather(state), ref_params, atol=1e-5)
     chex.assert_trees_all_close(jz.gather(state.opt_state), ref_opt, atol=1e-5)
 
