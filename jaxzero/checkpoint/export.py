@@ -32,7 +32,7 @@ def _weights(state: TrainState, which: str):
     if which == "params":
         return state.params
     if which == "master":
-        return state.master if state.master is not None else state.params
+        return state.fp32_master() if state.master is not None else state.params
     raise ValueError(f"which={which!r} must be 'ema', 'params' or 'master'.")
 
 

@@ -32,6 +32,7 @@ from jaxzero.ema.ema import ShardedEMA
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated
 from jaxzero.trees import node_types
+from jaxzero.zero.offload import remainder
 
 
 # --------------------------------------------------------------------------------- manager
@@ -248,6 +249,9 @@ def save(
     # A bucketed EMA is stored per leaf (a local slice, no communication): the on-disk format
     # does not depend on ShardedEMA(bucket_leaves_up_to=...), N or the stage.
     state = sharded_ema.to_per_leaf(state)
+    # The master as fp32 (a remainder master joined with the params): the checkpoint is the
+    # same whatever offload keeps, and restores into any setting and device count.
+    state = state.replace(master=state.fp32_master())
     with opened(manager_or_dir, read_only=False) as mngr:
         guards.check_only_steps(mngr)
         guards.check_new_step(mngr, step)
@@ -442,7 +446,13 @@ def restore(
         # Checkpoints hold the per-leaf EMA; a bucketed target is filled after the read.
         target, threshold = _target(zero, params_or_abstract_state, ema, model_state, rng)
         read = dict(check_dtypes=check_dtypes, with_extra=with_extra, ema=ema)
-        state, extra = _first_that_verifies(mngr, step, target, fallback, **read)
+        # checkpoints hold the fp32 master: read it, then split the leaves the target keeps
+        # as remainders against the restored params
+        plain = target.replace(master=_fp32_master_shapes(target.master))
+        state, extra = _first_that_verifies(mngr, step, plain, fallback, **read)
+        if target.master is not None:
+            master = remainder.stored_like(state.master, state.params, target.master)
+            state = state.replace(master=master)
         if threshold:
             state = state.replace(
                 ema=sharded_ema.store(
@@ -695,8 +705,8 @@ _PARTS = {
 
 FRESH_EMA = (
     "restore without ema=, then start the EMA from the restored weights: "
-    "`state = state.replace(ema=zero.init(jz.gather(state.master if state.master is not None "
-    "else state.params), ema=jz.ShardedEMA(...), model_state=state.model_state).ema)`"
+    "`state = state.replace(ema=zero.init(jz.gather(state.fp32_master() if state.master is "
+    "not None else state.params), ema=jz.ShardedEMA(...), model_state=state.model_state).ema)`"
 )
 
 
@@ -734,15 +744,29 @@ def _missing_parts(stored: dict, target: TrainState, *, step: int, directory) ->
 
 
 def _shape_dtype(x) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and dtype; a :class:`~jaxzero.zero.offload.remainder.Remainder` leaf: the
+    fp32 master's it stands for."""
+    if remainder.is_stored(x):
+        return jax.ShapeDtypeStruct(np.shape(x.lo), jnp.float32)
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def _fp32_master_shapes(master):
+    return None if master is None else remainder.fp32_shapes(master)
 
 
 def _target(zero: ZeRO, params_or_abstract_state, ema, model_state, rng) -> tuple[TrainState, int]:
     """``(target, threshold)``: the abstract state to restore into, with the EMA per-leaf (what
-    checkpoints hold), and the ``bucket_leaves_up_to`` to store the restored EMA with (0:
-    per-leaf; see :func:`jaxzero.ema.ema.store`)."""
+    checkpoints hold) and the master as ``zero``'s placement keeps it (a remainder master
+    beside the params, or fp32), and the ``bucket_leaves_up_to`` to store the restored EMA
+    with (0: per-leaf; see :func:`jaxzero.ema.ema.store`)."""
     if isinstance(params_or_abstract_state, TrainState):
-        template = jax.tree.map(_shape_dtype, params_or_abstract_state)
+        template = jax.tree.map(_shape_dtype, params_or_abstract_state, is_leaf=remainder.is_stored)
+        if template.master is not None:  # kept as zero keeps it, whatever the template kept
+            keep = lambda m, p: zero.placement.stored_master(zero, m, p)
+            template = template.replace(
+                master=jax.eval_shape(keep, template.master, template.params)
+            )
         # Keep the template's storage, re-planned for zero's mesh.
         threshold = sharded_ema.threshold(template)
         shapes = jax.tree.map(_shape_dtype, sharded_ema.to_per_leaf(template))

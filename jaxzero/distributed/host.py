@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxzero.ema.ema import to_per_leaf
 from jaxzero.mesh import in_host_memory
 from jaxzero.trees import check_not_donated
+from jaxzero.zero.offload.remainder import is_stored
 
 
 def mesh_of(tree):
@@ -63,6 +64,9 @@ def gather(tree):
     Accepts an :class:`EmaState` (returns the gathered EMA tree, per leaf also when its small
     leaves are stored in a bucket), a :class:`TrainState` (returns its gathered compute
     params) or any pytree of arrays on a mesh. Compiled once per tree structure and mesh.
+    The fp32 master is ``gather(state.fp32_master())``: a master kept as a remainder
+    (``offload=("optimizer", "remainder")``) is refused, since it is not the master without
+    the params.
     """
     return replicated(tree, to_device=True)
 
@@ -74,6 +78,13 @@ def replicated(tree, *, to_device: bool):
     view = getattr(tree, "gather_view", None)
     if callable(view):
         tree = view()
+    if any(is_stored(x) for x in jax.tree.leaves(tree, is_leaf=is_stored)):
+        # a remainder master is half a master: its fp32 values need the params beside it
+        raise ValueError(
+            "this tree holds a master kept as a 16-bit remainder beside the bf16 params "
+            "(offload=('optimizer', 'remainder')), which is not the fp32 master on its own: "
+            "gather state.fp32_master() instead of state.master"
+        )
     mesh = mesh_of(tree)
     if mesh is None:
         return tree

@@ -17,6 +17,7 @@ from jaxzero.trees import check_not_donated as check_not_donated
 from jaxzero.trees import leaves_by_keystr
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig
+from jaxzero.zero.offload import remainder
 from jaxzero.zero.offload.remainder import stored_specs
 
 
@@ -30,7 +31,10 @@ class TrainState(struct.PyTreeNode):
         (``master_dtype``), and ``master`` is None.
       master: fp32 master weights when ``param_dtype`` differs from ``master_dtype`` (sharded
         1/N for stages 1-3, replicated for stage 0); None otherwise, in which case the master
-        is ``params`` itself (or its local slice). The master is the truth: ``params`` is its
+        is ``params`` itself (or its local slice). With ``offload=("optimizer", "remainder")``
+        some leaves are kept as a
+        :class:`~jaxzero.zero.offload.remainder.Remainder` beside ``params``: read the fp32
+        master with :meth:`fp32_master`. The master is the truth: ``params`` is its
         cast, and a stage-3 step builds the loss's params from the master shards (so edit
         both, or re-create the state with ``zero.init``, to change the weights).
       opt_state: the wrapped optax transformation's state, sharded 1/N for stages 1-3.
@@ -54,6 +58,18 @@ class TrainState(struct.PyTreeNode):
     def gather_view(self):
         """What :func:`jaxzero.gather` of a state gathers: its compute params."""
         return self.params
+
+    def fp32_master(self):
+        """The fp32 master, bit for bit, whatever the placement keeps: ``master`` with each
+        :class:`~jaxzero.zero.offload.remainder.Remainder` leaf joined with its bf16
+        ``params`` leaf (in the master's shards and memory kind). What checkpoints save and
+        exports write; ``jaxzero.gather(state.fp32_master())`` gathers it.
+
+        Returns:
+          The master tree of fp32 arrays, or None when the state has no separate master (the
+          master is ``params``).
+        """
+        return None if self.master is None else remainder.fp32(self.master, self.params)
 
 
 def _placement(devices, shape=None) -> str:

@@ -21,15 +21,25 @@ The offloaded step keeps the master this way with ``offload=("optimizer", "remai
 leaf's rows, its shards and the streamed update's chunks (:mod:`.stream`) each own whole carry
 bytes; :func:`storable` says which leaves, :func:`rows` and :func:`put_rows` cut and write a
 chunk.
+
+Outside the step every reader sees the fp32 master: :func:`fp32` joins a state's stored master
+with its params (what :meth:`jaxzero.TrainState.fp32_master`, checkpoint saves and exports
+read), and :func:`stored_like` splits an fp32 master again into the leaves a target state
+keeps as remainders (a checkpoint restored into ``offload=("optimizer", "remainder")``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxzero.mesh import in_host_memory
 
 #: host bytes per param of the stored remainder: 2 for ``lo``, 1/8 for the packed carry bit
 _LO_BYTES = 2
@@ -273,3 +283,106 @@ def put_rows(rem: Remainder, piece: Remainder, start, dim: int) -> Remainder:
         x, y, s, dim, allow_negative_indices=False
     )
     return Remainder(put(rem.lo, piece.lo, start), put(rem.carry, piece.carry, at))
+
+
+# ------------------------------------------------------------------ the boundary to fp32 readers
+def _fetch(x):
+    """``x`` (traced) in device memory, where it is computed with (jax refuses a host operand
+    beside a device one)."""
+    return jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x
+
+
+@functools.cache
+def _joiner(sharding):
+    fn = lambda c, r: join(_fetch(c), Remainder(_fetch(r.lo), _fetch(r.carry)), axis=-1)
+    return jax.jit(fn, out_shardings=sharding)
+
+
+@functools.cache
+def _splitter(out: Remainder, flag):
+    def fn(m, c):
+        m, c = _fetch(m), _fetch(c)
+        high = (jax.lax.bitcast_convert_type(m, jnp.uint32) >> 16).astype(jnp.uint16)
+        up = jax.lax.bitcast_convert_type(c, jnp.uint16) - high  # wraps below the high half
+        return split(m, c, axis=-1), jnp.all(up <= 1)
+
+    return jax.jit(fn, out_shardings=(out, flag))
+
+
+def fp32(master, params):
+    """The fp32 master of a state's stored ``master``: every :class:`Remainder` leaf joined
+    (packed row by row) with its bf16 ``params`` leaf, placed as its ``lo`` is (in the same
+    shards and memory kind), the fp32 leaves as they are. Bit for bit the master the
+    fp32-master run holds. Each leaf is joined on its own, so the device holds one leaf's
+    fp32 copy at a time.
+
+    Args:
+      master: a state's ``master`` (arrays), stored or not.
+      params: the state's compute params, the same tree.
+
+    Returns:
+      The fp32 master tree (``master`` itself when it holds no :class:`Remainder`).
+    """
+    if not any(is_stored(x) for x in jax.tree.leaves(master, is_leaf=is_stored)):
+        return master
+
+    def one(m, c):
+        return _joiner(m.lo.sharding)(c, m) if is_stored(m) else m
+
+    return jax.tree.map(one, master, params, is_leaf=is_stored)
+
+
+def fp32_shapes(master):
+    """:func:`fp32` for a tree of ShapeDtypeStructs: each :class:`Remainder` leaf becomes the
+    fp32 ShapeDtypeStruct it stands for, with its ``lo``'s sharding.
+
+    Args:
+      master: a stored master's ShapeDtypeStructs (an abstract state's ``master``).
+
+    Returns:
+      The fp32 master's ShapeDtypeStructs.
+    """
+
+    def one(m):
+        if not is_stored(m):
+            return m
+        sharding = getattr(m.lo, "sharding", None)
+        return jax.ShapeDtypeStruct(m.lo.shape, jnp.float32, sharding=sharding)
+
+    return jax.tree.map(one, master, is_leaf=is_stored)
+
+
+def stored_like(master, params, like):
+    """The inverse of :func:`fp32`: each leaf of the fp32 ``master`` that ``like`` keeps as a
+    :class:`Remainder` split (row by row) against its ``params`` leaf, in ``like``'s
+    shardings; the others as they are.
+
+    Args:
+      master: the fp32 master tree (arrays).
+      params: its bf16 compute params, the same tree: each leaf the master's cast.
+      like: the target's stored master (arrays or ShapeDtypeStructs with shardings), whose
+        :class:`Remainder` leaves say which leaves to split and where to place them.
+
+    Returns:
+      ``master`` with :class:`Remainder` leaves where ``like`` has them.
+
+    Raises:
+      ValueError: a params leaf is not its master leaf's bf16 cast (neither the truncated high
+        half nor one above it), so no remainder beside it rebuilds the master.
+    """
+
+    def one(m, c, want):
+        if not is_stored(want):
+            return m
+        out = Remainder(want.lo.sharding, want.carry.sharding)
+        rem, ok = _splitter(out, NamedSharding(want.lo.sharding.mesh, P()))(m, c)
+        if not bool(ok):
+            raise ValueError(
+                f"a master leaf of shape {m.shape} is to be kept as a remainder beside its "
+                f"bf16 params, and the params are not its bf16 cast, so the remainder would "
+                f"rebuild another master: restore into offload='optimizer' (an fp32 master), "
+                f"or set the params to the master's cast first"
+            )
+        return rem
+
+    return jax.tree.map(one, master, params, like)
