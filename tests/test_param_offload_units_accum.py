@@ -82,8 +82,7 @@ def test_accumulated_units_train_like_the_device_params(problem):
     assert int(host.step) == int(device.step) == len(problem[2])
 
 
-@pytest.mark.parametrize("accum", [2, 4])
-def test_accumulated_units_follow_single_device_optax(model, problem, accum):
+def _follows_optax(model, problem, accum):
     """SGD, 2 steps of ``accum`` micro-batches: the fp32 master is single-device optax's on
     the whole batch, within 8x the spread of that reference rerun in other summation orders
     with its loss on the bf16 cast (tests/tolerance.py), and the steps moved the params far
@@ -93,6 +92,17 @@ def test_accumulated_units_follow_single_device_optax(model, problem, accum):
     _, lr, moved = MODELS[model]
     run = lambda tx: _run(PARAMS, tx, problem, accum)[0]
     assert_master_is_bf16_optax(run, optax.sgd(lr), (params, loss_fn, batches), moved=moved)
+
+
+def test_accumulated_units_follow_single_device_optax(model, problem):
+    """2 micro-batches, each model (:func:`_follows_optax`)."""
+    _follows_optax(model, problem, 2)
+
+
+def test_four_micro_batches_follow_single_device_optax():
+    """4 micro-batches (three of them in the step's scan) on the test decoder, whose tied
+    embedding is summed by its own gather (:func:`_follows_optax`)."""
+    _follows_optax("decoder", _decoder(), 4)
 
 
 def _h100_report(n, accum, ema=None, **shape):
