@@ -298,6 +298,18 @@ def add_pcie(group) -> None:
         "55, measured on an H100 PCIe Gen5 host; a100 25, PCIe Gen4; sources in "
         "jaxzero.gpu.targets.PCIE_SOURCES)",
     )
+    group.add_argument(
+        "--nvme-gbps",
+        type=float,
+        nargs=2,
+        metavar=("READ", "WRITE"),
+        help="with --offload optimizer, the state on an NVMe disk per node read and written at "
+        "these GB/s (jaxzero.train.nvme_step.make_nvme_train_step; benchmarks/nvme.py measures "
+        "them): prints each row's disk bytes per node per step (every GPU's offloaded state "
+        "on the node, --gpus-per-node, read once and written once), the disk time (read time + "
+        "write time: one disk serves both), the step (compute + the slower of the disk and the "
+        "exposed PCIe copies) and ZeRO-Infinity's efficiency with the disk's rate",
+    )
 
 
 def _shape(args, parser):
@@ -355,6 +367,14 @@ def check_offload_args(args: argparse.Namespace, parser):
     if args.pcie_gbps is not None and (args.pcie_gbps <= 0 or not args.offload):
         why = "must be a positive GB/s figure" if args.pcie_gbps <= 0 else "needs --offload"
         parser.error(f"--pcie-gbps {args.pcie_gbps:g} {why}")
+    if args.nvme_gbps is not None and args.offload != "optimizer":
+        parser.error(
+            f"--nvme-gbps pages the optimizer state to disk: add --offload optimizer "
+            f"(got --offload {args.offload or 'none'})"
+        )
+    if args.nvme_gbps is not None and min(args.nvme_gbps) <= 0:
+        rates = " ".join(f"{x:g}" for x in args.nvme_gbps)
+        parser.error(f"--nvme-gbps {rates}: the read and write rates must be positive GB/s")
     if args.offload_fraction != 1 and args.offload != "optimizer":
         parser.error(
             f"--offload-fraction {args.offload_fraction:g} needs --offload optimizer (auto picks "
@@ -549,6 +569,8 @@ def _print_tables(rows, args) -> None:
     print(table(rows, fractions) if args.wide else compact_table(rows, fractions))
     if args.network_gbps or args.hpz:
         print(network(rows, args))
+    if args.nvme_gbps:
+        print(nvme(rows, args))
     notes = [fallback_note(rows), prefetch_advice(rows)]
     if args.wide:
         notes += [offload_note(rows), fraction_note(rows), formula_note(rows), WIDE_LEGEND]
@@ -602,6 +624,11 @@ def hidden(report) -> str:
 def _ms(seconds: float) -> str:
     ms = seconds * 1e3
     return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
+
+
+def _time(seconds: float) -> str:
+    """Seconds from one up (``24.26 s``), milliseconds below (:func:`_ms`)."""
+    return f"{seconds:.2f} s" if seconds >= 1 else _ms(seconds)
 
 
 def _cost_cells(cost) -> list[str]:
@@ -827,6 +854,49 @@ def network(rows, args) -> str:
             row = f"{format_bytes(total):>10}  cross-node {format_bytes(cross):>10}"
         lines.append(f"  {r.label:<{width}} {row}")
     return "\n".join(lines)
+
+
+def nvme(rows, args, wrap: int = WIDTH) -> str:
+    """Each row's NVMe tier (``--nvme-gbps``): the bytes the node's disk reads and writes per
+    step, its read and write time, the step with the disk in it, the step's ratio to the
+    compute alone and ZeRO-Infinity's efficiency (:class:`jaxzero.gpu.offload_cost.DiskCost`),
+    under a note of the model wrapped to ``wrap`` columns."""
+    from jaxzero.gpu.offload_cost import disk_cost
+    from jaxzero.memory import format_bytes
+
+    read, write = args.nvme_gbps
+    gpus = min(args.gpus_per_node, args.devices)
+    note = (
+        f"NVMe, {read:g} GB/s read and {write:g} GB/s write per node, one disk shared by "
+        f"{gpus} GPUs (--gpus-per-node): the disk reads and writes every GPU's offloaded state "
+        "once per step (disk/node: bytes each way); disk: read + write, as one disk serves "
+        "both (the swapper's pass overlaps them with the update, not with each other); step: "
+        "compute + the slower of the disk and the exposed PCIe copies; ZI eff.: "
+        "ZeRO-Infinity's ait*bw/(ait*bw+peak), bw the disk's rate per GPU, = compute / "
+        "(compute + disk)."
+    )
+    header = ["stage", "disk/node", "read", "write", "disk", "compute", "step", "x compute"]
+    header.append("ZI eff.")
+    body = []
+    for r in rows:
+        if r.cost is None:
+            body.append([r.label] + ["-"] * (len(header) - 1))
+            continue
+        d = disk_cost(r.cost, read, write, gpus)
+        body.append(
+            [
+                r.label,
+                format_bytes(d.bytes),
+                _time(d.read_seconds),
+                _time(d.write_seconds),
+                _time(d.seconds),
+                _time(r.cost.compute_seconds),
+                _time(d.step_seconds),
+                f"{d.slowdown:.2f}x",
+                f"{d.efficiency:.1%}",
+            ]
+        )
+    return textwrap.fill(note, wrap, break_on_hyphens=False) + "\n" + _format(header, body, False)
 
 
 def fallback_note(rows) -> str | None:

@@ -17,6 +17,24 @@ The model, per GPU per step:
   once per step (2 x its bytes), ``bw`` the link's bytes/s and ``peak`` the achieved FLOP/s.
   With 16 bytes of state per parameter sharded over N GPUs and the compute above, ait =
   seq x bsz x N / 4, the paper's figure. It assumes nothing overlaps.
+
+With the state on NVMe (:class:`DiskCost`, ``jaxzero plan --nvme-gbps R W``) the disk is a
+third tier, one per node and shared by that node's GPUs:
+
+* **disk bytes**: each step reads and writes every offloaded state byte of the node's GPUs
+  once (the swapper's pass over its groups, :mod:`jaxzero.zero.offload.nvme`): per GPU the
+  compiled host arguments (the fp32 master and Adam's moments, 12 bytes per parameter over
+  N), times the GPUs on the node;
+* **disk time** = bytes / read rate + bytes / write rate: the pipelined pass overlaps a group's
+  read, update and write with each other, but one disk serves the reads and the writes, so
+  they add up (decision 50 measured the read-ahead/write-behind pass at 0.90x the plain
+  read and write added together);
+* **step** = compute + max(disk time, exposed PCIe time): the update pass runs after the
+  backward, and a group's host <-> device copies overlap the disk's other groups;
+* **ZeRO-Infinity** (section 4: efficiency = ait x bw / (ait x bw + peak), ait = the
+  iteration's computation over the data moved, the optimizer state read and written once)
+  with ``bw`` the disk's rate per GPU: 2 x bytes over the disk time, over the node's GPUs.
+  It equals compute / (compute + disk time): the disk time not overlapped with compute.
 """
 
 from __future__ import annotations
@@ -26,7 +44,7 @@ import dataclasses
 from jaxzero.gpu.report import CompileReport
 from jaxzero.gpu.targets import gpu_spec
 
-__all__ = ["MFU", "OffloadCost", "offload_cost", "step_flops"]
+__all__ = ["MFU", "DiskCost", "OffloadCost", "disk_cost", "offload_cost", "step_flops"]
 
 #: The share of the dense bf16 peak the compute is assumed to reach (the issue's and
 #: ZeRO-Infinity's worked examples use about half of peak).
@@ -137,3 +155,72 @@ def offload_cost(
         compute_seconds=flops / (mfu * spec.bf16_flops),
         gbps=float(gbps),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskCost:
+    """One row's NVMe cost per node per step (module docstring): ``cost`` the row's
+    :class:`OffloadCost`, ``gpus`` the GPUs sharing the node's disk, ``read_gbps`` and
+    ``write_gbps`` its rates in GB/s (1e9 bytes/s)."""
+
+    cost: OffloadCost
+    gpus: int
+    read_gbps: float
+    write_gbps: float
+
+    @property
+    def bytes(self) -> int:
+        """The bytes the node's disk reads per step, and writes: every GPU's offloaded state."""
+        return self.cost.state_bytes * self.gpus
+
+    @property
+    def read_seconds(self) -> float:
+        return self.bytes / (self.read_gbps * 1e9)
+
+    @property
+    def write_seconds(self) -> float:
+        return self.bytes / (self.write_gbps * 1e9)
+
+    @property
+    def seconds(self) -> float:
+        """The disk's time per step: the reads then the writes (one disk serves both)."""
+        return self.read_seconds + self.write_seconds
+
+    @property
+    def step_seconds(self) -> float:
+        """Compute, then the update pass: the disk or the exposed PCIe copies, the slower."""
+        return self.cost.compute_seconds + max(self.seconds, self.cost.exposed_seconds)
+
+    @property
+    def slowdown(self) -> float:
+        """``step_seconds`` over the compute alone."""
+        return self.step_seconds / self.cost.compute_seconds
+
+    @property
+    def ait(self) -> float:
+        """ZeRO-Infinity's arithmetic intensity: FLOP per byte of state read and written."""
+        return self.cost.ait
+
+    @property
+    def bytes_per_second(self) -> float:
+        """The disk's rate per GPU over a read and a write of the state (``bw``)."""
+        return 2 * self.bytes / self.seconds / self.gpus if self.bytes else float("inf")
+
+    @property
+    def efficiency(self) -> float:
+        """ZeRO-Infinity's ``ait x bw / (ait x bw + peak)`` with the disk's ``bw``."""
+        if not self.bytes:
+            return 1.0
+        bw, peak = self.bytes_per_second, self.cost.flops / self.cost.compute_seconds
+        return self.ait * bw / (self.ait * bw + peak)
+
+
+def disk_cost(cost: OffloadCost, read_gbps: float, write_gbps: float, gpus: int) -> DiskCost:
+    """The :class:`DiskCost` of a row's ``cost`` with its state on a disk read at
+    ``read_gbps`` and written at ``write_gbps`` GB/s, shared by ``gpus`` GPUs."""
+    for name, v in (("read_gbps", read_gbps), ("write_gbps", write_gbps)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+            raise ValueError(f"{name}={v!r} must be a positive number of GB/s (1e9 bytes/s).")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus={gpus!r} must be a positive int: the GPUs sharing the disk.")
+    return DiskCost(cost, gpus, float(read_gbps), float(write_gbps))

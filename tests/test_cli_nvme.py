@@ -1,0 +1,90 @@
+"""``jaxzero plan --offload optimizer --nvme-gbps R W``: the NVMe tier's disk bytes per node,
+disk time, step and ZeRO-Infinity efficiency, against formulas worked out here from the
+parameter count (a tiny LLaMA on deviceless H100s, 2 scanned layers x 256 at N = 8, stage 3
+per layer), and the flags it refuses."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from jaxzero import cli
+
+ARGV = ["plan", "--devices", "8", "--layers", "2", "--hidden", "256", "--heads", "2"]
+ARGV += ["--vocab", "512", "--seq", "256", "--batch", "4", "--stage", "3"]
+ARGV += ["--stage3", "per-layer"]
+READ, WRITE = 200.0, 100.0  # GB/s: the disk's time above the exposed PCIe copies of this model
+NODE = 4  # GPUs per node: half the cluster's, so the node's bytes are not the cluster's
+H100_BF16 = 989.4e12  # dense bf16 FLOP/s (NVIDIA's H100 SXM datasheet)
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "ms": 1e-3, "s": 1.0}
+
+
+def _value(cell: str) -> float:
+    number, unit = cell.split()
+    return float(number) * UNITS[unit]
+
+
+def _nvme_row(out: str) -> dict[str, str]:
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("stage") and "disk/node" in line)
+    header = re.split(r"\s{2,}", lines[at].strip())
+    cells = re.split(r"\s{2,}", lines[at + 2].strip())
+    assert len(header) == len(cells), (header, cells)
+    return dict(zip(header, cells, strict=True))
+
+
+def test_plan_nvme_prints_the_node_disk_bytes_time_step_and_efficiency(capsys):
+    """The disk's bytes each way per node = Adam's 12 bytes per parameter (fp32 master, m, v)
+    over the 8 GPUs' shards, times the node's 4 GPUs; read and write times = bytes / rate;
+    the disk time their sum; the step = compute + disk (the disk slower than the PCIe copies
+    here); ZeRO-Infinity's efficiency = compute / (compute + disk) from the printed compute,
+    and the compute = 8 x params x tokens at half the H100's bf16 peak."""
+    argv = [*ARGV, "--offload", "optimizer", "--gpus-per-node", str(NODE)]
+    assert cli.main([*argv, "--nvme-gbps", str(READ), str(WRITE)]) == 0
+    out = capsys.readouterr().out
+    params = int(re.search(r"-> ([\d,]+) params", out).group(1).replace(",", ""))
+    assert f"{READ:g} GB/s read and {WRITE:g} GB/s write per node" in out
+    assert f"shared by {NODE} GPUs" in out
+    row = _nvme_row(out)
+    assert row["stage"] == "3 per layer"
+
+    disk = 12 * params / 8 * NODE  # each way, per node per step
+    # the printed bytes: 2 decimals of MB, plus Adam's 4-byte step count per GPU
+    assert _value(row["disk/node"]) == pytest.approx(disk, abs=0.005e6 + 4 * NODE)
+    read, write = disk / (READ * 1e9), disk / (WRITE * 1e9)
+    assert _value(row["read"]) == pytest.approx(read, rel=5e-3)
+    assert _value(row["write"]) == pytest.approx(write, rel=5e-3)
+    assert _value(row["disk"]) == pytest.approx(read + write, rel=5e-3)
+
+    compute = _value(row["compute"])
+    tokens = 256 * 4
+    assert compute == pytest.approx(8 * params * tokens / (0.5 * H100_BF16), rel=5e-3)
+    assert _value(row["step"]) == pytest.approx(compute + read + write, rel=5e-3)
+    assert float(row["x compute"].rstrip("x")) == pytest.approx(
+        (compute + read + write) / compute, abs=0.01
+    )
+    efficiency = compute / (compute + read + write)
+    assert float(row["ZI eff."].rstrip("%")) / 100 == pytest.approx(efficiency, abs=2e-3)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--nvme-gbps", "10", "5"], "--nvme-gbps .*add --offload optimizer"),
+        (
+            ["--offload", "optimizer,params", "--nvme-gbps", "10", "5"],
+            "--nvme-gbps .*add --offload optimizer",
+        ),
+        (["--offload", "auto", "--nvme-gbps", "10", "5"], "--nvme-gbps .*add --offload optimizer"),
+        (["--offload", "optimizer", "--nvme-gbps", "0", "5"], "must be positive"),
+        (["--offload", "optimizer", "--nvme-gbps", "10", "-5"], "must be positive"),
+    ],
+)
+def test_plan_refuses_nvme_gbps_without_the_optimizer_offload_or_with_a_bad_rate(
+    capsys, extra, message
+):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*ARGV, *extra])
+    assert e.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
