@@ -10,6 +10,7 @@ import re
 import pytest
 
 from jaxzero import cli
+from jaxzero.gpu.offload_cost import OffloadCost, disk_cost
 
 ARGV = ["plan", "--devices", "8", "--layers", "2", "--hidden", "256", "--heads", "2"]
 ARGV += ["--vocab", "512", "--seq", "256", "--batch", "4", "--stage", "3"]
@@ -88,3 +89,42 @@ def test_plan_refuses_nvme_gbps_without_the_optimizer_offload_or_with_a_bad_rate
         cli.main([*ARGV, *extra])
     assert e.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def _cost(state_bytes: int, exposed_bytes: int, compute_seconds: float) -> OffloadCost:
+    """An :class:`OffloadCost` of ``state_bytes`` per GPU whose PCIe copies take
+    ``exposed_bytes`` at 1 GB/s, none hidden, after ``compute_seconds`` of 1e12 FLOP/s."""
+    return OffloadCost(
+        h2d_bytes=exposed_bytes,
+        d2h_bytes=0,
+        hidden_bytes=0,
+        state_bytes=state_bytes,
+        flops=compute_seconds * 1e12,
+        compute_seconds=compute_seconds,
+        gbps=1.0,
+    )
+
+
+def test_disk_cost_adds_the_reads_and_writes_and_takes_the_slower_of_disk_and_pcie():
+    """8 GB per GPU x 4 GPUs at 16 GB/s read and 8 GB/s write: 2 s + 4 s. The step is
+    compute + 6 s while the PCIe copies take 1 s, compute + 9 s when they take 9 s; the
+    efficiency is the paper's ait x bw / (ait x bw + peak) with ait = FLOP / (2 x 8 GB)
+    and bw = 2 x 32 GB / 6 s / 4 GPUs, which is 3 / (3 + 6)."""
+    d = disk_cost(_cost(8 * 10**9, 10**9, 3.0), 16, 8, 4)
+    assert (d.bytes, d.read_seconds, d.write_seconds) == (32 * 10**9, 2.0, 4.0)
+    assert d.step_seconds == pytest.approx(9.0) and d.slowdown == pytest.approx(3.0)
+    ait, bw, peak = 3e12 / 16e9, 64e9 / 6 / 4, 1e12
+    assert d.efficiency == pytest.approx(ait * bw / (ait * bw + peak))
+    assert d.efficiency == pytest.approx(3 / 9)
+    assert disk_cost(_cost(8 * 10**9, 9 * 10**9, 3.0), 16, 8, 4).step_seconds == 12.0
+
+
+@pytest.mark.parametrize(
+    "read,write,gpus",
+    [(0, 8, 4), (16, -1, 4), (True, 8, 4), (16, 8, 0), (16, 8, 2.0)],
+)
+def test_disk_cost_refuses_rates_that_are_not_positive_and_a_gpu_count_not_an_int(
+    read, write, gpus
+):
+    with pytest.raises(ValueError, match="must be a positive"):
+        disk_cost(_cost(8, 0, 1.0), read, write, gpus)
