@@ -47,9 +47,9 @@ def _problem():
     return params, loss_fn, batches
 
 
-def _zero(offload, n=N):
+def _zero(offload, n=N, stage=2):
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, eps=1e-6))
-    return jz.ZeRO(tx, jz.data_parallel_mesh(n), stage=2, offload=offload, precision=BF16)
+    return jz.ZeRO(tx, jz.data_parallel_mesh(n), stage=stage, offload=offload, precision=BF16)
 
 
 def _train(zero, loss_fn, state, batches):
@@ -185,6 +185,39 @@ def test_plain_checkpoints_restore_into_the_remainder(runs, source):
         )
     if source == "fp32":
         _assert_state_equal(_train(zero, loss_fn, got, batches[SAVE_AT:]), runs["end"])
+
+
+def test_stage3_remainder_checkpoint_restores_into_stage2_plain(runs, tmp_path):
+    """Stage 3 (the params sharded like the master): the joined master is the stage-3
+    fp32-master run's, and its checkpoint restores into plain offload at stage 2 with it."""
+    params, loss_fn, batches = runs["params"], runs["loss_fn"], runs["batches"]
+    at = {}
+    for off in ("optimizer", REMAINDER):
+        zero = _zero(off, stage=3)
+        at[off] = _train(zero, loss_fn, zero.init(params, ema=EMA), batches[:SAVE_AT])
+    assert _stored(at[REMAINDER]) == {"w1", "w2"}
+    _assert_bits_equal(at[REMAINDER].fp32_master(), at["optimizer"].master)
+    assert ck.save(str(tmp_path), SAVE_AT, at[REMAINDER], zero=_zero(REMAINDER, stage=3), wait=True)
+    got = ck.restore(str(tmp_path), _zero("optimizer"), params, ema=EMA)
+    _assert_bits_equal(got.master, at["optimizer"].master)
+    _assert_bits_equal(got.params, at["optimizer"].params)
+
+
+def test_fp32_params_checkpoint_restores_into_the_remainder(runs, tmp_path):
+    """A checkpoint without a separate master (fp32 params) restores into the remainder with
+    its params as the master, bit for bit, and the bf16 params their cast."""
+    params, loss_fn, batches = runs["params"], runs["loss_fn"], runs["batches"]
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, eps=1e-6))
+    zero = jz.ZeRO(tx, jz.data_parallel_mesh(N), stage=2, offload="optimizer")
+    state = _train(zero, loss_fn, zero.init(params, ema=EMA), batches[:SAVE_AT])
+    assert state.master is None
+    want = jax.tree.map(np.asarray, jz.gather(state.params))
+    assert ck.save(str(tmp_path), SAVE_AT, state, zero=zero, wait=True)
+    got = ck.restore(str(tmp_path), _zero(REMAINDER), params, ema=EMA)
+    assert _stored(got) == {"w1", "w2"}
+    _assert_bits_equal(got.fp32_master(), want)
+    cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16), want)
+    _assert_bits_equal(got.params, cast)
 
 
 def test_restore_with_an_abstract_state_of_the_other_storage(runs):
