@@ -17,7 +17,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxzero as jz
-from jaxzero.train.grads import gradient_zero
 from jaxzero.zero.config import ZeROConfig
 
 TX = optax.adam(1e-3)
@@ -182,13 +181,13 @@ def test_stage1_with_layers_reduces_as_stage2_in_its_path_not_its_config(mesh):
     gradient, as stage 2 does: the step's path says so, and the config stays stage 1."""
     zero = jz.ZeRO(TX, mesh, stage=1, layers="layers")
     stage2 = jz.ZeRO(TX, mesh, stage=2, layers="layers")
-    path = gradient_zero(zero, 1)
+    path = zero.path.for_step(1)
     assert path.zero is zero and zero.stage == 1
     assert path.stage == 2 and path.reduces_in_backward() and path.reduces_each_micro_batch()
     assert path.grad_specs(PARAMS) == stage2.grad_specs(PARAMS)
     assert path.grad_specs(PARAMS)["head"] == P("data")  # 16 rows over the 8 devices
     # with micro-batches it keeps one all-reduce of the whole gradient after them
-    two = gradient_zero(zero, 2)
+    two = zero.path.for_step(2)
     assert two.stage == 1 and not two.reduces_in_backward() and not two.reduces_each_micro_batch()
     assert jax.tree.leaves(two.grad_specs(PARAMS)) == [P(), P()]
     # a step written by hand from the config's pieces reduces as its stage says
@@ -197,9 +196,9 @@ def test_stage1_with_layers_reduces_as_stage2_in_its_path_not_its_config(mesh):
 
 def test_stage0_with_layers_reduces_each_layer_unless_micro_batches(mesh):
     zero = jz.ZeRO(TX, mesh, stage=0, layers="layers")
-    assert gradient_zero(zero, 1).reduces_in_backward()
-    assert not gradient_zero(zero, 3).reduces_in_backward()
-    assert zero.path.reduces_in_backward() and gradient_zero(zero, 3).zero is zero
+    assert zero.path.for_step(1).reduces_in_backward()
+    assert not zero.path.for_step(3).reduces_in_backward()
+    assert zero.path.reduces_in_backward() and zero.path.for_step(3).zero is zero
 
 
 def test_the_plan_reads_the_steps_reduction(mesh):

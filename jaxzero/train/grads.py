@@ -14,7 +14,6 @@ from jaxzero.train import loss as user_loss
 from jaxzero.zero import hooks as loss_hooks
 from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero.collectives import to_varying
-from jaxzero.zero.config import ZeROConfig
 from jaxzero.zero.path import GradientPath
 
 
@@ -22,19 +21,6 @@ def _mean_over(x, axes):
     if jnp.issubdtype(x.dtype, jnp.floating):
         return jax.lax.pmean(x, axes)
     return jax.lax.pmax(x, axes)
-
-
-def gradient_zero(zero: ZeROConfig, accum_steps: int) -> GradientPath:
-    """The gradient path a training step of ``accum_steps`` micro-batches runs:
-    ``zero``'s own, knowing the micro-batches, which decide its reduction
-    (:meth:`GradientPath.for_step <jaxzero.zero.path.GradientPath.for_step>`). Stage 1 with
-    ``layers=`` and nothing to accumulate reduces like stage 2 (each layer's gradient
-    reduce-scattered inside the backward: :attr:`GradientPath.stage
-    <jaxzero.zero.path.GradientPath.stage>`); stage 0 with ``layers=`` all-reduces each layer's
-    gradient inside the backward (:mod:`jaxzero.zero.layers.plan`). With micro-batches stages
-    0/1 keep their full local accumulator and reduce once (a reduce per micro-batch would add
-    traffic). ``zero`` itself is not changed: its stage says where the state lives."""
-    return zero.path.for_step(accum_steps)
 
 
 def local_gradients(
@@ -46,7 +32,9 @@ def local_gradients(
     allow_loss_collectives: bool = False,
 ):
     """The per-device gradient computation, to run inside ``jax.shard_map``, for the step
-    whose gradient path is ``reducing`` (:func:`gradient_zero`).
+    whose gradient path is ``reducing`` (``zero.path.for_step(accum_steps)``:
+    :meth:`GradientPath.for_step <jaxzero.zero.path.GradientPath.for_step>`, whose stage the
+    micro-batches decide).
 
     Returns ``fn(params_local, model_state, batch_local, rng, scale, specs, plan)`` ->
     ``(loss, aux, grads, new_model_state)`` (``plan``: the step's per-leaf plan,

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.train import loss as user_loss
-from jaxzero.train.grads import gradient_zero, local_gradients
+from jaxzero.train.grads import local_gradients
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.trees import batch_rows
 from jaxzero.zero import specs as sh
@@ -167,7 +167,7 @@ def make_nvme_train_step(loss_fn, zero: ZeRO, nvme: NVMe, *, accum_steps: int = 
             "the optimizer side in pinned host memory"
         )
     user_loss.check_signature(loss_fn, rng=False, stateful=False)
-    reducing = gradient_zero(zero, accum_steps)
+    reducing = zero.path.for_step(accum_steps)
     grads_fn = local_gradients(reducing, loss_fn, accum_steps)
     axes_spec = zero.batch_spec()
 

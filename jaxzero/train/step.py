@@ -20,12 +20,13 @@ from jaxzero.ema.ema import ShardedEMA
 from jaxzero.mesh import mesh_platform
 from jaxzero.train import loss as user_loss
 from jaxzero.train import pmap_leftovers
-from jaxzero.train.grads import gradient_zero, local_gradients
+from jaxzero.train.grads import local_gradients
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh
 from jaxzero.train.update import apply_gradients
 from jaxzero.trees import batch_rows
 from jaxzero.zero.config import ZeROConfig
+from jaxzero.zero.path import GradientPath
 
 
 def device_key(rng, step, axes):
@@ -321,7 +322,8 @@ def make_train_step(
             UserWarning,
             stacklevel=2,
         )
-    reducing = gradient_zero(zero, accum_steps)
+    # the reduction this step runs: stage 1 with layers= and one micro-batch reduces as stage 2
+    reducing = zero.path.for_step(accum_steps)
     inner = _keyed_loss(loss_fn) if rng else loss_fn
     grads_fn = local_gradients(
         reducing,
@@ -359,10 +361,10 @@ def loss_shards(zero: ZeROConfig, state: TrainState):
 
 
 def _step_fn(
-    zero: ZeROConfig, reducing: ZeROConfig, grads_fn, ema: ShardedEMA | None, accum_steps: int
+    zero: ZeROConfig, reducing: GradientPath, grads_fn, ema: ShardedEMA | None, accum_steps: int
 ):
     """The (unjitted) step: the per-device gradients in a ``shard_map`` over the mesh (reduced
-    as ``reducing``, :func:`~jaxzero.train.grads.gradient_zero`, says), then
+    as ``reducing``, the step's :class:`~jaxzero.zero.path.GradientPath`, says), then
     :meth:`ZeRO.apply_gradients` under jit."""
     axes = zero.batch_axes
 

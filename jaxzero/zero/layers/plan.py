@@ -26,7 +26,7 @@ the pipeliner carried each pad's zero through the loop as a scalar copy per leaf
 (8-layer GPT: 958 -> 871 kernels, 1001.9 -> 998.4 MB). It does so at every micro-batch, as the
 whole-gradient reduction of stage 2 does.
 
-Stage 1 without micro-batches takes the stage-2 path (``jaxzero.train.grads.gradient_zero``).
+Stage 1 without micro-batches takes the stage-2 path (``zero.path.for_step(1)``: its ``stage`` is 2).
 Stage 0 without micro-batches all-reduces each layer's gradient in the backward the same way:
 the stacks enter the loss device-invariant (the other leaves are marked varying, so autodiff
 hands back their local gradients), :func:`gather_layer` marks each layer varying where it
