@@ -20,10 +20,14 @@ per-layer stage-3 step it is a double-buffered loop written out by hand (``jax.c
   gather's only consumer is the next iteration and XLA's scheduler runs it under layer ``i``'s
   gemms. The last layer runs after the loop (no gather of a layer that does not exist).
 * backward: the mirror image, a reverse scan: the last layer is gathered again once the
-  cotangent exists; iteration ``i`` starts the all-gather of layer ``i - 1`` while it
-  recomputes layer ``i`` and takes its vjp, and reduce-scatters layer ``i``'s gradient, which
-  XLA's collective pipeliner (on by default) moves under the next iteration. The backward's
-  gathers wait for the cotangent (an optimization barrier), else XLA hoists them to the step's
+  cotangent exists; iteration ``i`` recomputes layer ``i``, then starts the all-gather of
+  layer ``i - 1`` while it takes layer ``i``'s vjp, and reduce-scatters layer ``i``'s
+  gradient, which XLA's collective pipeliner (on by default) moves into the next iteration,
+  where it runs under the recompute. XLA:GPU keeps one collective in flight at a time: with
+  the gather free to start at the top, jax 0.12's scheduler (and jax 0.10's at N = 64 on
+  small layers) gave it every gemm and left the reduce-scatter exposed, so the gather waits
+  for the recompute's output (a data dependency: decision 49). The backward's gathers also
+  wait for the cotangent (an optimization barrier), else XLA hoists them to the step's
   start, where they are exposed and held through the forward.
 
 Exposed by construction: layer 0's forward gather, the last layer's backward gather and layer
@@ -31,7 +35,9 @@ Exposed by construction: layer 0's forward gather, the last layer's backward gat
 once forward and once backward, plus one more gather of layer 0 at the backward's last
 iteration (a loop of the same body throughout: the scheduler's pipelining needs it; a 1/L
 share more all-gather bytes than :func:`gather_layer`'s loop). Memory: one more layer of
-gathered weights (the one in flight). Keeping the last layer's forward weights for its backward
+gathered weights (the one in flight), and in the backward one layer's unreduced gradient
+while the next layer's recompute runs (LLaMA-7B at N = 64: 0.10-0.24 GB, a layer is 0.40 GB).
+Keeping the last layer's forward weights for its backward
 (FSDP's way) would save a gather but measured 2.2 layers more memory (decision 20 in
 BUILD_NOTES).
 
@@ -155,16 +161,20 @@ def scan_layers(fn: Callable, stack, carry, xs=None, *, with_ys: bool = False):
     leaves, treedef = jax.tree.flatten(stack)
     dims = [plan.lookup(p, x[0]) for p, x in jax.tree_util.tree_flatten_with_path(stack)[0]]
 
-    def gather(ls, i, after=None, kept=None):
+    def gather(ls, i, after=None, kept=None, tok=None):
         """Layer ``i`` whole, from its shards ``ls`` or (the backward, hpZ) from the slices
         the forward ``kept`` (:meth:`~jaxzero.zero.wire.Wire.keep`); not before ``after``
         exists (an optimization barrier: else XLA hoists the backward's gathers to the start
-        of the step, where they are exposed and held through the forward)."""
-        # Cast before the barrier: the slice and the cast are then one kernel (with the
-        # params in host memory, the slice is fetched to the device first).
+        of the step, where they are exposed and held through the forward) nor before ``tok``
+        (:func:`_after`: a data dependency, which the GPU scheduler keeps)."""
+        # Cast (and wait for tok) before the barrier: the slice, the cast and the
+        # subtraction are then one kernel (with the params in host memory, the slice is
+        # fetched to the device first).
         shards = [plan.placement.fetch(x).astype(plan.comm.param_dtype) for x in at(ls, i)]
         parts = [None] * len(shards) if kept is None else kept(i)
         src = [x if p is None else p for x, p in zip(shards, parts, strict=True)]
+        if tok is not None:
+            src = [_after(x, tok) for x in src]
         if after is not None:
             src, _ = jax.lax.optimization_barrier((src, after))
         return treedef.unflatten(
@@ -222,16 +232,23 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
             kept = lambda i: at(stack, i)
         ct, ct_ys = cts
 
-        def layer(state, i, src=leaves):
+        def layer(state, i, src=leaves, split=False):
             """Layer ``i``'s backward, layer ``i - 1``'s gather (from the stacks ``src``) and
             input fetch in flight: the next state, and layer ``i``'s weight gradient
-            (unreduced leaves)."""
+            (unreduced leaves). With ``split``, the gather waits for layer ``i``'s recompute
+            (its output's first element): the recompute is left to the reduce-scatter XLA's
+            pipeliner moves into this iteration, the backward's gemms to the gather."""
             ct, w, c, dconsts = state
             prev = jnp.maximum(i - 1, 0)
-            nxt = gather(src, prev, (ct, w), kept)  # in flight under layer i
-            c_prev = _layer_input(saved, inputs, c_last, prev, length)  # fetched under layer i
             x = at(xs, i)
-            _, pull = jax.vjp(lambda w, c, *k: fn(w, c, x, *k), w, c, *consts)
+            if split:
+                out, pull = jax.vjp(lambda w, c, *k: fn(w, c, x, *k), w, c, *consts)
+                nxt = gather(src, prev, (ct, w), kept, _token(out))
+            else:
+                nxt = gather(src, prev, (ct, w), kept)  # in flight under layer i
+            c_prev = _layer_input(saved, inputs, c_last, prev, length)  # fetched under layer i
+            if not split:
+                _, pull = jax.vjp(lambda w, c, *k: fn(w, c, x, *k), w, c, *consts)
             dw, dc, *dk = pull((ct, at(ct_ys, i)))
             dconsts = [a + b for a, b in zip(dconsts, dk, strict=True)]
             return (dc, nxt, c_prev, dconsts), jax.tree.leaves(dw)
@@ -248,7 +265,7 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
         else:
 
             def body(state, i):  # XLA's pipeliner moves layer i's reduce-scatter under i - 1
-                state, dw = layer(state, i)
+                state, dw = layer(state, i, split=True)
                 return state, reduce_tree(comm, dw, dims, leaves)
 
             steps = jnp.arange(length)
@@ -259,6 +276,24 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
     run = jax.custom_vjp(lambda *args: forward(*args)[0])
     run.defvjp(forward, backward)
     return run
+
+
+def _token(out):
+    """A one-element float32 that exists once ``out`` (a layer's output) does: the first
+    element of its first non-empty array, 0 where that is not finite (so that :func:`_after`
+    subtracts an exact zero); None when ``out`` holds no element."""
+    arrays = [x for x in jax.tree.leaves(out) if jnp.size(x) > 0]
+    if not arrays:
+        return None
+    t = jax.lax.slice(jnp.reshape(arrays[0], -1), (0,), (1,)).astype(jnp.float32)
+    return jnp.where(jnp.isfinite(t), t, 0)
+
+
+def _after(x, tok):
+    """``x``, not read before ``tok`` exists: ``x - 0 * |tok|`` (subtracting +0 leaves every
+    value as it is, -0 included). XLA does not fold it for floats, so it is a data dependency
+    that XLA:GPU's scheduler sees; an optimization barrier is gone by then."""
+    return x - (jnp.abs(tok[0]) * 0).astype(x.dtype)
 
 
 def _layer_input(saved, inputs, last, i, length):
