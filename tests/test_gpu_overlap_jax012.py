@@ -4,10 +4,10 @@ hidden behind the backward's gemms on the running XLA (jax 0.10's and jax 0.12's
 XLA:GPU keeps one collective in flight at a time, and each iteration of scan_layers' backward
 loop has two: layer i - 1's all-gather (the prefetch) and layer i + 1's reduce-scatter (which
 XLA's collective pipeliner moves into this iteration). At N = 64 the scheduler's latency
-estimate of the gather covers the whole layer, so unordered it gave the gather every gemm and
-ran the reduce-scatter alone at the top of the iteration: 0% of its bytes hidden on the 4-layer
-decoder below (on jax 0.10 and 0.12; LLaMA-7B on jax 0.12). The gather now waits for layer i's
-recompute, which is left to the reduce-scatter (docs/decisions/49-jax012-overlap.md).
+estimate of the gather covers the whole layer, so with the gather unordered it gave the gather
+every gemm and ran the reduce-scatter alone at the top of the iteration: 0% of its bytes hidden
+on the 4-layer decoder below (on jax 0.10 and 0.12; LLaMA-7B on jax 0.12). The gather waits for
+layer i's recompute, which is left to the reduce-scatter (docs/decisions/49-jax012-overlap.md).
 
 Expected bytes are restated from the sharding rule (tests/test_gpu.py's module docstring): a
 stacked leaf is split N ways on its first dimension after the layer axis divisible by N, any
@@ -87,8 +87,9 @@ def test_gpu_stage3_per_layer_hides_the_layers_reduce_scatters_at_n64(flags):
     """4-layer decoder, N = 64, stage 3 per layer: every reduce-scatter in the backward loop
     is hidden (layers 3, 2 and 1), and exposed are only layer 0's (the stack's last backward:
     no gemm of the stack is left to run beside it) and the leaves outside the stack's (reduced
-    after the whole backward). 71% of the reduce-scatter bytes here (0% before); with L
-    layers 1 - (layer + rest) / (L layer + rest). The gathers keep their share."""
+    after the whole backward). 71% of the reduce-scatter bytes here (0% with the gather
+    unordered); with L layers 1 - (layer + rest) / (L layer + rest). The gathers keep their
+    share."""
     rep = compiled(flags)
     stack, rest = split_bytes(abstract_params(SHAPE4), N)
     layer = stack // SHAPE4.layers
