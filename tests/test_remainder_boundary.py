@@ -258,3 +258,23 @@ def test_restore_refuses_params_that_are_not_the_masters_cast(runs):
     params = dict(state.params, w1=state.params["w1"] + jnp.bfloat16(1.0))
     with pytest.raises(ValueError, match="not its bf16 cast"):
         remainder.stored_like(state.master, params, target)
+
+
+def test_deepspeed_export_reads_the_fp32_master(runs):
+    """``from_train_state`` (a DeepSpeed checkpoint of a jaxzero state) writes the fp32
+    master of a remainder state, the same bits as from the fp32-master run's state."""
+    from jaxzero.interop.deepspeed.jax_state import from_train_state
+
+    group = {"names": sorted(SHAPES), "lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-6}
+    kw = {
+        "param_groups": [{**group, "weight_decay": 1e-4}],
+        "ds_config": {"gradient_clipping": 1.0},
+    }
+    rem = from_train_state(runs["at"]["remainder"], **kw)
+    fp32 = from_train_state(runs["at"]["fp32"], **kw)
+    assert sorted(rem.params) == sorted(SHAPES)
+    for k in SHAPES:
+        assert np.asarray(rem.params[k]).dtype == np.float32
+        np.testing.assert_array_equal(
+            _bits(np.asarray(rem.params[k])), _bits(np.asarray(fp32.params[k]))
+        )

@@ -241,7 +241,8 @@ def from_train_state(
         )
     clip = U.chain_clipping(settings, ds_config)
     names = [n for g in groups for n in g["names"]]
-    master = state.master if state.master is not None else state.params
+    master = state.fp32_master()  # the fp32 master whatever the placement stores
+    master = master if master is not None else state.params
     nm = (
         name_map
         if isinstance(name_map, ti_names.NameMap)

@@ -356,7 +356,8 @@ def write_torch_files(
     torch = torch_module()
     nm, names = source.name_map, source.names
     os.makedirs(out, exist_ok=True)
-    weights = state.master if state.master is not None else state.params
+    master = state.fp32_master()  # the fp32 master whatever the placement stores
+    weights = master if master is not None else state.params
     torch.save(flax_to_torch(weights, nm), os.path.join(out, MODEL_FILE))
     if world_size is not None:
         local = optimizer_state.export_zero_optimizer_state(
