@@ -260,6 +260,7 @@ def test_restore_refuses_params_that_are_not_the_masters_cast(runs):
         remainder.stored_like(state.master, params, target)
 
 
+@pytest.mark.interop  # from_train_state needs torch (make test-latest has none)
 def test_deepspeed_export_reads_the_fp32_master(runs):
     """``from_train_state`` (a DeepSpeed checkpoint of a jaxzero state) writes the fp32
     master of a remainder state, the same bits as from the fp32-master run's state."""
