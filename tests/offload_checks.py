@@ -33,6 +33,7 @@ def assert_host_params_run_equals_device_run(host, losses, device, device_losses
     kinds = lambda t: {x.sharding.memory_kind for x in jax.tree.leaves(t)}
     assert kinds((host.params, host.master, host.opt_state)) == {"pinned_host"}
     assert kinds(device.params) == {"device"}
+    # the same sums on host and device: a few ulps, under tests/tolerance.py's 16-ulp floor
     np.testing.assert_allclose(losses, device_losses, rtol=1e-6)
     for part in ("params", "master", "opt_state"):
         chex.assert_trees_all_close(
