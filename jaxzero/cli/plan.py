@@ -261,10 +261,13 @@ def add_state_layout(group) -> None:
     )
     group.add_argument(
         "--offload",
-        choices=["optimizer", "optimizer,params", "auto"],
+        choices=["optimizer", "optimizer,remainder", "optimizer,params", "auto"],
         help="keep the fp32 master, Adam's state and the EMA in pinned host memory, streamed "
         "through the GPU by the update (jaxzero.ZeRO(offload='optimizer'); stages 1-3, the "
-        "default then); optimizer,params: the bf16 params too, fetched a layer at a time, "
+        "default then); optimizer,remainder: that with the fp32 master kept as a 16-bit "
+        "remainder and a carry bit beside the bf16 params, 2.125 bytes per param instead of 4 "
+        "in host memory and each way over PCIe (offload=('optimizer', 'remainder'); --precision "
+        "bf16); optimizer,params: the bf16 params too, fetched a layer at a time, "
         "and their gradients (offload=('optimizer', 'params'); stage 3 per layer); auto: "
         "'optimizer' at the smallest --offload-fraction whose compile fits the GPU "
         "(--gpu-memory), none if the step fits without",
@@ -378,7 +381,17 @@ def check_offload_args(args: argparse.Namespace, parser):
     if args.offload_fraction != 1 and args.offload != "optimizer":
         parser.error(
             f"--offload-fraction {args.offload_fraction:g} needs --offload optimizer (auto picks "
-            "its own fraction; optimizer,params keeps the whole state on the host)"
+            "its own fraction; optimizer,params and optimizer,remainder keep the whole state "
+            "on the host)"
+        )
+    if args.offload == "optimizer,remainder" and (
+        args.precision != "bf16" or not args.compute_copy
+    ):
+        why = f"--precision {args.precision}" if args.precision != "bf16" else "--no-compute-copy"
+        parser.error(
+            f"--offload optimizer,remainder with {why}: the remainder is the fp32 master's low "
+            "half beside its bf16 params; use --precision bf16 without --no-compute-copy, or "
+            "--offload optimizer"
         )
     if args.offload == "optimizer,params" and args.stage3 != "per-layer":
         parser.error(
@@ -439,6 +452,8 @@ def offload_words(args) -> str:
     """``--offload``'s choice as the description line says it."""
     if args.offload == "auto":
         return "the smallest fraction of the optimizer that fits"
+    if args.offload == "optimizer,remainder":
+        return "the optimizer (the fp32 master as a 16-bit remainder and a carry bit)"
     share = f" ({args.offload_fraction:g} of it)" if args.offload_fraction != 1 else ""
     return " and ".join(args.offload.split(",")) + share
 

@@ -30,6 +30,7 @@ from jaxzero.precision import Precision, with_state_dtype
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.step import make_train_step
 from jaxzero.zero.offload import check_offload, params_offloaded
+from jaxzero.zero.offload.placement import remainder_master
 from jaxzero.zero.wire import Wire, wire
 
 __all__ = [
@@ -565,8 +566,11 @@ def plan(
             f"hpz_partition_size={hpz}: it acts on stage 3 per layer only (the backward's "
             "gathers): include the case (3, True)."
         )
-    # the params offload as jaxzero plan's --offload writes it (the paste line's spelling)
-    offload = ",".join(zero.offload) if isinstance(zero.offload, tuple) else zero.offload
+    # the params offload as jaxzero plan's --offload writes it (the paste line's spelling);
+    # the remainder master as ZeRO spells it, offload=("optimizer", "remainder")
+    offload = zero.offload
+    if isinstance(offload, tuple) and not remainder_master(offload):
+        offload = ",".join(offload)
     fraction = zero.offload_fraction
     if fit_offload and (offload != "optimizer" or fraction != 1):
         raise ValueError(

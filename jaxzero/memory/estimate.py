@@ -38,6 +38,7 @@ import re
 from jaxzero.memory.offloaded import offloaded, sums_bytes
 from jaxzero.trees import check_int, format_bytes
 from jaxzero.zero.offload import check_offload
+from jaxzero.zero.offload.placement import remainder_master
 
 OPTIMIZERS = ("adam", "sgd", "adafactor")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -49,6 +50,9 @@ STATE_DTYPES = (None, "bf16", "fp16")
 # we approximate it as 0 bytes per parameter (no momentum, optax's default).
 _OPT_STATE_BYTES = {"adam": 8, "sgd": 4, "adafactor": 0}
 _MASTER_BYTES = 4  # fp32 master copy, kept only under mixed precision
+#: the offloaded master kept as a 16-bit remainder and a carry bit (offload=("optimizer",
+#: "remainder")): 2 bytes per param, plus one bit packed 8 to a byte
+_REMAINDER_LO_BYTES, _REMAINDER_CARRY_BITS = 2, 1
 _EMA_BYTES = 4  # the EMA is always fp32 and always sharded over the N devices
 
 
@@ -202,7 +206,13 @@ def estimate_memory(
             p = 0 in mixed precision); ``stage`` must be 3 or None.
         offload, accum_steps: None, "optimizer" (stages 1-3: the optimizer state, the fp32
             master if not the params, and the EMA go to ``host``) or ``("optimizer",
-            "params")`` (stage 3: the params too, and their gradient sums with accum_steps > 1).
+            "params")`` (stage 3: the params too, and their gradient sums with accum_steps > 1)
+            or ``("optimizer", "remainder")`` (``"optimizer"`` with the host's fp32 master
+            kept as a 16-bit remainder and a carry bit beside the bf16 params: 2.125 bytes per
+            param instead of 4 in ``host``, and so each way over PCIe; needs
+            ``precision="bf16"`` and ``compute_copy=True``). The estimate stores every param
+            that way; ``ZeRO`` keeps leaves of 4096 elements or fewer, and those whose last
+            axis per device is not a multiple of 8, in fp32, a few bytes more.
         state_dtype: None (the optimizer state in fp32) or "bf16" / "fp16": the state stored
             in 2 bytes per value (:func:`jaxzero.with_state_dtype`): adam K = 4+4 = 8 in mixed
             precision, sgd 2+4; the fp32 master and the EMA keep 4 bytes.
@@ -226,8 +236,33 @@ def estimate_memory(
     gathered = _gathered_bytes(phi, layer_params, layers, width, gather_model)
     sizes = (phi, n, optimizer, precision, ema, act, gathered, compute_copy, state_dtype)
     sums = sums_bytes(phi, n, layer_params, layers, _whole(accum_steps, "accum_steps"))
-    one = lambda s: offloaded(_one_stage(s, *sizes), offload, compute_copy, sums)
+    kept = _check_remainder(offload, stage, precision, compute_copy)
+    host = _stored_master if kept else lambda e: e
+    one = lambda s: host(offloaded(_one_stage(s, *sizes), offload, compute_copy, sums))
     return one(stage) if stage is not None else [one(s) for s in range(4)]
+
+
+def _check_remainder(offload, stage, precision, compute_copy) -> bool:
+    """Whether ``offload`` keeps the host's fp32 master as a remainder, after refusing it
+    where there is no offloaded fp32 master beside bf16 params."""
+    if not remainder_master(check_offload(offload, (1, 2, 3) if stage is None else stage)):
+        return False
+    if precision != "bf16" or not compute_copy:
+        why = f"precision={precision!r}" if precision != "bf16" else "compute_copy=False"
+        raise ValueError(
+            f"offload={offload!r} with {why}: the remainder is the fp32 master's low half "
+            "beside its bf16 compute copy, so it needs an offloaded fp32 master and bf16 "
+            "params. Use precision='bf16' (with compute_copy=True), or offload='optimizer'."
+        )
+    return True
+
+
+def _stored_master(e):
+    """``e`` (offloaded) with the host's fp32 master as a 16-bit remainder and a carry bit:
+    per device ``2 x shard + ceil(shard / 8)`` bytes where ``4 x shard`` were counted."""
+    shard = -(-e.num_params // e.world_size)  # offload needs stage 1-3: the state sharded
+    stored = _REMAINDER_LO_BYTES * shard + -(-shard * _REMAINDER_CARRY_BITS // 8)
+    return dataclasses.replace(e, host=e.host - _MASTER_BYTES * shard + stored)
 
 
 def _check_choices(optimizer, precision, stage, compute_copy=True, offload=None) -> None:
