@@ -83,6 +83,7 @@ def test_stateless_rng_loss_equals_single_device_with_the_same_keys():
         losses.append(float(metrics["loss"]))
     assert "mean_pred" in metrics["aux"]
     ref_p, ref_s, ref_losses = _reference(tx, params, batches, seed=7)
+    # stated: dropout masks drawn per device, which tests/tolerance.py's reruns cannot keep
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     chex.assert_trees_all_close(jz.gather(state.params), ref_p, atol=1e-6)
     chex.assert_trees_all_close(jz.gather(state.opt_state), ref_s, atol=1e-6)
