@@ -3,6 +3,8 @@
     python benchmarks/offload_gpu.py                   # one GPU (jax with its CUDA plugin)
     python benchmarks/offload_gpu.py --out benchmarks/results/offload_gpu.md
     python benchmarks/offload_gpu.py --tiny            # a small GPT on one CPU device, seconds
+    python benchmarks/offload_gpu.py --tiny --offloads optimizer optimizer,remainder \
+        optimizer+bf16state optimizer,remainder+bf16state
 
 Results on one H200: ``benchmarks/results/offload_gpu.md``; ``--tiny`` is the smoke run of
 tests/test_benchmarks.py.
@@ -17,6 +19,11 @@ The model is :mod:`jaxzero.gpu.models`' GPT decoder, scanned and rematerialised 
   ``("optimizer", "params")`` (with micro-batches the params offload sums the stacks'
   gradients in an fp32 host accumulator: decision 42); a configuration jaxzero refuses is
   printed as refused, with the error's first line;
+* named in ``--offloads`` only, the opt-in byte savers of the optimizer offload:
+  ``optimizer,remainder`` (``offload=("optimizer", "remainder")``: the exact fp32 master kept
+  on the host as a 16-bit remainder beside the bf16 params, decision 47),
+  ``optimizer+bf16state`` (``jz.with_state_dtype(tx, jnp.bfloat16)``: Adam's moments stored in
+  bfloat16) and ``optimizer,remainder+bf16state`` (both);
 * with ``--fraction F``, ``offload="optimizer"`` at ``offload_fraction=F``: pass the fraction
   that ``jaxzero plan --offload auto --gpu-memory SIZE`` picks for the same model, to time
   what ``auto`` would run on a GPU of SIZE (the plan compiles deviceless, off the GPU's time).
@@ -51,11 +58,17 @@ from jaxzero.gpu.models import abstract_params, make_loss, model_shape  # noqa: 
 from jaxzero.gpu.offload_cost import offload_cost, step_flops  # noqa: E402
 from jaxzero.gpu.topology import gpu_kind_of  # noqa: E402
 
+#: ``(offload, state dtype, label)`` of each jaxzero row; the first three run by default, the
+#: opt-in byte savers (the master as a remainder, bf16 Adam moments, both) when named
 OFFLOADS = (
-    (None, "off"),
-    ("optimizer", "optimizer"),
-    (("optimizer", "params"), "optimizer,params"),
+    (None, None, "off"),
+    ("optimizer", None, "optimizer"),
+    (("optimizer", "params"), None, "optimizer,params"),
+    (("optimizer", "remainder"), None, "optimizer,remainder"),
+    ("optimizer", jnp.bfloat16, "optimizer+bf16state"),
+    (("optimizer", "remainder"), jnp.bfloat16, "optimizer,remainder+bf16state"),
 )
+DEFAULT_OFFLOADS = ("off", "optimizer", "optimizer,params")
 
 
 def plain_step(loss_fn, accum: int):
@@ -89,9 +102,10 @@ def time_plain(loss_fn, abstract, batch, accum, rounds, steps) -> float:
     return median_step_ms(step, (master, tx.init(master)), batch, rounds, steps)
 
 
-def _zero(mesh, offload, fraction=1.0):
+def _zero(mesh, offload, fraction=1.0, state_dtype=None):
+    tx = optax.adam(1e-4)
     return jz.ZeRO(
-        optax.adam(1e-4),
+        tx if state_dtype is None else jz.with_state_dtype(tx, state_dtype),
         mesh,
         stage=3,
         precision="bf16",
@@ -101,13 +115,13 @@ def _zero(mesh, offload, fraction=1.0):
     )
 
 
-def _planned(step, loss_fn, mesh, offload, accum, fraction):
+def _planned(step, loss_fn, mesh, offload, accum, fraction, state_dtype):
     """The step to read the prediction from: ``step`` itself on a GPU; off one (``--tiny``
     on a CPU, whose compiles report no host memory) the same step compiled deviceless for
     one H100 (jax's CUDA plugin, no GPU needed)."""
     if gpu_kind_of(mesh) is not None:
         return step
-    zero = _zero(gpu.compile_only_mesh("h100", 1), offload, fraction)
+    zero = _zero(gpu.compile_only_mesh("h100", 1), offload, fraction, state_dtype)
     return jz.make_train_step(loss_fn, zero, accum_steps=accum)
 
 
@@ -124,9 +138,11 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--offloads",
         nargs="+",
-        choices=[label for _, label in OFFLOADS],
-        default=[label for _, label in OFFLOADS],
-        help="the jaxzero rows to time (default: all)",
+        choices=[label for *_, label in OFFLOADS],
+        default=list(DEFAULT_OFFLOADS),
+        help="the jaxzero rows to time (default: %(default)s); 'remainder' keeps the fp32 "
+        "master as a 16-bit remainder beside the bf16 params, '+bf16state' stores Adam's "
+        "moments in bfloat16 (jz.with_state_dtype)",
     )
     ap.add_argument(
         "--fraction",
@@ -163,11 +179,14 @@ def main(argv=None) -> None:
         ms = time_plain(loss_fn, abstract, batch, accum, args.rounds, args.steps)
         rows.append(("plain jax.jit optax", accum, ms, tokens, compute * 1e3, "-"))
         print(f"plain, accum {accum}: {ms:.2f} ms", file=sys.stderr, flush=True)
-        fractions = [(off, label, 1.0) for off, label in OFFLOADS if label in args.offloads]
+        fractions = [
+            (off, label, 1.0, sdt) for off, sdt, label in OFFLOADS if label in args.offloads
+        ]
         if args.fraction is not None:
-            fractions.append(("optimizer", f"optimizer, fraction {args.fraction:g}", args.fraction))
-        for off, label, fraction in fractions:
-            zero = _zero(mesh, off, fraction)
+            label = f"optimizer, fraction {args.fraction:g}"
+            fractions.append(("optimizer", label, args.fraction, None))
+        for off, label, fraction, sdt in fractions:
+            zero = _zero(mesh, off, fraction, sdt)
             try:
                 step = jz.make_train_step(loss_fn, zero, accum_steps=accum)
             except ValueError as e:
@@ -177,7 +196,7 @@ def main(argv=None) -> None:
             predicted, moved = compute, "-"  # nothing crosses PCIe without offload
             if off:
                 shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-                planned = _planned(step, loss_fn, mesh, off, accum, fraction)
+                planned = _planned(step, loss_fn, mesh, off, accum, fraction, sdt)
                 report = gpu.compile_report(planned, abstract, shapes, kind=kind)
                 cost = offload_cost(
                     report, shape.num_params, tokens, kind=kind, gbps=args.pcie_gbps
