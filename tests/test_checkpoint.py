@@ -53,6 +53,7 @@ def assert_equal(a, b):
 
 
 def assert_close(a, b, tol=1e-6):
+    # a resumed step against the uninterrupted one: under tests/tolerance.py's 16-ulp floor
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
