@@ -207,6 +207,7 @@ def test_host_gradients_clip_adamw_streamed_equals_plain_optax():
     want = update(*args)
     assert want[3] > 1.0  # clipping is active
     got = run(*host_args)
+    # one update, its norms summed in chunks: a few ulps, under tests/tolerance.py's 16-ulp floor
     chex.assert_trees_all_close(jax.tree.map(np.asarray, got), want, rtol=1e-6, atol=1e-7)
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(got[:2])}
     assert kinds == {"pinned_host"}
@@ -273,6 +274,7 @@ def test_chunked_max_min_and_or_prod_combine_as_the_whole_reductions():
     assert not {(64, 256), (40, 200), (4100,)} & set(fetched), fetched
     got = jax.tree.map(np.asarray, run(*host_args))
     assert [bool(x) for x in got[2:6]] == [True, False, True, False]
+    # reductions in chunks: a few ulps, under tests/tolerance.py's 16-ulp floor
     chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
 
 
@@ -289,4 +291,5 @@ def test_a_host_value_another_equation_reads_whole_is_fetched_whole():
     run, host_args = _streamed(fn, (grads,), device_outputs=2, alias={})
     fetched = set(_fetches(jax.make_jaxpr(run)(*host_args).jaxpr))
     assert (64, 256) in fetched and not {(40, 200), (4100,)} & fetched
+    # a max and one product sum: a few ulps, under tests/tolerance.py's 16-ulp floor
     chex.assert_trees_all_close(jax.tree.map(np.asarray, run(*host_args)), fn(grads), rtol=1e-6)
