@@ -75,6 +75,7 @@ def test_nested_layer_names_name_a_stack_and_unknown_ones_list_nested_paths():
     state, _ = step(step.init(params), batches[0])
     grads = jax.jit(jax.grad(nested_loss))(params, batches[0])
     want = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    # stated: tests/tolerance.py derives 1.9e-6 here (its floor), looser than this 1e-6
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
         jax.device_get(jz.gather(state)),
