@@ -4,7 +4,8 @@ import itertools
 
 import chex
 import pytest
-from models import chains, reference_run
+import tolerance
+from models import chains
 
 import jaxzero as jz
 from jaxzero.gpu.models import make_problem
@@ -23,8 +24,9 @@ def run_zero(problem, chain, stage, n, accum):
     state = step.init(params)
     for b in batches:
         state, metrics = step(state, b)
-    ref_params, _ = reference_run(tx, params, loss_fn, batches)
-    return state, ref_params, metrics
+    ref_params, _, atol = tolerance.reference(tx, params, loss_fn, batches)
+    # never looser than the stated 1e-5: the transformer's multisteps_adam derives 1.2e-5
+    return state, ref_params, min(atol, 1e-5), metrics
 
 
 def covering_cases():
@@ -68,8 +70,8 @@ def covering_params():
 
 @pytest.mark.parametrize("problem,chain,stage,n,accum", covering_params())
 def test_matches_single_device_optax(problem, chain, stage, n, accum):
-    state, ref, metrics = run_zero(problem, chain, stage, n, accum)
-    chex.assert_trees_all_close(jz.gather(state), ref, atol=1e-5, rtol=1e-5)
+    state, ref, atol, metrics = run_zero(problem, chain, stage, n, accum)
+    chex.assert_trees_all_close(jz.gather(state), ref, atol=atol, rtol=1e-5)
     assert int(metrics["step"]) == 10
 
 
@@ -83,8 +85,8 @@ def test_matches_single_device_optax(problem, chain, stage, n, accum):
     ],
 )
 def test_matches_single_device_optax_full_product(problem, chain, stage, n, accum):
-    state, ref, _ = run_zero(problem, chain, stage, n, accum)
-    chex.assert_trees_all_close(jz.gather(state), ref, atol=1e-5, rtol=1e-5)
+    state, ref, atol, _ = run_zero(problem, chain, stage, n, accum)
+    chex.assert_trees_all_close(jz.gather(state), ref, atol=atol, rtol=1e-5)
 
 
 def test_covering_subset_covers_every_value():
