@@ -100,13 +100,13 @@ PLAN_VERSIONS_ARGS ?= --params 6.7e9 --layers 32 --hidden 4096 --heads 32 --voca
 plan-versions: $(STAMP) $(LATEST_STAMP)
 	@mkdir -p runs/plan-versions
 	@for v in $(BIN) $(LATEST_BIN); do \
-		j=$$($$v/python -c 'import jax; print(jax.__version__)'); \
+		j=$$($$v/python -c 'from importlib.metadata import version; print(version("jax"))'); \
 		echo "jax $$j: jaxzero plan $(PLAN_VERSIONS_ARGS)"; \
 		{ $$v/jaxzero plan $(PLAN_VERSIONS_ARGS) && $$v/python benchmarks/plain_script.py; } \
 			> runs/plan-versions/jax-$$j.txt || exit 1; \
 	done
-	@diff -u runs/plan-versions/jax-$$($(BIN)/python -c 'import jax; print(jax.__version__)').txt \
-		runs/plan-versions/jax-$$($(LATEST_BIN)/python -c 'import jax; print(jax.__version__)').txt \
+	@diff -u runs/plan-versions/jax-$$($(BIN)/python -c 'from importlib.metadata import version; print(version("jax"))').txt \
+		runs/plan-versions/jax-$$($(LATEST_BIN)/python -c 'from importlib.metadata import version; print(version("jax"))').txt \
 		&& echo "plan-versions: the same table under both jax versions" || true
 
 clean:
