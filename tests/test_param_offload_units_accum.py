@@ -14,6 +14,7 @@ and no full gradient on the device.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -59,9 +60,14 @@ def model(request):
     return request.param
 
 
+@functools.cache
+def _problem_of(name):
+    return MODELS[name][0]()
+
+
 @pytest.fixture(scope="module")
 def problem(model):
-    return MODELS[model][0]()
+    return _problem_of(model)
 
 
 def _run(off, tx, problem, accum):
@@ -94,11 +100,16 @@ def _follows_optax(model, problem, accum):
     assert_master_is_bf16_optax(run, optax.sgd(lr), (params, loss_fn, batches), moved=moved)
 
 
-def test_accumulated_units_follow_single_device_optax(model, problem):
+# slow: the test decoder against optax (FlaxLlama stays; the decoder's tied-embedding sums stay in
+# test_accumulated_units_train_like_the_device_params[decoder])
+@pytest.mark.parametrize("name", ["llama", pytest.param("decoder", marks=pytest.mark.slow)])
+def test_accumulated_units_follow_single_device_optax(name):
     """2 micro-batches, each model (:func:`_follows_optax`)."""
-    _follows_optax(model, problem, 2)
+    _follows_optax(name, _problem_of(name), 2)
 
 
+# slow: 4 micro-batches (2 stay in the tests above)
+@pytest.mark.slow
 def test_four_micro_batches_follow_single_device_optax():
     """4 micro-batches (three of them in the step's scan) on the test decoder, whose tied
     embedding is summed by its own gather (:func:`_follows_optax`)."""
@@ -116,6 +127,8 @@ def _h100_report(n, accum, ema=None, **shape):
     return params, gpu.compile_report(step, params, batch)
 
 
+# slow: the 8-GPU compile (the one-GPU memory check below stays)
+@pytest.mark.slow
 def test_gpu_unit_sums_are_host_temporaries_and_the_device_holds_no_full_gradient():
     """Deviceless H100, FlaxLlama 4 blocks x 512 at N = 8, bf16 Adam with an EMA: with 2
     micro-batches the host arguments are the state and the params (18 bytes per local element
