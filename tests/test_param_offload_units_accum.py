@@ -52,7 +52,9 @@ def _decoder():
 
 # per model: its problem, and SGD's learning rate and how many tolerances its steps move the
 # params at least (the decoder's bf16 reference spreads more: a larger step stands out of it)
-MODELS = {"llama": (_llama, 0.5, 20), "decoder": (_decoder, 2.0, 10)}
+# the decoder's moved: 5 (its bf16 reference spreads 16.6x less than the step on jax 0.10.2,
+# 6.7x on jax 0.12.0.1; a lost micro-batch is still half a step, 3.4 tolerances, away)
+MODELS = {"llama": (_llama, 0.5, 20), "decoder": (_decoder, 2.0, 5)}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
