@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_remainder_step import SHAPES, _bits, _problem, _rebuilt_bits
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
@@ -23,28 +24,8 @@ N = 8
 BF16 = jz.Precision("bfloat16", "float32", "float32")
 REMAINDER = ("optimizer", "remainder")
 #: two leaves large enough to be kept as remainders, two small ones kept fp32
-SHAPES = {"w1": (64, 128), "w2": (128, 64), "b1": (128,), "b2": (3, 5)}
 EMA = jz.ShardedEMA(0.9, tau=2.0)
 STEPS, SAVE_AT = 4, 2
-
-
-def _problem():
-    rng = np.random.default_rng(0)
-    params = {k: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for k, s in SHAPES.items()}
-
-    def loss_fn(p, batch):
-        h = jnp.tanh(batch["x"] @ p["w1"].astype(jnp.float32) + p["b1"])
-        y = h @ p["w2"].astype(jnp.float32)
-        return jnp.mean((y - batch["y"]) ** 2) + jnp.sum(p["b2"].astype(jnp.float32) ** 2)
-
-    batches = [
-        {
-            "x": jnp.asarray(rng.normal(size=(16, 64)), jnp.float32),
-            "y": jnp.asarray(rng.normal(size=(16, 64)), jnp.float32),
-        }
-        for _ in range(STEPS)
-    ]
-    return params, loss_fn, batches
 
 
 def _zero(offload, n=N, stage=2):
@@ -57,18 +38,6 @@ def _train(zero, loss_fn, state, batches):
     for b in batches:
         state, _ = step(state, b)
     return state
-
-
-def _bits(x) -> np.ndarray:
-    x = np.asarray(jax.device_get(x))
-    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
-
-
-def _rebuilt(m, p) -> np.ndarray:
-    """A stored master leaf's fp32 bits rebuilt in numpy (bf16 bits, ``lo``, carry)."""
-    h = _bits(p).astype(np.uint32)
-    carry = np.unpackbits(np.asarray(m.carry), axis=-1, count=h.shape[-1], bitorder="little")
-    return ((h - carry.astype(np.uint32)) << 16) | np.asarray(m.lo).astype(np.uint32)
 
 
 def _assert_bits_equal(a, b):
@@ -115,7 +84,7 @@ def test_fp32_master_joins_the_remainder_bit_for_bit(runs):
         assert joined[k].sharding == fp32.master[k].sharding  # the fp32 master's shards, host
         np.testing.assert_array_equal(_bits(joined[k]), _bits(fp32.master[k]))
     for k in ("w1", "w2"):  # and the remainder is what numpy rebuilds
-        np.testing.assert_array_equal(_rebuilt(rem.master[k], rem.params[k]), _bits(joined[k]))
+        np.testing.assert_array_equal(_rebuilt_bits(rem.master[k], rem.params[k]), _bits(joined[k]))
     assert fp32.fp32_master() is fp32.master  # nothing stored: the master itself
 
 
@@ -181,7 +150,7 @@ def test_plain_checkpoints_restore_into_the_remainder(runs, source):
     _assert_bits_equal(got.fp32_master(), runs["at"][source].master)
     for k in ("w1", "w2"):
         np.testing.assert_array_equal(
-            _rebuilt(got.master[k], got.params[k]), _bits(runs["at"][source].master[k])
+            _rebuilt_bits(got.master[k], got.params[k]), _bits(runs["at"][source].master[k])
         )
     if source == "fp32":
         _assert_state_equal(_train(zero, loss_fn, got, batches[SAVE_AT:]), runs["end"])
