@@ -5,8 +5,8 @@ update (the NVMe tier, decision 50; DeepSpeed's ``offload_optimizer: {device: nv
 The step is the host offload's (``ZeRO(offload="optimizer")``, decision 32) with the state in
 the swapper's file instead of pinned host memory: the same gradients (one jitted ``shard_map``
 of the host offload's gradient path), then :class:`~jaxzero.zero.offload.nvme_update.DiskUpdate`'s
-update, a group of leaves at a time, which gives the host offload's numbers (the first
-step's bit for bit, later ones to the last bits: see there).
+update, a group of leaves at a time, which gives the host offload's numbers (bit for bit
+with XLA:CPU's LLVM passes off, to the last bits with them on: see there).
 The compute params live on the device (replicated at stages 1 and 2, sharded at stage 3),
 as with the host offload; host memory holds the swapper's window::
 

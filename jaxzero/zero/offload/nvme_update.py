@@ -21,13 +21,13 @@ new state's shards come back into the same buffer, which is written back. The ne
 shards stay on the device. Host memory holds the swapper's window; the device holds the
 params, the gradients, one group's state and the new compute shards.
 
-Each part's equations are the host offload's (the same primitives, on the same shardings).
-The first step's state equals the host offload's bit for bit; later ones agree to the last
-bits (within the ``rtol=1e-6`` tests/test_offload.py holds the host offload to against the
-device step), not exactly: XLA compiles the host offload's update as one program with the
-gradients' and rewrites and fuses across that program (a fused multiply-add rounds once where
-two operations round twice); the update of the same state in a single program of its own
-differs from the host offload's as much.
+Each part's equations are the host offload's (the same primitives, on the same shardings),
+and the prologue's values cross programs here as they cross an ``optimization_barrier`` in the
+host offload's program: with XLA:CPU's LLVM passes off the state equals the host offload's
+bit for bit at every step. With them on it differs from the second step in the last bits
+(decision 50): the host offload's parts run inside its chunk loop, which XLA:CPU emits as a
+nested computation, and LLVM fuses multiply-adds there differently than in the top-level
+kernels of a group's program.
 """
 
 from __future__ import annotations
