@@ -25,9 +25,10 @@ Each part's equations are the host offload's (the same primitives, on the same s
 and the prologue's values cross programs here as they cross an ``optimization_barrier`` in the
 host offload's program: with XLA:CPU's LLVM passes off the state equals the host offload's
 bit for bit at every step. With them on it differs from the second step in the last bits
-(decision 50): the host offload's parts run inside its chunk loop, which XLA:CPU emits as a
-nested computation, and LLVM fuses multiply-adds there differently than in the top-level
-kernels of a group's program.
+(decision 50): XLA recomputes Adam's new moment inside the parameter's kernel, and LLVM
+contracts a different one of its two products into a fused multiply-add there when the
+gradients' mean is computed in the same kernel (the host offload's single program) than when
+the gradient arrives materialized (here).
 """
 
 from __future__ import annotations
