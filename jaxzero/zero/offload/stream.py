@@ -42,7 +42,7 @@ import jaxzero.zero.offload.remainder as remainder
 from jaxzero._compat import bind_params
 from jaxzero.zero import jaxpr_eval
 
-__all__ = ["CHUNK", "chunk_dim", "rows_per_chunk", "run"]
+__all__ = ["CHUNK", "chunk_dim", "rows_per_chunk", "run", "run_rows"]
 
 DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
 
@@ -166,11 +166,72 @@ class _Run:
         c = rows_per_chunk(shape[k], per_row, chunk, self.multiple(vs, k, shape))
         return k, c, shape[:k] + (c,) + shape[k + 1 :]
 
+    def once(self, part) -> tuple[list[int], list[int]]:
+        """``part``'s equations cut in two: those that compute small values from small values
+        alone (Adam's bias corrections from the step count), evaluated once for every chunk
+        (:meth:`scalars`), and the rest, evaluated on each chunk's rows. A scalar is then
+        computed in one place whichever loop reads it, so a row update run later
+        (:func:`run_rows`) reads the same bits as the chunk loop would have."""
+        eqns = self.plan.jaxpr.jaxpr.eqns
+        small = lambda i: not any(stream_parts.big(v) for v in (*eqns[i].invars, *eqns[i].outvars))
+        return [i for i in part.eqns if small(i)], [i for i in part.eqns if not small(i)]
+
+    def scalars(self, part, small_env) -> dict:
+        """``small_env`` with the values of ``part``'s small equations (:meth:`once`)."""
+        return _run_eqns(self.plan.jaxpr.jaxpr, self.once(part)[0], dict(small_env))
+
+    def rows(self, part, big, srcs, small_env, cut, env, loop=None):
+        """``part``'s values on the rows ``cut`` = ``(start, rows, dimension, chunk shape)``:
+        its large inputs' rows cut from ``srcs`` (fetched where they live in host memory; a
+        stored master's joined with its compute copy's rows, read from ``loop`` or ``env``),
+        its small values (:meth:`scalars`) from ``small_env``. Returns the evaluation's
+        values."""
+        start, c, k, shape = cut
+        envl = dict(small_env)
+        for v, x in zip(big, srcs, strict=True):
+            envl[v] = self.piece(v, x, start, c, k, env, loop)
+        return _run_eqns(self.plan.jaxpr.jaxpr, self.once(part)[1], envl, shape)
+
+    def put(self, acc, v, y, start, k):
+        """``acc`` (the buffer of output ``v``) with the rows ``y`` of ``v`` written at
+        ``start`` along ``k``: into host memory unless ``v`` stays on the device, a stored
+        master's as its remainder."""
+        if v in self.stored_out:  # only the remainder's bytes go back
+            y = remainder.split(y, y.astype(jnp.bfloat16), axis=-1)
+        y = y if v in self.to_device else jax.device_put(y, HOST)
+        if v in self.stored_out:
+            return remainder.put_rows(acc, y, start, k)
+        return jax.lax.dynamic_update_slice_in_dim(acc, y, start, k, allow_negative_indices=False)
+
+    def deferrable(self, part, spec, defer) -> bool:
+        """Whether ``part`` can run later a row at a time (:func:`run_rows`): it streams along
+        its first dimension, every large host value it reads is one of the inputs ``defer``
+        names, and every output it writes to host memory replaces one of them."""
+        if spec is None or chunk_dim(spec, part.outputs[0].aval.shape) != 0:
+            return False
+        reads = [v for v in part.inputs if v in self.host and stream_parts.big(v)]
+        if not reads or not defer.issuperset(reads):
+            return False
+        return all(v in self.to_device or self.alias.get(v) in reads for v in part.outputs)
+
+    def pending_reads(self, parts) -> list:
+        """What the deferred ``parts``' rows read besides their large host state, in a fixed
+        order: the small values (the prologue's, a part's own scalars from :meth:`once`) and
+        the device inputs (the gradients; a stored master's compute copy)."""
+        eqns = self.plan.jaxpr.jaxpr.eqns
+        out = []
+        for part in parts:
+            for v in jaxpr_eval.reads([eqns[i] for i in self.once(part)[1]]):
+                for w in (v, self.stored.get(v)):
+                    state = w in self.host and stream_parts.big(w)
+                    if w is not None and not state and w not in out:
+                        out.append(w)
+        return out
+
     def chunked(self, env, part, spec, chunk):
         """``part`` in a loop over chunks of an unsplit dimension, under jit's sharding: each
         chunk of its host inputs fetched, computed, and its host outputs written back in
         place (into the input of the same dtype that nothing reads afterwards)."""
-        jaxpr = self.plan.jaxpr.jaxpr
         big = [v for v in part.inputs if stream_parts.big(v)]
         small = [v for v in part.inputs if not stream_parts.big(v)]
         shape = part.outputs[0].aval.shape
@@ -187,29 +248,17 @@ class _Run:
             into.append(u if ok and u not in into else None)
         big_vals, small_vals = self.chained(([env[v] for v in big], [env[v] for v in small]))
         small_vals = [self.fetched(v, x, env) for v, x in zip(small, small_vals, strict=True)]
+        small_env = self.scalars(part, zip(small, small_vals, strict=True))
 
         def body(j, carry):
             start = j * c
-            envl = dict(zip(small, small_vals, strict=True))
             loop = {u: acc for u, acc in zip(into, carry, strict=True) if u is not None}
-            for v, x in zip(big, big_vals, strict=True):
-                envl[v] = self.piece(v, loop.get(v, x), start, c, k, env, loop)
-            _run_eqns(jaxpr, part.eqns, envl, chunk_shape)
-            new = []
-            for acc, v in zip(carry, part.outputs, strict=True):
-                y = envl[v]
-                if v in self.stored_out:  # only the remainder's bytes go back
-                    y = remainder.split(y, y.astype(jnp.bfloat16), axis=-1)
-                y = y if v in self.to_device else jax.device_put(y, HOST)
-                if v in self.stored_out:
-                    new.append(remainder.put_rows(acc, y, start, k))
-                    continue
-                new.append(
-                    jax.lax.dynamic_update_slice_in_dim(
-                        acc, y, start, k, allow_negative_indices=False
-                    )
-                )
-            return tuple(new)
+            srcs = [loop.get(v, x) for v, x in zip(big, big_vals, strict=True)]
+            envl = self.rows(part, big, srcs, small_env, (start, c, k, chunk_shape), env, loop)
+            return tuple(
+                self.put(acc, v, envl[v], start, k)
+                for acc, v in zip(carry, part.outputs, strict=True)
+            )
 
         init = []
         for u, v in zip(into, part.outputs, strict=True):
@@ -343,31 +392,9 @@ def _identity(name: str, dtype):
     return jnp.asarray(1 if name == "reduce_prod" else 0, dtype)
 
 
-def run(
-    fn, args, *, mesh, specs, host, device_outputs, alias, chunk: int | None = None, stored=None
-):
-    """``fn(*args)`` computed on the device, streamed from and into host memory.
-
-    Args:
-      fn: a function of pytrees of arrays (traced once, as on the device).
-      args: its arguments; ``specs`` and ``host`` give, per flat leaf, its PartitionSpec and
-        whether it lives in host memory (the state, which ``fn``'s outputs replace). A
-        :class:`~jaxzero.zero.offload.remainder.Remainder` is one leaf: the fp32 master it
-        stands for, which ``fn`` is traced with.
-      device_outputs: how many of the last flat outputs stay on the device, the others
-        written to host memory; or, per flat output, whether it stays on the device.
-      alias: ``{flat output index: flat input index}``, the state leaf each host output
-        replaces; it is written chunk by chunk into that leaf's (donated) buffer.
-      chunk: elements per device that one loop iteration fetches of each leaf (default
-        :data:`CHUNK`).
-      stored: ``{flat input index: flat input index}``: each Remainder leaf's bf16 compute
-        copy (packed row by row: ``remainder.split(..., axis=-1)``); an output that replaces a
-        Remainder (``alias``) is written back as one.
-
-    Returns:
-      ``fn(*args)``'s outputs, each where ``device_outputs`` puts it.
-    """
-    chunk = CHUNK if chunk is None else chunk
+def _traced(fn, args, *, mesh, specs, host, device_outputs, alias, stored):
+    """``fn`` traced on ``args``' avals and cut into parts: ``(the run, its values so far, the
+    output tree, which outputs stay on the device, args' tree)``."""
     flat, tree = jax.tree.flatten(args, is_leaf=remainder.is_stored)
     aval = lambda x: jax.ShapeDtypeStruct(
         x.lo.shape if remainder.is_stored(x) else x.shape,
@@ -391,17 +418,173 @@ def run(
     r = _Run(plan, mesh, specs, host, dev, pairs, stored)
     env = dict(zip(jaxpr.invars, flat, strict=True))
     env.update(zip(jaxpr.constvars, closed.consts, strict=True))
+    return r, env, out_tree, stays, tree
+
+
+def _deferred(r, defer) -> tuple[list, list]:
+    """The parts :meth:`_Run.deferrable` by the flat input flags ``defer``, and what they
+    read that is carried to :func:`run_rows` (:meth:`_Run.pending_reads`)."""
+    jaxpr = r.plan.jaxpr.jaxpr
+    names = {v for v, d in zip(jaxpr.invars, defer, strict=True) if d}
+    parts = [p for p in r.plan.parts if r.deferrable(p, r.streamable(p), names)]
+    rows = {p.outputs[0].aval.shape[0] for p in parts}
+    if len(rows) > 1:
+        raise ValueError(
+            f"the deferred state leaves have first dimensions {sorted(rows)}; deferring runs "
+            f"their update a row of the same first (layer) dimension at a time: flag only the "
+            f"leaves of one stack."
+        )
+    consts = set(jaxpr.constvars)
+    return parts, [v for v in r.pending_reads(parts) if v not in consts]
+
+
+def run(
+    fn,
+    args,
+    *,
+    mesh,
+    specs,
+    host,
+    device_outputs,
+    alias,
+    chunk: int | None = None,
+    stored=None,
+    defer=None,
+):
+    """``fn(*args)`` computed on the device, streamed from and into host memory.
+
+    Args:
+      fn: a function of pytrees of arrays (traced once, as on the device).
+      args: its arguments; ``specs`` and ``host`` give, per flat leaf, its PartitionSpec and
+        whether it lives in host memory (the state, which ``fn``'s outputs replace). A
+        :class:`~jaxzero.zero.offload.remainder.Remainder` is one leaf: the fp32 master it
+        stands for, which ``fn`` is traced with.
+      device_outputs: how many of the last flat outputs stay on the device, the others
+        written to host memory; or, per flat output, whether it stays on the device.
+      alias: ``{flat output index: flat input index}``, the state leaf each host output
+        replaces; it is written chunk by chunk into that leaf's (donated) buffer.
+      chunk: elements per device that one loop iteration fetches of each leaf (default
+        :data:`CHUNK`).
+      stored: ``{flat input index: flat input index}``: each Remainder leaf's bf16 compute
+        copy (packed row by row: ``remainder.split(..., axis=-1)``); an output that replaces a
+        Remainder (``alias``) is written back as one.
+      defer: per flat input leaf, whether it is a state leaf of a layer stack whose update
+        runs later, a row at a time (:func:`run_rows`, inside the next step's layer loop):
+        the parts that stream along the first dimension and read no other host value are
+        left undone.
+
+    Returns:
+      ``fn(*args)``'s outputs, each where ``device_outputs`` puts it; with ``defer``,
+      ``(outputs, pending)``: a deferred part's host outputs are its state leaves unchanged
+      and its device outputs None, and ``pending`` is what :func:`run_rows` reads (the
+      gradients' and the prologue's values those parts take).
+    """
+    chunk = CHUNK if chunk is None else chunk
+    r, env, out_tree, stays, _ = _traced(
+        fn,
+        args,
+        mesh=mesh,
+        specs=specs,
+        host=host,
+        device_outputs=device_outputs,
+        alias=alias,
+        stored=stored,
+    )
+    plan, jaxpr = r.plan, r.plan.jaxpr.jaxpr
+    later, pending = _deferred(r, defer) if defer is not None else ([], [])
     env.update(r.prologue(env, plan.prologue, chunk))
     for part in plan.parts:
+        if any(part is p for p in later):  # its state stays as it is; what it will read is carried
+            small = [v for v in part.inputs if not stream_parts.big(v)]
+            env.update(r.scalars(part, ((v, r.fetched(v, env[v], env)) for v in small)))
+            env.update((v, None if v in r.to_device else env[r.alias[v]]) for v in part.outputs)
+            r.written.update(v for v in part.outputs if v not in r.to_device)
+            continue
         spec = r.streamable(part)
         env.update(r.whole(env, part) if spec is None else r.chunked(env, part, spec, chunk))
     outs = []
     for i, v in enumerate(jaxpr.outvars):
         x = jnp.asarray(v.val) if isinstance(v, Literal) else env[v]
+        if x is None:  # a deferred part's device output: :func:`run_rows` gives its rows
+            outs.append(x)
+            continue
         if v in r.stored_out and not remainder.is_stored(x):  # computed whole on the device
             x = remainder.split(x, x.astype(jnp.bfloat16), axis=-1)
         on_host = isinstance(v, Var) and (v in r.host or v in r.written)
         if stays[i] == on_host:
             x = jax.device_put(x, DEVICE if on_host else HOST)
         outs.append(x)
-    return jax.tree.unflatten(out_tree, outs)
+    outs = jax.tree.unflatten(out_tree, outs)
+    return outs if defer is None else (outs, tuple(env[v] for v in pending))
+
+
+def run_rows(
+    fn,
+    args,
+    pending,
+    start,
+    rows: int,
+    *,
+    mesh,
+    specs,
+    host,
+    device_outputs,
+    alias,
+    defer,
+    stored=None,
+):
+    """Rows ``[start, start + rows)`` of the first (layer) dimension of the update that
+    :func:`run` with ``defer=`` left undone: each deferred part's host state rows fetched from
+    ``args`` as they are now, computed with what ``pending`` carried, and written back into
+    the state leaves they replace.
+
+    Args:
+      fn, args, mesh, specs, host, device_outputs, alias, defer, stored: as :func:`run` was
+        given them (``args``: the same leaves, the host state as it is now; the leaves
+        ``pending`` carries are not read).
+      pending: the second value :func:`run` returned.
+      start: the first row (may be traced: a layer loop's index).
+      rows: how many.
+
+    Returns:
+      ``(args, new)``: ``args`` with those rows written into the deferred state leaves, and
+      ``{flat output index: its rows}`` for each deferred output that stays on the device
+      (the new compute params' rows).
+    """
+    r, env, _, _, tree = _traced(
+        fn,
+        args,
+        mesh=mesh,
+        specs=specs,
+        host=host,
+        device_outputs=device_outputs,
+        alias=alias,
+        stored=stored,
+    )
+    later, reads = _deferred(r, defer)
+    if len(reads) != len(pending):
+        raise ValueError(
+            f"pending holds {len(pending)} values and the deferred parts read {len(reads)}: "
+            f"pass run_rows the function and arguments run(..., defer=) was given."
+        )
+    given = [env[v] for v in r.plan.jaxpr.jaxpr.invars]
+    env.update(zip(reads, pending, strict=True))
+    bufs = {}  # a deferred state leaf -> its buffer with the rows written so far
+    rows_of = {}
+    for part in later:
+        big = [v for v in part.inputs if stream_parts.big(v)]
+        small = {v: env[v] for v in reads if not stream_parts.big(v)}
+        shape = part.outputs[0].aval.shape
+        cut = (start, rows, 0, (rows, *shape[1:]))
+        srcs = [bufs.get(v, env[v]) for v in big]
+        envl = r.rows(part, big, srcs, small, cut, env, bufs)
+        for v in part.outputs:
+            if v in r.to_device:
+                rows_of[v] = envl[v]
+                continue
+            u = r.alias[v]
+            bufs[u] = r.put(bufs.get(u, env[u]), v, envl[v], start, 0)
+    jaxpr = r.plan.jaxpr.jaxpr
+    flat = [bufs.get(v, x) for v, x in zip(jaxpr.invars, given, strict=True)]
+    new = {o: rows_of[v] for o, v in enumerate(jaxpr.outvars) if v in rows_of}
+    return jax.tree.unflatten(tree, flat), new
