@@ -201,13 +201,18 @@ def main(argv=None) -> int:
         main_cfg = f"{args.block_mb}x{args.queue_depth}"
         for cfg in dict.fromkeys(c for c in args.sweep if c != main_cfg):
             mib, threads = map(int, cfg.split("x"))
+            # the same file under a name of its own (a hard link: a swapper locks its name),
+            # with its own pool and threads
+            name = f"sweep-{cfg}.swp"
+            os.link(sw.path, os.path.join(work, name))
             other = Swapper(
                 work,
                 [group_bytes] * groups,
                 buffer_count=args.buffer_count,
                 block_bytes=mib * MB,
                 queue_depth=threads,
-            )  # the same file (same name), its own pool and threads
+                name=name,
+            )
             swapper_fill(other, source, group_bytes)
             sweep[cfg] = other
         plain_passes = {

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -227,3 +228,113 @@ def test_misuse_of_buffers_is_an_error_not_a_deadlock(tmp_path):
             sw.wait(4)
         sw.write_back(0, a)
         sw.release(1)
+
+
+def _mounts(tmp_path, monkeypatch, table):
+    path = tmp_path / "mounts"
+    path.write_text(table)
+    monkeypatch.setattr(nvme, "MOUNTS", str(path))
+
+
+def test_the_filesystem_is_read_from_the_mount_table(tmp_path, monkeypatch):
+    # the longest mount point above the path, the last of two over one point, an escaped space
+    _mounts(
+        tmp_path,
+        monkeypatch,
+        "/dev/vda / ext4 rw 0 0\n"
+        "tmpfs /mnt/ram tmpfs rw 0 0\n"
+        "/dev/nvme0n1 /mnt/ram xfs rw 0 0\n"
+        "tmpfs /mnt/my\\040disk tmpfs rw 0 0\n"
+        "tmpfs /mnt/a tmpfs rw 0 0\n",
+    )
+    assert nvme.filesystem_type("/srv/x") == "ext4"
+    assert nvme.filesystem_type("/mnt/ram/run") == "xfs"
+    assert nvme.filesystem_type("/mnt/my disk/run") == "tmpfs"
+    assert nvme.filesystem_type("/mnt/ab") == "ext4"  # /mnt/a is not above /mnt/ab
+    monkeypatch.setattr(nvme, "MOUNTS", str(tmp_path / "absent"))
+    assert nvme.filesystem_type("/srv/x") is None
+
+
+def test_a_directory_in_host_memory_warns(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    _mounts(tmp_path, monkeypatch, f"/dev/vda / ext4 rw 0 0\ntmpfs {run} tmpfs rw 0 0\n")
+    with pytest.warns(UserWarning, match=r"is on tmpfs, which keeps its files in host memory"):
+        Swapper(run, [100]).close()
+    other = tmp_path / "disk"
+    other.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Swapper(other, [100]).close()  # ext4: no warning
+
+
+def test_a_second_swapper_on_the_file_is_refused_naming_the_owner(tmp_path):
+    sizes, data = _random_groups(7, 3, 10 * KIB)
+    with Swapper(tmp_path, sizes) as sw:
+        _fill(sw, data)
+        with pytest.raises(BlockingIOError, match=f"in use by process {os.getpid()}"):
+            Swapper(tmp_path, sizes)
+        Swapper(tmp_path, sizes, name="other.swp").close()  # another file: its own lock
+    with Swapper(tmp_path, sizes) as again:  # closed: the lock is free, the bytes kept
+        for g, buf in again.pipelined(write=False):
+            np.testing.assert_array_equal(buf, data[g])
+
+
+# Another process holds the file (nvme.py loaded alone, as the RSS script does) until told to
+# close it.
+_HOLD_SCRIPT = textwrap.dedent(
+    """
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("nvme", sys.argv[1])
+    nvme = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nvme)
+    with nvme.Swapper(sys.argv[2], [4096]):
+        print("held", flush=True)
+        sys.stdin.readline()
+    """
+)
+
+
+def test_another_run_in_the_directory_is_refused_naming_its_pid(tmp_path):
+    other = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_SCRIPT, nvme.__file__, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert other.stdout.readline().strip() == "held"
+        with pytest.raises(BlockingIOError, match=f"in use by process {other.pid} "):
+            Swapper(tmp_path, [4096])
+    finally:
+        other.communicate("\n", timeout=60)
+    assert other.returncode == 0
+    Swapper(tmp_path, [4096]).close()  # the other run ended: its lock went with it
+
+
+def test_a_full_disk_in_the_middle_of_a_write_fails_cleanly(tmp_path, monkeypatch):
+    """A write that hits ENOSPC (a thin-provisioned or copy-on-write disk can, despite the
+    preallocation): the pass raises it naming the group and the file, every buffer is back in
+    the pool, the groups written before and after it hold their new bytes, and the swapper
+    goes on working."""
+    sizes, data = _random_groups(8, 5, 20 * KIB)
+    real = os.pwritev
+    with Swapper(tmp_path, sizes, buffer_count=3, block_bytes=4 * KIB) as sw:
+        _fill(sw, data)
+        bad = sw.offsets[2]
+
+        def full(fd, buffers, offset):
+            if offset == bad:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "pwritev", full)
+        with pytest.raises(OSError, match=r"No space left on device \(write of group 2 ") as info:
+            for _, buf in sw.pipelined():
+                buf ^= 0xFF
+        assert info.value.errno == errno.ENOSPC and sw.path in str(info.value)
+        assert sw.in_use == 0
+        monkeypatch.setattr(os, "pwritev", real)
+        got = [buf.copy() for _, buf in sw.pipelined(write=False)]
+    for g in (0, 1, 3, 4):
+        np.testing.assert_array_equal(got[g], data[g] ^ 0xFF)

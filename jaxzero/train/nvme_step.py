@@ -16,8 +16,11 @@ as with the host offload; host memory holds the swapper's window::
     state, metrics = step(state, batch)
     opt_state, master = state.optimizer_state()  # read back from the file
 
-A step updates the file in place, and an error in the middle of a step leaves it part
-updated (decision 50's gaps).
+A step updates the file in place. An error in the middle of a step's update (a failed write)
+leaves the file part updated: the step raises it, and the state refuses later steps and reads
+with a message naming it (restore from a checkpoint). The file is locked while its state is
+open: a second run in the same directory is refused, naming the first one's process;
+:meth:`NVMeState.close` releases it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from jaxzero.train.grads import local_gradients
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.trees import batch_rows
 from jaxzero.zero import specs as sh
+from jaxzero.zero.offload.nvme import check_directory
 from jaxzero.zero.offload.nvme_update import DiskUpdate, NVMe, finite_and_norm
 
 __all__ = ["NVMe", "NVMeState", "NVMeTrainStep", "make_nvme_train_step"]
@@ -62,6 +66,10 @@ class NVMeState:
         at a time (``master`` None when the params are the master)."""
         return self.disk.read(self.resident)
 
+    def close(self) -> None:
+        """Close the state's file (it stays on disk) and release its lock."""
+        self.disk.close()
+
 
 @dataclasses.dataclass
 class NVMeTrainStep:
@@ -77,32 +85,53 @@ class NVMeTrainStep:
     _gather: Any
 
     def init(self, params) -> NVMeState:
-        """The state of ``params``: ``zero.init`` (the host offload's state, in pinned host
-        memory), its large optimizer leaves written to the file and dropped.
+        """The state of ``params``, its optimizer side written to the file a group of leaves
+        at a time: the file is made (and the directory checked) before any state exists,
+        and each group's first values (``zero.init``'s, computed for those leaves alone) are
+        on the host only while they are copied into the window, so the state never sits in
+        memory whole.
 
         Returns:
           The :class:`NVMeState`; the file is ``nvme.path/optimizer_state.swp``.
         """
         zero = self.zero
-        state = zero.init(params)
-        on_device = state.master is None
-        master = state.params if on_device else state.master
+        abstract = zero.abstract_state(params)
+        on_device = abstract.master is None
+        master = abstract.params if on_device else abstract.master
         aval = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
         named = lambda t: sh.named(zero.mesh, zero.shard_specs(t))
         disk = DiskUpdate(
             zero.tx,
             zero.precision,
             zero.skip_nonfinite,
-            opt_state=aval(state.opt_state),
+            opt_state=aval(abstract.opt_state),
             master=aval(master),
-            opt_shardings=named(state.opt_state),
+            opt_shardings=named(abstract.opt_state),
             master_shardings=named(master),
             master_on_device=on_device,
-            scaled=state.loss_scale is not None,
+            scaled=abstract.loss_scale is not None,
             nvme=self.nvme,
         )
-        resident = disk.store(state.opt_state, None if on_device else state.master)
-        return NVMeState(state.params, resident, state.step, state.skipped, state.loss_scale, disk)
+
+        def leaves(indices):
+            # zero.init under jit, its other outputs unused: XLA computes only these leaves
+            def pick(p):
+                state = zero.init(p)
+                flat = jax.tree.leaves(state.opt_state)
+                flat += [None] * disk.n_m if on_device else jax.tree.leaves(state.master)
+                return [flat[i] for i in indices]
+
+            out = [disk.shardings[i] for i in indices]
+            return jax.jit(pick, out_shardings=out)(params)
+
+        try:
+            resident = disk.fill(leaves)
+        except BaseException:
+            disk.close()
+            raise
+        counters = lambda p: (lambda s: (s.params, s.step, s.skipped, s.loss_scale))(zero.init(p))
+        compute, step, skipped, loss_scale = jax.jit(counters)(params)
+        return NVMeState(compute, resident, step, skipped, loss_scale, disk)
 
     def __call__(self, state: NVMeState, batch):
         zero = self.zero
@@ -155,11 +184,17 @@ def make_nvme_train_step(loss_fn, zero: ZeRO, nvme: NVMe, *, accum_steps: int = 
     Raises:
       ValueError: ``zero`` does not offload the optimizer alone (parameter offload, an
         ``offload_fraction`` below 1 and the remainder master are not supported on disk).
+      FileNotFoundError, NotADirectoryError, PermissionError: ``nvme.path`` is missing, a
+        file or not writable (:func:`~jaxzero.zero.offload.nvme.check_directory`; a
+        directory on tmpfs warns); the free space and the lock are checked by ``init``,
+        before the state is built.
       NotImplementedError: (at the first call) a loss returning a ``GlobalMean``.
     """
     if not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}.")
     place = zero.placement
+    if not isinstance(nvme, NVMe):
+        raise TypeError(f"nvme must be a jaxzero NVMe(path, ...), got {type(nvme).__name__}.")
     if zero.offloaded() != ("optimizer",) or getattr(place, "fraction", 1.0) != 1.0:
         raise ValueError(
             f"the NVMe step takes ZeRO(offload='optimizer') (got offload={zero.offload!r}, "
@@ -167,6 +202,7 @@ def make_nvme_train_step(loss_fn, zero: ZeRO, nvme: NVMe, *, accum_steps: int = 
             "the optimizer side in pinned host memory"
         )
     user_loss.check_signature(loss_fn, rng=False, stateful=False)
+    check_directory(nvme.path)  # a bad directory fails here, before any state is built
     reducing = zero.path.for_step(accum_steps)
     grads_fn = local_gradients(reducing, loss_fn, accum_steps)
     axes_spec = zero.batch_spec()
@@ -188,9 +224,12 @@ def make_nvme_train_step(loss_fn, zero: ZeRO, nvme: NVMe, *, accum_steps: int = 
         shards = sh.named(zero.mesh, zero.shard_specs(g))
         g = jax.lax.with_sharding_constraint(g, shards)
         # the master when the params are it: their shards, as the host offload reads them
-        master = jax.lax.with_sharding_constraint(
-            params, sh.named(zero.mesh, zero.shard_specs(params))
-        )
+        # (a separate master is on disk: no copy of the params is made for it)
+        master = None
+        if not zero.precision.separate_master:
+            master = jax.lax.with_sharding_constraint(
+                params, sh.named(zero.mesh, zero.shard_specs(params))
+            )
         return loss, aux, g, master
 
     def finish(step, skipped, loss_scale, finite):

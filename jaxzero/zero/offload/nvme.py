@@ -15,6 +15,12 @@ I/O is plain ``os.preadv``/``os.pwritev`` of ``block_bytes`` pieces on a thread 
 ``queue_depth`` threads (the calls release the GIL), with ``O_DIRECT`` where the filesystem
 allows it, so neither side of a pass goes through (or is measured from) the page cache.
 Operations on one group run in the order they were asked for.
+
+Everything a bad directory can do is checked before the file is touched
+(:func:`check_directory`, then the free space and a lock): a missing or unwritable directory
+raises, one in host memory (tmpfs) warns, a disk without room for the file raises naming the
+bytes, and a second swapper on the same file (another run in the same directory) is refused
+naming the process that holds it.
 """
 
 from __future__ import annotations
@@ -22,19 +28,87 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import errno
+import fcntl
 import mmap
 import os
 import shutil
 import threading
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["ALIGN", "Swapper", "aligned_buffer"]
+__all__ = ["ALIGN", "MEMORY_FILESYSTEMS", "Swapper", "aligned_buffer", "check_directory"]
 
 #: alignment of offsets, lengths and buffer addresses for ``O_DIRECT`` (a page; covers the
 #: 512 B and 4 KiB logical blocks of NVMe and virtio disks)
 ALIGN = 4096
+
+
+#: filesystems whose files live in host memory: a swap file there takes the RAM the tier is
+#: meant to free
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+#: the mount table :func:`filesystem_type` reads
+MOUNTS = "/proc/mounts"
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem ``path`` is on (``/proc/mounts``' longest mount point above
+    its real path), or None where the table cannot be read (not Linux)."""
+    path = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open(MOUNTS) as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        # the table escapes spaces, tabs, newlines and backslashes as octal
+        point = fields[1].encode().decode("unicode_escape")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):  # the last mount over a point wins
+            best, kind = point, fields[2]
+    return kind
+
+
+def check_directory(directory: str | os.PathLike) -> str:
+    """``directory`` checked as a place for a swap file, before anything is written there.
+
+    Returns:
+      The directory as a string.
+
+    Raises:
+      FileNotFoundError: it does not exist (NotADirectoryError: it is a file).
+      PermissionError: it is not writable (a read-only mount too).
+
+    Warns:
+      UserWarning: it is on a filesystem held in host memory (tmpfs, ramfs).
+    """
+    directory = os.fspath(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(errno.ENOTDIR, "the swap directory is a file", directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            errno.ENOENT, "the swap directory does not exist: create it first", directory
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(
+            errno.EACCES, "the swap directory is not writable (or on a read-only mount)", directory
+        )
+    kind = filesystem_type(directory)
+    if kind in MEMORY_FILESYSTEMS:
+        warnings.warn(
+            f"the swap directory {directory} is on {kind}, which keeps its files in host "
+            "memory: the state 'on disk' takes as much RAM as offload='optimizer' would. "
+            "Point the NVMe path at a disk mount.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return directory
 
 
 def _round_up(n: int, to: int = ALIGN) -> int:
@@ -45,6 +119,32 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     """A page-aligned ``uint8`` array of ``nbytes`` (anonymous memory: pages are committed when
     first touched), usable for ``O_DIRECT`` reads and writes."""
     return np.frombuffer(mmap.mmap(-1, max(ALIGN, _round_up(nbytes))), np.uint8)[:nbytes]
+
+
+def _lock(path: str) -> int:
+    """A descriptor of ``path`` holding an exclusive ``flock`` and this process's pid, for as
+    long as it is open (the kernel drops the lock when the process ends, so a crashed run
+    leaves no stale lock). The file is never removed: unlinking a lock file lets a process
+    that opened it just before lock the unlinked copy while a third locks a new one.
+
+    Raises:
+      BlockingIOError: another swapper holds it (the message names its pid).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise BlockingIOError(
+            errno.EWOULDBLOCK,
+            f"the swap file is in use by process {owner} (another run with the same NVMe "
+            "path, or a state not closed): give each run its own directory",
+            path,
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 class _Op:
@@ -60,8 +160,11 @@ class _Op:
 class Swapper:
     """Groups of bytes in one file under ``directory``, paged through a bounded buffer pool.
 
-    Every check (the directory, its free space, the sizes) runs before the file is created.
-    The caller's methods are meant for one thread; the I/O runs on the swapper's own.
+    Every check (the directory, its free space, the sizes, the lock) runs before the file is
+    created. The file is locked (``fcntl.flock`` on ``name + ".lock"`` beside it, which holds
+    the owner's pid) until :meth:`close`: a second swapper on the same file, in this process
+    or another, is refused. The caller's methods are meant for one thread; the I/O runs on the
+    swapper's own.
 
     Args:
       directory: an existing, writable directory (an NVMe mount for the tier's purpose).
@@ -86,6 +189,10 @@ class Swapper:
       ValueError: a group is empty or larger than ``buffer_bytes``, or a count is below 1.
       OSError: ``ENOSPC`` when the file would not fit the disk (naming the bytes needed and
         free); ``EINVAL`` when ``direct=True`` and the filesystem refuses ``O_DIRECT``.
+      BlockingIOError: another swapper holds the file (naming its process id).
+
+    Warns:
+      UserWarning: the directory is on tmpfs or ramfs (host memory).
     """
 
     def __init__(
@@ -100,16 +207,8 @@ class Swapper:
         direct: bool | None = None,
         name: str = "optimizer_state.swp",
     ):
-        directory = os.fspath(directory)
         sizes = [int(s) for s in group_sizes]
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            raise NotADirectoryError(errno.ENOTDIR, "the swap directory is a file", directory)
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(
-                errno.ENOENT, "the swap directory does not exist: create it first", directory
-            )
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, "the swap directory is not writable", directory)
+        directory = check_directory(directory)
         if not sizes or min(sizes) < 1:
             raise ValueError(f"group_sizes must be positive byte counts, got {sizes[:8]}")
         for what, n in (("buffer_count", buffer_count), ("queue_depth", queue_depth)):
@@ -141,13 +240,19 @@ class Swapper:
                 f"{free:,} free",
                 directory,
             )
-        self.direct, self._fd = self._open(direct)
+        self._lock = _lock(self.path + ".lock")
+        try:
+            self.direct, self._fd = self._open(direct)
+        except BaseException:
+            os.close(self._lock)
+            raise
         try:
             if have < self.file_bytes:
                 # reserve the blocks now: a full disk fails here, not in a later write
                 os.posix_fallocate(self._fd, 0, self.file_bytes)
         except BaseException:
             os.close(self._fd)
+            os.close(self._lock)
             raise
         self.buffer_count, self.buffer_bytes = buffer_count, buffer_bytes
         self.block_bytes = block_bytes
@@ -233,6 +338,9 @@ class Swapper:
                 if n == 0:
                     raise OSError(errno.EIO, f"{op.kind} of group {op.group} stopped early")
                 done += n
+        except OSError as e:  # handed to wait() or flush(), naming what failed
+            where = f"{op.kind} of group {op.group} at byte {offset:,} of {self.path}"
+            op.error = op.error or OSError(e.errno, f"{e.strerror or e} ({where})")
         except BaseException as e:  # noqa: BLE001 - handed to wait() or flush()
             op.error = op.error or e
         with self._cond:
@@ -398,6 +506,7 @@ class Swapper:
         finally:
             self._pool.shutdown(wait=True)
             os.close(self._fd)
+            os.close(self._lock)  # releases the lock; the lock file stays (see _lock)
 
     def __enter__(self) -> Swapper:
         return self

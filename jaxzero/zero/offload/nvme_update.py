@@ -384,6 +384,8 @@ class DiskUpdate:
                 leaf.offsets = [at + k * leaf.piece_bytes() for k in range(len(leaf.shards))]
                 at += leaf.nbytes()
         self.swapper = None
+        #: why the file no longer holds one step's state (an update failed in the middle)
+        self.broken: str | None = None
         if self.leaves:
             self.swapper = Swapper(
                 nvme.path,
@@ -432,31 +434,28 @@ class DiskUpdate:
         """Bytes of the state file."""
         return 0 if self.swapper is None else self.swapper.file_bytes
 
-    def store(self, opt_state, master) -> dict:
-        """Write the state's large leaves to disk, a group at a time.
+    def fill(self, make) -> dict:
+        """Write the state's first values to disk a group at a time, so that host and device
+        memory hold one group's leaves at once, never the whole state.
 
         Args:
-          opt_state, master: the state's trees of arrays in their shards (``master`` ignored
-            when it is the params).
+          make: ``make(indices) -> arrays``: the state leaves of those flat input indices
+            (the optax state's, then the separate master's), computed now, in any sharding.
 
         Returns:
-          The resident leaves, ``{flat input index: array}``.
+          The resident leaves, ``{flat input index: array}`` in their shardings.
         """
-        flat = [*jax.tree.leaves(opt_state)]
-        flat += jax.tree.leaves(master) if not self.master_on_device else [None] * self.n_m
         for g, leaves in enumerate(self.group_leaves):
             buffer = self.swapper.acquire(g)
-            for i in leaves:
-                leaf = self.leaves[i]
-                x = jax.device_put(flat[i], leaf.sharding)
-                leaf.from_device(x, buffer)
+            for i, x in zip(leaves, make(leaves), strict=True):
+                self.leaves[i].from_device(jax.device_put(x, self.leaves[i].sharding), buffer)
             self.swapper.write_back(g, buffer)
         if self.swapper is not None:
             self.swapper.flush()
+        resident = [i for i, k in enumerate(self.kinds) if k == RESIDENT]
+        arrays = make(resident) if resident else []
         return {
-            i: jax.device_put(flat[i], self.shardings[i])
-            for i, k in enumerate(self.kinds)
-            if k == RESIDENT
+            i: jax.device_put(x, self.shardings[i]) for i, x in zip(resident, arrays, strict=True)
         }
 
     def read(self, resident: dict):
@@ -467,6 +466,7 @@ class DiskUpdate:
         Args:
           resident: the resident leaves (:meth:`store`'s, or a step's).
         """
+        self._check_whole()
         flat: list = [None] * (self.n_o + self.n_m)
         for i, x in resident.items():
             flat[i] = np.asarray(jax.device_get(x))
@@ -501,6 +501,7 @@ class DiskUpdate:
           ``(resident, compute)``: the new resident leaves and the new compute shards (a list
           in the master's leaf order, in the master's shards).
         """
+        self._check_whole()
         jaxpr = self.closed.jaxpr
         invars = jaxpr.invars
         env: dict = {}
@@ -520,26 +521,45 @@ class DiskUpdate:
         env.update(zip(pro.outputs, self._prologue(*[env[v] for v in pro.inputs]), strict=True))
         var_leaf = {invars[i]: i for i in self.leaves}
         if self.swapper is not None:
-            order = range(self.updating)
-            for g, buffer in self.swapper.pipelined(order):
-                ins, outs, fn = self._group_fns[g]
-                local = {}
-                for v in ins:
-                    i = var_leaf.get(v)
-                    local[v] = self.leaves[i].to_device(buffer) if i is not None else env[v]
-                got = dict(zip(outs, fn(*[local[v] for v in ins]), strict=True))
-                for i in self.group_leaves[g]:
-                    v = self.state_out[i]
-                    if isinstance(v, Var) and v in got:
-                        self.leaves[i].from_device(got[v], buffer)
-                # the group's new state is on disk now: only what else reads it stays
-                env.update((v, x) for v, x in got.items() if v not in self._dropped)
+            try:
+                self._groups(env, var_leaf)
+            except BaseException as e:
+                self.broken = (
+                    f"the optimizer state file {self.swapper.path} was left part updated by an "
+                    f"error in the middle of an update ({type(e).__name__}: {e}): its groups "
+                    "hold different steps. Restore the run from its last checkpoint"
+                )
+                raise
         if self._device_fn is not None:
             ins, outs, fn = self._device_fn
             env.update(zip(outs, fn(*[env[v] for v in ins]), strict=True))
         value = lambda v: jnp.asarray(v.val) if isinstance(v, Literal) else env[v]
         new_resident = {i: value(self.state_out[i]) for i in resident}
         return new_resident, [value(v) for v in self.compute_out]
+
+    def _groups(self, env, var_leaf) -> None:
+        """Every group that updates through the window: its state from the buffer to the
+        device, its parts with the prologue's values (``env``, which gains the outputs other
+        values read), its new state back into the buffer, written behind."""
+        for g, buffer in self.swapper.pipelined(range(self.updating)):
+            ins, outs, fn = self._group_fns[g]
+            local = {}
+            for v in ins:
+                i = var_leaf.get(v)
+                local[v] = self.leaves[i].to_device(buffer) if i is not None else env[v]
+            got = dict(zip(outs, fn(*[local[v] for v in ins]), strict=True))
+            for i in self.group_leaves[g]:
+                v = self.state_out[i]
+                if isinstance(v, Var) and v in got:
+                    self.leaves[i].from_device(got[v], buffer)
+            # the group's new state is on disk now: only what else reads it stays, and the
+            # group's device copies go before the next group's arrive
+            env.update((v, x) for v, x in got.items() if v not in self._dropped)
+            del local, got
+
+    def _check_whole(self) -> None:
+        if self.broken:
+            raise RuntimeError(self.broken)
 
     def close(self) -> None:
         """Close the swapper's file (it stays on disk)."""
