@@ -161,3 +161,16 @@ def in_host_memory(x) -> bool:
       True when its type's memory space is ``jax.memory.Space.Host``.
     """
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def varying_axes(x) -> tuple[str, ...]:
+    """The mesh axes ``x`` varies over (empty outside ``shard_map``)."""
+    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
+    return tuple(axis_type.varying) if axis_type is not None else ()
+
+
+def to_varying(x, axes):
+    """``pcast`` ``x`` to device-varying over those of ``axes`` it is not yet varying over."""
+    varying = jax.typeof(x).manual_axis_type.varying
+    missing = tuple(a for a in axes if a not in varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x

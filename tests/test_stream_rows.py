@@ -239,3 +239,42 @@ def test_deferred_rows_keep_a_remainder_master():
     compute_w = jnp.concatenate([r[w] for r in rows])
     _close([remainder.join(compute_w, jax.device_get(rem), axis=-1)], [want[0]["layers"]["w"]])
     _close(_host(state), _host(want[1]))
+
+
+def test_deferred_rows_run_on_the_shards_inside_shard_map():
+    """``run_rows(local=True)`` inside a ``shard_map`` over the 8 devices (as the forward's
+    layer loop will call it): each device updates its shards' rows of the host state in
+    place, and the result, gathered, is plain optax's."""
+    tx = TX["clip_adamw"]
+    mesh = jz.data_parallel_mesh(8)
+    update, args, flags = _problem(tx, jax.tree.map(lambda x: 3 * x, _tree(2)))
+    want = update(*args)
+    n_s, n_m = len(_host(args[1])), len(_host(args[2]))
+    specs = [s for s, _, _ in flags]
+    kw = dict(
+        mesh=mesh,
+        specs=specs,
+        host=[h for _, h, _ in flags],
+        device_outputs=[False] * (n_m + n_s) + [True] * (n_m + 2),
+        alias=_alias(args),
+    )
+    defer = [d for _, _, d in flags]
+    placed = _placed(args, flags, mesh)
+    first, pending = jax.jit(lambda *a: stream.run(update, a, defer=defer, chunk=16, **kw))(*placed)
+    tree = jax.tree.structure(args)
+    spec_tree = jax.tree.unflatten(tree, specs)
+    pending_specs = tuple(x.sharding.spec for x in pending)
+
+    def layers(flat_args, pending):
+        def body(i, a):
+            new_args, rows = stream.run_rows(
+                update, a, pending, i, 1, defer=defer, local=True, **kw
+            )
+            return new_args
+
+        return jax.lax.fori_loop(0, L, body, flat_args)
+
+    sm = jax.shard_map(layers, mesh=mesh, in_specs=(spec_tree, pending_specs), out_specs=spec_tree)
+    _, state, master = jax.jit(sm)((placed[0], first[1], first[0]), pending)
+    _close(_host((master, state)), _host(want[:2]))
+    assert {x.sharding.memory_kind for x in jax.tree.leaves((master, state))} == {"pinned_host"}

@@ -9,11 +9,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxzero.mesh import to_varying
 from jaxzero.precision import warn_wide_compute
 from jaxzero.train import loss as user_loss
 from jaxzero.zero import hooks as loss_hooks
 from jaxzero.zero import plan as leaf_plan
-from jaxzero.zero.collectives import to_varying
 from jaxzero.zero.path import GradientPath
 
 

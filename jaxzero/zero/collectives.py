@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxzero.mesh import to_varying
 from jaxzero.zero.specs import spec_dim
 from jaxzero.zero.wire.encodings import Wire
 
@@ -59,19 +60,6 @@ class Comm:
     @property
     def output_dtype(self):
         return self.precision.output_dtype
-
-
-def varying_axes(x) -> tuple[str, ...]:
-    """The mesh axes ``x`` varies over (empty outside ``shard_map``)."""
-    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
-    return tuple(axis_type.varying) if axis_type is not None else ()
-
-
-def to_varying(x, axes):
-    """``pcast`` ``x`` to device-varying over those of ``axes`` it is not yet varying over."""
-    varying = jax.typeof(x).manual_axis_type.varying
-    missing = tuple(a for a in axes if a not in varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def scatter_leaf(comm: Comm, g, d: int | None):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxzero.zero.collectives import Comm, reduce_leaves, to_varying, varying_axes
+from jaxzero.mesh import to_varying, varying_axes
+from jaxzero.zero.collectives import Comm, reduce_leaves
 
 
 def deferred(comm: Comm, layer, state, leaves, dims, length):

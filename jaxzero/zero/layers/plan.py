@@ -52,8 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxzero.mesh import to_varying, varying_axes
 from jaxzero.trees import path_keys, path_strs
-from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf, to_varying, varying_axes
+from jaxzero.zero.collectives import Comm, reduce_leaf, scatter_leaf
 from jaxzero.zero.hooks import CalledHook, plan_var
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_end, subtree_paths
 

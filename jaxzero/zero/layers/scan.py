@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.zero.collectives import to_varying, varying_axes
+from jaxzero.mesh import to_varying, varying_axes
 from jaxzero.zero.layers.backward import (
     accumulated,
     at,

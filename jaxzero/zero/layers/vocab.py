@@ -45,8 +45,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxzero.mesh import to_varying
 from jaxzero.trees import path_keys, subtree_names
-from jaxzero.zero.collectives import Comm, to_varying
+from jaxzero.zero.collectives import Comm
 from jaxzero.zero.hooks import CalledHook, plan_var
 from jaxzero.zero.layers.scan import stored_param
 from jaxzero.zero.specs import is_stacked, spec_dim, subtree_mask

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 import jaxzero.zero.offload.parts as stream_parts
 import jaxzero.zero.offload.remainder as remainder
 from jaxzero._compat import bind_params
+from jaxzero.mesh import to_varying, varying_axes
 from jaxzero.zero import jaxpr_eval
 
 __all__ = ["CHUNK", "chunk_dim", "rows_per_chunk", "run", "run_rows"]
@@ -57,19 +58,31 @@ def rows_per_chunk(rows: int, row_elements: int, chunk: int, multiple: int = 1) 
     return max(d for d in range(multiple, min(rows, fit) + 1, multiple) if rows % d == 0)
 
 
-def _run_eqns(jaxpr, eqns, env, shape=None):
+def _run_eqns(jaxpr, eqns, env, shape=None, axes=()):
     """``jaxpr``'s equations ``eqns`` evaluated into ``env``; with ``shape`` (a chunk's), a
-    scalar broadcast to a large value broadcasts to the chunk instead."""
+    scalar broadcast to a large value broadcasts to the chunk instead. ``axes``: inside
+    ``shard_map``, the mesh axes the rows' shards vary over, to which every operand (a
+    replicated scalar, a literal) is cast first, as a primitive bound directly requires."""
     for i in eqns:
         eqn = jaxpr.eqns[i]
         chunked = shape is not None and eqn.primitive.name == "broadcast_in_dim"
-        if not (chunked and stream_parts.big(eqn.outvars[0])):
+        chunked = chunked and stream_parts.big(eqn.outvars[0])
+        if not chunked and not axes:
             jaxpr_eval.bind(eqn, env)
             continue
-        params = {**bind_params(eqn), "shape": shape}
-        if "sharding" in params:  # the chunk's sharding is jit's to choose
-            params["sharding"] = None
-        env[eqn.outvars[0]] = eqn.primitive.bind(jaxpr_eval.read(env, eqn.invars[0]), **params)
+        params = bind_params(eqn)
+        if chunked:
+            params = {**params, "shape": shape}
+            if "sharding" in params:  # the chunk's sharding is jit's to choose
+                params["sharding"] = None
+        args = [jaxpr_eval.read(env, v) for v in eqn.invars]
+        if axes:
+            args = [
+                to_varying(jnp.asarray(x, v.aval.dtype), axes)
+                for x, v in zip(args, eqn.invars, strict=True)
+            ]
+        out = eqn.primitive.bind(*args, **params)
+        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out], strict=True))
     return env
 
 
@@ -187,10 +200,11 @@ class _Run:
         its small values (:meth:`scalars`) from ``small_env``. Returns the evaluation's
         values."""
         start, c, k, shape = cut
-        envl = dict(small_env)
-        for v, x in zip(big, srcs, strict=True):
-            envl[v] = self.piece(v, x, start, c, k, env, loop)
-        return _run_eqns(self.plan.jaxpr.jaxpr, self.once(part)[1], envl, shape)
+        pieces = [self.piece(v, x, start, c, k, env, loop) for v, x in zip(big, srcs, strict=True)]
+        # inside shard_map, a replicated scalar varies over the axes its rows' shards do
+        axes = tuple(sorted({a for x in pieces for a in varying_axes(x)}))
+        envl = {**small_env, **dict(zip(big, pieces, strict=True))}
+        return _run_eqns(self.plan.jaxpr.jaxpr, self.once(part)[1], envl, shape, axes)
 
     def put(self, acc, v, y, start, k):
         """``acc`` (the buffer of output ``v``) with the rows ``y`` of ``v`` written at
@@ -392,15 +406,24 @@ def _identity(name: str, dtype):
     return jnp.asarray(1 if name == "reduce_prod" else 0, dtype)
 
 
-def _traced(fn, args, *, mesh, specs, host, device_outputs, alias, stored):
-    """``fn`` traced on ``args``' avals and cut into parts: ``(the run, its values so far, the
-    output tree, which outputs stay on the device, args' tree)``."""
+def _global_shape(mesh, spec, local) -> tuple[int, ...]:
+    """The global shape whose shards under ``spec`` have the shape ``local``."""
+    entries = tuple(spec) + (None,) * (len(local) - len(spec))
+    size = lambda e: math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e))
+    return tuple(n if e is None else n * size(e) for n, e in zip(local, entries, strict=True))
+
+
+def _traced(fn, args, *, mesh, specs, host, device_outputs, alias, stored, local=False):
+    """``fn`` traced on ``args``' avals (``local``: ``args`` are shards inside a
+    ``shard_map`` over ``mesh``, traced at their global shapes) and cut into parts: ``(the
+    run, its values so far, the output tree, which outputs stay on the device, args' tree)``."""
     flat, tree = jax.tree.flatten(args, is_leaf=remainder.is_stored)
-    aval = lambda x: jax.ShapeDtypeStruct(
-        x.lo.shape if remainder.is_stored(x) else x.shape,
+    shape = lambda x, s: _global_shape(mesh, s, x.shape) if local else x.shape
+    aval = lambda x, s: jax.ShapeDtypeStruct(
+        shape(x.lo, s) if remainder.is_stored(x) else shape(x, s),
         jnp.float32 if remainder.is_stored(x) else x.dtype,
     )
-    avals = tuple(aval(x) for x in flat)
+    avals = tuple(aval(x, s) for x, s in zip(flat, specs, strict=True))
     closed, out_tree = stream_parts.flat_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), avals)
     plan = stream_parts.plan(closed)
     jaxpr = closed.jaxpr
@@ -532,6 +555,7 @@ def run_rows(
     alias,
     defer,
     stored=None,
+    local: bool = False,
 ):
     """Rows ``[start, start + rows)`` of the first (layer) dimension of the update that
     :func:`run` with ``defer=`` left undone: each deferred part's host state rows fetched from
@@ -545,6 +569,9 @@ def run_rows(
       pending: the second value :func:`run` returned.
       start: the first row (may be traced: a layer loop's index).
       rows: how many.
+      local: ``args`` and ``pending`` are each device's shards, inside a ``shard_map`` over
+        ``mesh`` whose in_specs are ``specs`` (and the specs ``pending``'s values had): the
+        rows are the shards' rows (a layer loop inside the step's ``shard_map``).
 
     Returns:
       ``(args, new)``: ``args`` with those rows written into the deferred state leaves, and
@@ -560,6 +587,7 @@ def run_rows(
         device_outputs=device_outputs,
         alias=alias,
         stored=stored,
+        local=local,
     )
     later, reads = _deferred(r, defer)
     if len(reads) != len(pending):
@@ -575,6 +603,8 @@ def run_rows(
         big = [v for v in part.inputs if stream_parts.big(v)]
         small = {v: env[v] for v in reads if not stream_parts.big(v)}
         shape = part.outputs[0].aval.shape
+        if local:  # the deferred parts' large values all have the part's one spec
+            shape = NamedSharding(mesh, r.streamable(part)).shard_shape(shape)
         cut = (start, rows, 0, (rows, *shape[1:]))
         srcs = [bufs.get(v, env[v]) for v in big]
         envl = r.rows(part, big, srcs, small, cut, env, bufs)

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from jaxzero.mesh import in_host_memory
-from jaxzero.zero.collectives import reduce_leaves, to_varying, varying_axes
+from jaxzero.mesh import in_host_memory, to_varying, varying_axes
+from jaxzero.zero.collectives import reduce_leaves
 from jaxzero.zero.jaxpr_eval import bind, bind_unrematted
 from jaxzero.zero.jaxpr_eval import reads as read_vars
 from jaxzero.zero.layers.plan import gather_leaf, gather_shard
