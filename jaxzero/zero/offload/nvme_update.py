@@ -16,19 +16,22 @@ independent parts, one per group of connected large leaves. Each state leaf then
 
 A step runs the prologue under jit, then iterates the groups with :meth:`Swapper.pipelined`
 (group ``g+1`` read and ``g-1`` written while ``g`` updates): each group's shards go from its
-buffer to their devices, the group's parts run under jit with the prologue's values, and the
-new state's shards come back into the same buffer, which is written back. The new compute
-shards stay on the device. Host memory holds the swapper's window; the device holds the
-params, the gradients, one group's state and the new compute shards.
+buffer into their devices' pinned host memory, where the host offload keeps them, the group's
+parts run as the host offload's own streamed update of those parts (:func:`stream.run`, under
+jit, with the prologue's values: a loop over chunks fetched to the device, the small values
+computed once outside it), and the new state's shards come back into the same buffer, which
+is written back. The new compute shards stay on the device. Host memory holds the swapper's
+window and a group's copy in pinned memory; the device holds the params, the gradients, a
+chunk of a group's state and the new compute shards.
 
-Each part's equations are the host offload's (the same primitives, on the same shardings),
-and the prologue's values cross programs here as they cross an ``optimization_barrier`` in the
-host offload's program: with XLA:CPU's LLVM passes off the state equals the host offload's
-bit for bit at every step. With them on it differs from the second step in the last bits
-(decision 50): XLA recomputes Adam's new moment inside the parameter's kernel, and LLVM
-contracts a different one of its two products into a fused multiply-add there when the
-gradients' mean is computed in the same kernel (the host offload's single program) than when
-the gradient arrives materialized (here).
+So each part is the host offload's program for it, and the prologue's values cross programs
+here as they cross an ``optimization_barrier`` in the host offload's program: with XLA:CPU's
+LLVM passes off the state equals the host offload's bit for bit at every step, and follows
+:mod:`~.stream` when it changes how it runs a part. With them on it differs from the second
+step in the last bits (decision 50): XLA recomputes Adam's new moment inside the parameter's
+kernel, and LLVM contracts a different one of its two products into a fused multiply-add there
+when the gradients' mean is computed in the same kernel (the host offload's single program)
+than when the gradient arrives materialized (here).
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.extend.core import Literal, Var
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxzero.zero.offload.parts as stream_parts
+import jaxzero.zero.offload.stream as stream
 from jaxzero.zero import jaxpr_eval
 from jaxzero.zero.offload.nvme import Swapper
 
@@ -54,6 +59,7 @@ __all__ = ["NVMe", "DiskUpdate", "update_fn"]
 PIECE_ALIGN = 64
 
 DISK, RESIDENT, DEVICE = "disk", "resident", "device"
+HOST = "pinned_host"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,16 +163,20 @@ class _Leaf:
             for o in self.offsets
         ]
 
-    def to_device(self, buffer) -> jax.Array:
-        """The leaf as a global array on its devices, from its shards in ``buffer``."""
-        arrays = []
+    def to_host(self, buffer) -> jax.Array:
+        """The leaf as a global array in its devices' pinned host memory (where the host
+        offload keeps it, and where its streamed update reads it from), from its shards in
+        ``buffer``."""
+        sharding = self.sharding.with_memory_kind(HOST)
         by_device = {}
         for (_, _, devices), view in zip(self.shards, self.views(buffer), strict=True):
             for d in devices:
                 by_device[d] = view
-        for d in self.sharding.addressable_devices_indices_map(self.shape):
-            arrays.append(jax.device_put(by_device[d], d))
-        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+        arrays = [
+            jax.device_put(by_device[d], SingleDeviceSharding(d, memory_kind=HOST))
+            for d in sharding.addressable_devices_indices_map(self.shape)
+        ]
+        return jax.make_array_from_single_device_arrays(self.shape, sharding, arrays)
 
     def from_device(self, x: jax.Array, buffer) -> None:
         """The shards of ``x`` (this leaf's new value, in its sharding) copied into
@@ -266,6 +276,10 @@ class DiskUpdate:
         o_sh, m_sh = jax.tree.leaves(opt_shardings), jax.tree.leaves(master_shardings)
         self.avals = [*o_avals, *m_avals]
         self.shardings = [*o_sh, *m_sh]  # of the state inputs: opt_state, then master
+        # each input's spec, as the host offload's stream is given them: the state's, and the
+        # master's for the gradients (and for the params as the master)
+        in_sh = [*o_sh, *m_sh, *m_sh]
+        self.in_specs = {v: s.spec for v, s in zip(jaxpr.invars, in_sh, strict=False)}
         # each flat input's home
         kinds = []
         for i, v in enumerate(jaxpr.invars):
@@ -401,21 +415,64 @@ class DiskUpdate:
         self._prologue = jax.jit(_evaluator(self.closed, pro.eqns, pro.inputs, pro.outputs, {}))
         self._programs: dict = {}  # a group's traced update -> its jitted program
         self._group_fns = [self._group_fn(parts) for parts in self.groups[: self.updating]]
-        self._device_fn = self._group_fn(self.device_parts) if self.device_parts else None
+        self._device_fn = None
+        if self.device_parts:
+            self._device_fn = self._group_fn(self.device_parts, streamed=False)
 
-    def _group_fn(self, parts):
+    def _group_fn(self, parts, streamed: bool = True):
+        """``(inputs, outputs, program)`` of the parts ``parts``. With ``streamed``, the
+        program is the host offload's streamed update of those parts (:func:`stream.run`):
+        their disk leaves read from pinned host memory and their new values written there, a
+        loop over chunks for an elementwise part, its small values computed once outside
+        it. So a group's arithmetic is the host offload's program for the same parts, which
+        XLA compiles and rewrites alike."""
         chosen = [self.plan.parts[p] for p in parts]
         ins = list(dict.fromkeys(v for part in chosen for v in part.inputs))
         outs = list(dict.fromkeys(v for part in chosen for v in part.outputs))
         eqns = sorted({i for part in chosen for i in part.eqns})
-        fn = _evaluator(self.closed, eqns, ins, outs, self.out_sharding)
+        if streamed:  # no constraint on the outputs: the stream places each, as the host's
+            fn = self._streamed(_evaluator(self.closed, eqns, ins, outs, {}), ins, outs)
+        else:
+            fn = _evaluator(self.closed, eqns, ins, outs, self.out_sharding)
         # groups of the same leaves' shapes (a model's layers) share one program: the same
         # equations, told by the traced update's text and the arrays it captures
-        traced = jax.make_jaxpr(fn)(
-            *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ins]
-        )
+        var_leaf = {self.closed.jaxpr.invars[i]: leaf for i, leaf in self.leaves.items()}
+
+        def aval(v):  # a disk leaf's in pinned host memory, as the program is given it
+            leaf = var_leaf.get(v) if streamed else None
+            sharding = None if leaf is None else leaf.sharding.with_memory_kind(HOST)
+            return jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding)
+
+        traced = jax.make_jaxpr(fn)(*[aval(v) for v in ins])
         key = (str(traced), tuple(id(c) for c in traced.consts))
         return ins, outs, self._programs.setdefault(key, jax.jit(fn))
+
+    def _streamed(self, fn, ins, outs):
+        """``fn`` (of the values of ``ins``, giving those of ``outs``) run by
+        :func:`stream.run` as the host offload runs its update: a disk leaf's input in pinned
+        host memory, its new value written into it (``alias``), every other output on the
+        device."""
+        invars = self.closed.jaxpr.invars
+        disk = {invars[i]: i for i in self.leaves}
+        host = [v in disk for v in ins]
+        specs = [self.in_specs.get(v, P()) for v in ins]
+        alias, stays = {}, []
+        for o, v in enumerate(outs):
+            replaces = [i for i, w in self.state_out.items() if w is v and i in self.leaves]
+            i = replaces[0] if replaces else None
+            if i is not None and invars[i] in ins and ins.index(invars[i]) not in alias.values():
+                alias[o] = ins.index(invars[i])
+                stays.append(False)
+            else:
+                stays.append(True)
+        mesh = self.shardings[0].mesh if self.shardings else None
+
+        def run(*vals):
+            return stream.run(
+                fn, vals, mesh=mesh, specs=specs, host=host, device_outputs=stays, alias=alias
+            )
+
+        return run
 
     # -- the state -----------------------------------------------------------------------
 
@@ -546,7 +603,7 @@ class DiskUpdate:
             local = {}
             for v in ins:
                 i = var_leaf.get(v)
-                local[v] = self.leaves[i].to_device(buffer) if i is not None else env[v]
+                local[v] = self.leaves[i].to_host(buffer) if i is not None else env[v]
             got = dict(zip(outs, fn(*[local[v] for v in ins]), strict=True))
             for i in self.group_leaves[g]:
                 v = self.state_out[i]
