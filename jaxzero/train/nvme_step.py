@@ -124,13 +124,16 @@ class NVMeTrainStep:
             out = [disk.shardings[i] for i in indices]
             return jax.jit(pick, out_shardings=out)(params)
 
+        def rest(p):  # the compute params and the counters, the optimizer side unused
+            state = zero.init(p)
+            return state.params, state.step, state.skipped, state.loss_scale
+
         try:
             resident = disk.fill(leaves)
+            compute, step, skipped, loss_scale = jax.jit(rest)(params)
         except BaseException:
-            disk.close()
+            disk.close()  # the file stays; its lock is released
             raise
-        counters = lambda p: (lambda s: (s.params, s.step, s.skipped, s.loss_scale))(zero.init(p))
-        compute, step, skipped, loss_scale = jax.jit(counters)(params)
         return NVMeState(compute, resident, step, skipped, loss_scale, disk)
 
     def __call__(self, state: NVMeState, batch):

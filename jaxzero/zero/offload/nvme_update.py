@@ -414,10 +414,14 @@ class DiskUpdate:
         pro = self.plan.prologue
         self._prologue = jax.jit(_evaluator(self.closed, pro.eqns, pro.inputs, pro.outputs, {}))
         self._programs: dict = {}  # a group's traced update -> its jitted program
-        self._group_fns = [self._group_fn(parts) for parts in self.groups[: self.updating]]
-        self._device_fn = None
-        if self.device_parts:
-            self._device_fn = self._group_fn(self.device_parts, streamed=False)
+        try:
+            self._group_fns = [self._group_fn(parts) for parts in self.groups[: self.updating]]
+            self._device_fn = None
+            if self.device_parts:
+                self._device_fn = self._group_fn(self.device_parts, streamed=False)
+        except BaseException:
+            self.close()  # the file's lock goes with the half-built update
+            raise
 
     def _group_fn(self, parts, streamed: bool = True):
         """``(inputs, outputs, program)`` of the parts ``parts``. With ``streamed``, the
