@@ -661,6 +661,14 @@ def pack_like(pieces, local_ema):
     return BucketedTree(rest, pack_local(small, layout), layout)
 
 
+def target(master, model_state):
+    """What the EMA averages: the master weights, plus the model state when there is one
+    (float buffers such as BatchNorm statistics are averaged, integer ones copied)."""
+    if model_state is None:
+        return master
+    return {"params": master, "model_state": model_state}
+
+
 # -- placement on ZeRO's shards ------------------------------------------------------------
 def specs(zero: ZeROConfig, ema_tree):
     """Specs of an EMA tree in its storage (per leaf, or bucketed ``[N, L_g]`` rows)."""
@@ -693,29 +701,40 @@ def bucket(zero: ZeROConfig, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
     return store(ema_state, *where)
 
 
-def update_on_shards(
-    zero: ZeROConfig, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply
-):
-    """:func:`update_on_mesh` on ``zero``'s shards: the master's (``master`` as it is placed, with
-    the replicated model state when the EMA also averages it)."""
+class Shards(NamedTuple):
+    """Where an EMA update on ZeRO's shards reads and writes (:func:`shards`): the mesh and its
+    data axis, the specs of the master as it is placed (replicated leaves at stage 0, the
+    replicated model state beside the params when the EMA also averages it), the per-leaf
+    rule's specs of the master (where each EMA leaf is sharded), and the specs of the
+    :class:`EmaState` in its storage (:func:`state_specs`)."""
+
+    mesh: Mesh
+    axis: str
+    master_specs: Any
+    leaf_specs: Any
+    state_specs: EmaState
+
+
+def shards(zero: ZeROConfig, master, ema_specs: EmaState) -> Shards:
+    """The :class:`Shards` of an EMA of ``master`` (arrays or shape structs: what
+    :func:`target` makes) on ``zero``'s shards; ``ema_specs``: the EMA state's specs."""
     master_specs = zero.shard_specs(master)
     if isinstance(master, dict) and set(master) == {"params", "model_state"}:
         master_specs = {
             "params": zero.shard_specs(master["params"]),
             "model_state": jax.tree.map(lambda _: P(), master["model_state"]),
         }
-    return update_on_mesh(
-        ema,
-        ema_state,
-        master,
-        mesh=zero.mesh,
-        axis=zero.axis,
-        master_specs=master_specs,
-        leaf_specs=zero.ema_leaf_specs(master),
-        per_leaf_specs=zero.ema_leaf_specs,
-        step=step,
-        apply=apply,
-    )
+    return Shards(zero.mesh, zero.axis, master_specs, zero.ema_leaf_specs(master), ema_specs)
+
+
+def update_on_shards(
+    zero: ZeROConfig, ema: ShardedEMA, ema_state: EmaState, master, *, step, apply
+):
+    """:func:`update_on_mesh` on ``zero``'s shards: the master's (``master`` as it is placed, with
+    the replicated model state when the EMA also averages it)."""
+    ema_specs = state_specs(ema_state, zero.ema_leaf_specs, zero.axis)
+    where = shards(zero, master, ema_specs)
+    return update_on_mesh(ema, ema_state, master, where, step=step, apply=apply)
 
 
 def state_specs(ema_state: EmaState, per_leaf_specs, axis: str) -> EmaState:
@@ -724,19 +743,7 @@ def state_specs(ema_state: EmaState, per_leaf_specs, axis: str) -> EmaState:
     return EmaState(P(), stored_specs(ema_state.ema, per_leaf_specs, axis))
 
 
-def update_on_mesh(
-    ema: ShardedEMA,
-    ema_state: EmaState,
-    master,
-    *,
-    mesh: Mesh,
-    axis: str,
-    master_specs,
-    leaf_specs,
-    per_leaf_specs,
-    step,
-    apply,
-):
+def update_on_mesh(ema: ShardedEMA, ema_state: EmaState, master, where: Shards, *, step, apply):
     """The EMA update as a ``shard_map`` over the EMA's shards: provably local.
 
     Each device updates only its own EMA shard from its own master piece; where the master
@@ -745,14 +752,12 @@ def update_on_mesh(
     row in one elementwise loop; the big leaves are updated per leaf as usual.
 
     Args:
-      master_specs: the specs of ``master`` as it is placed (replicated leaves at stage 0).
-      leaf_specs: the per-leaf rule's specs of ``master`` (where each EMA leaf is sharded).
-      per_leaf_specs: the per-leaf rule as a function of a tree (for the EMA state's specs).
+      where: the mesh and the specs of ``master`` and of the EMA (:func:`shards`).
     """
     # Checked here, on the global tree (the error names the leaves' shapes), and only here:
     # inside the shard_map the pieces are this tree's blocks.
     check_same_tree(to_per_leaf(ema_state.ema, abstract=True), master)
-    specs = state_specs(ema_state, per_leaf_specs, axis)
+    mesh, axis, master_specs, leaf_specs, specs = where
     n = mesh.shape[axis]
 
     def local(e_state, m_local, step, apply):

@@ -137,7 +137,8 @@ class ZeRO(ZeROConfig):
         and its bytes per device. ``params``: arrays or ``jax.ShapeDtypeStruct``s (nothing
         is allocated); ``accum_steps``: the step's micro-batches; ``ema``: the step's
         ``ShardedEMA``. ``print(zero.plan(params))`` shows the table."""
-        storage = None if ema is None else lambda p: sharded_ema.leaf_storage(self, ema, p)
+        self.check_layers(params)  # the tree the config names, before anything reads it
+        storage = None if ema is None else sharded_ema.leaf_storage(self, ema, params)
         return leaf_plan.build(self, params, accum_steps=accum_steps, ema_storage=storage)
 
     def abstract_state(self, params, *, ema=None, model_state=None, rng=None) -> TrainState:
@@ -156,7 +157,7 @@ class ZeRO(ZeROConfig):
         """Every leaf to its ZeRO sharding and memory kind (inside jit)."""
         return train_state.constrain(self, state)
 
-    _ema_target = staticmethod(train_state.ema_target)  # what the EMA averages
+    _ema_target = staticmethod(sharded_ema.target)  # what the EMA averages
 
     # -- the EMA (jaxzero.ema.ema) --------------------------------------------------------------
     def ema_specs(self, ema_tree):
@@ -193,4 +194,7 @@ class ZeRO(ZeROConfig):
           ``(new_state, metrics)`` with metrics ``grad_norm``, ``finite``, ``skipped``,
           ``step`` (and ``loss_scale`` with a loss scale).
         """
-        return train_update.apply_gradients(self, state, grads, ema=ema, model_state=model_state)
+        plan = self.plan(state.params)
+        return train_update.apply_gradients(
+            self, state, grads, plan=plan, ema=ema, model_state=model_state
+        )

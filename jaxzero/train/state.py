@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -157,14 +158,6 @@ def cast(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype), tree)
 
 
-def ema_target(master, model_state):
-    """What the EMA averages: the master weights, plus the model state when there is one
-    (float buffers such as BatchNorm statistics are averaged, integer ones copied)."""
-    if model_state is None:
-        return master
-    return {"params": master, "model_state": model_state}
-
-
 def state_specs(zero: ZeROConfig, state: TrainState) -> TrainState:
     """PartitionSpecs for every leaf of ``state`` (concrete or abstract) under ``zero``."""
     replicated = lambda t: jax.tree.map(lambda _: P(), t)
@@ -184,21 +177,47 @@ def state_specs(zero: ZeROConfig, state: TrainState) -> TrainState:
     )
 
 
-def state_shardings(zero: ZeROConfig, state: TrainState) -> TrainState:
-    """NamedShardings for every leaf of ``state``; the params, the master, the optimizer
-    state and the EMA where ``zero.placement`` keeps them (pinned host memory with offload,
-    the leaves of its ``host_flags`` with ``offload_fraction``)."""
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Where every leaf of one state's structure lives, decided once: its PartitionSpecs,
+    which leaves of the optimizer side are in host memory, and their NamedShardings. The
+    update reads all three from one layout (its in-specs, the streamed update's host
+    leaves and the new state's constraint), since its output has its input's structure.
+
+    Attributes:
+      specs: a :class:`TrainState` of PartitionSpecs (:func:`state_specs`).
+      host: ``(master, opt_state, ema)`` as trees of bools, True where the leaf lives in
+        host memory (the placement's ``host_flags``: offload, ``offload_fraction``).
+      shardings: a :class:`TrainState` of NamedShardings, memory kinds included.
+    """
+
+    specs: TrainState
+    host: tuple
+    shardings: TrainState
+
+
+def state_layout(zero: ZeROConfig, state: TrainState) -> StateLayout:
+    """The :class:`StateLayout` of ``state`` (concrete or abstract) under ``zero``: the
+    params, the master, the optimizer state and the EMA where ``zero.placement`` keeps them
+    (pinned host memory with offload, the leaves of its ``host_flags`` with
+    ``offload_fraction``)."""
     specs = state_specs(zero, state)
+    out = sh.named(zero.mesh, specs)
     place = zero.placement
     host = place.host_flags(zero.mesh, state, specs)  # per leaf (offload_fraction: decision 43)
     where = lambda t, h: place.shardings(zero.mesh, t, h)
-    out = sh.named(zero.mesh, specs)
-    return out.replace(
+    shardings = out.replace(
         params=place.param_shardings(zero.mesh, specs.params),
         master=where(specs.master, host[0]),
         opt_state=where(specs.opt_state, host[1]),
         ema=where(specs.ema, host[2]),
     )
+    return StateLayout(specs, host, shardings)
+
+
+def state_shardings(zero: ZeROConfig, state: TrainState) -> TrainState:
+    """NamedShardings for every leaf of ``state`` (its :func:`state_layout`'s)."""
+    return state_layout(zero, state).shardings
 
 
 def constrain(zero: ZeROConfig, state: TrainState) -> TrainState:
@@ -214,7 +233,7 @@ def _init_raw(zero: ZeROConfig, params, ema: ShardedEMA | None, model_state, rng
     )
     ema_state = None
     if ema is not None:
-        ema_state = ema.init(ema_target(master_view, model_state))
+        ema_state = ema.init(sharded_ema.target(master_view, model_state))
         ema_state = sharded_ema.bucket(zero, ema, ema_state)
     compute = cast(params, pol.param_dtype) if pol.compute_copy else master_view
     # the master as the placement keeps it (a remainder beside the compute params: decision 47)

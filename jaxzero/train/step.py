@@ -313,15 +313,6 @@ def make_train_step(
             "rng=True."
         )
     user_loss.check_signature(loss_fn, rng=bool(rng), stateful=stateful)
-    unused = zero.path.unused_layers(accum_steps)
-    if unused:
-        warnings.warn(
-            f"ZeRO(stage={zero.stage}, layers={zero.layers!r}) reduces no layer's gradient in "
-            f"the backward in this step: {unused}. layers= then only keeps the stacks' layer "
-            f"axis unsplit, as stage 3 needs; drop it if per-layer reduction was the point.",
-            UserWarning,
-            stacklevel=2,
-        )
     # the reduction this step runs: stage 1 with layers= and one micro-batch reduces as stage 2
     reducing = zero.path.for_step(accum_steps)
     inner = _keyed_loss(loss_fn) if rng else loss_fn
@@ -334,6 +325,16 @@ def make_train_step(
     )
     step_fn = _step_fn(zero, reducing, grads_fn, ema, accum_steps)
     jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else ())
+    # what the step built will not do (nothing is traced yet)
+    unused = zero.path.unused_layers(accum_steps)
+    if unused:
+        warnings.warn(
+            f"ZeRO(stage={zero.stage}, layers={zero.layers!r}) reduces no layer's gradient in "
+            f"the backward in this step: {unused}. layers= then only keeps the stacks' layer "
+            f"axis unsplit, as stage 3 needs; drop it if per-layer reduction was the point.",
+            UserWarning,
+            stacklevel=2,
+        )
     return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful, bool(rng))
 
 
@@ -373,12 +374,11 @@ def _step_fn(
         return grads_fn(params, model_state, batch, key, scale, specs, plan)
 
     def step_fn(state: TrainState, batch):
-        specs = zero.param_specs(state.params)
+        shards = loss_shards(zero, state)
+        specs, batch_spec = zero.param_specs(state.params), zero.batch_spec()
         # each leaf's fate, decided once per trace from the params' shapes
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
-        plan = zero.plan(shapes, accum_steps=accum_steps)
+        plan = zero.plan(state.params, accum_steps=accum_steps)
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale.scale
-        batch_spec = zero.batch_spec()
         replicated = lambda t: jax.tree.map(lambda _: P(), t)
         sm = jax.shard_map(
             lambda p, m, b, r, t, s: sharded(p, m, b, r, t, s, specs, plan),
@@ -394,7 +394,7 @@ def _step_fn(
             out_specs=(P(), P(), reducing.grad_specs(state.params), replicated(state.model_state)),
         )
         loss, aux, grads, model_state = sm(
-            loss_shards(zero, state), state.model_state, batch, state.rng, state.step, scale
+            shards, state.model_state, batch, state.rng, state.step, scale
         )
         grad_scale = None
         if isinstance(loss, tuple):  # a GlobalMean: (its value, the gradient's factor)
@@ -405,7 +405,6 @@ def _step_fn(
             grads,
             ema=ema,
             model_state=model_state,
-            accum_steps=accum_steps,
             grad_scale=grad_scale,
             plan=plan,
         )

@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.ema.ema import ShardedEMA, update_on_shards
-from jaxzero.train.state import TrainState, cast, constrain, ema_target, state_specs
+from jaxzero.ema import ema as sharded_ema
+from jaxzero.ema.ema import ShardedEMA
+from jaxzero.train.state import TrainState, cast, state_layout
 from jaxzero.trees import check_same_structure
+from jaxzero.zero import collectives
 from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig
@@ -22,20 +24,24 @@ from jaxzero.zero.config import ZeROConfig
 def master_view(zero: ZeROConfig, state: TrainState):
     """The master weights in their shards (a local slice of ``params`` when no separate
     master copy is kept)."""
+    return _master(state, sh.named(zero.mesh, zero.shard_specs(state.params)))
+
+
+def _master(state: TrainState, shards):
+    """``state``'s master: its own, or ``params`` constrained to ``shards`` (NamedShardings
+    of the master's shards, per params leaf)."""
     if state.master is not None:
         return state.master
-    specs = zero.shard_specs(state.params)
-    return jax.lax.with_sharding_constraint(state.params, sh.named(zero.mesh, specs))
+    return jax.lax.with_sharding_constraint(state.params, shards)
 
 
-def _pinned(zero: ZeROConfig, grads, host):
-    """The gradients in the master's shards. Leaves in host memory (``host``, the plan's
+def _pinned(grads, shards, host):
+    """The gradients in the master's ``shards``. Leaves in host memory (``host``, the plan's
     ``grads_memory``; parameter offload: the stacks' gradients, written into their params'
     host buffers) are left where they are: they already have the master's shards, and a
     constraint would fetch them."""
-    named = sh.named(zero.mesh, zero.shard_specs(grads))
     pin = lambda g, s, h: g if h else jax.lax.with_sharding_constraint(g, s)
-    return jax.tree.map(pin, grads, named, host)
+    return jax.tree.map(pin, grads, shards, host)
 
 
 def _unscaled(zero: ZeROConfig, state: TrainState, grads, grad_scale=None):
@@ -77,7 +83,12 @@ def _metrics(zero: ZeROConfig, state: TrainState, new_state: TrainState, norm, f
     return metrics
 
 
-def _new_ema(zero: ZeROConfig, state: TrainState, ema, new_master, model_state, step, apply, keep):
+def _new_ema(
+    zero: ZeROConfig, state: TrainState, ema, specs, new_master, model_state, step, apply, keep
+):
+    """The new EMA state. ``specs``: ``(the master's shards, the per-leaf rule's specs of the
+    EMA's target, the EMA state's specs)`` where the EMA is updated on the master's shards (a
+    ``shard_map``: decision 8); None: leaf by leaf beside the streamed master (offload)."""
     if state.ema is None:
         return None
     if ema is None:
@@ -87,13 +98,17 @@ def _new_ema(zero: ZeROConfig, state: TrainState, ema, new_master, model_state, 
         )
     target = new_master
     if state.model_state is not None:
-        target = ema_target(new_master, keep(model_state, state.model_state))
-    if zero.placement.update_is_local:
+        target = sharded_ema.target(new_master, keep(model_state, state.model_state))
+    if specs is None:
         # per leaf (decision 32): the streamed update reads each EMA leaf beside its master,
         # in the same shards, so the plain update under jit is local and needs no shard_map
         new = ema.update(state.ema, target, step=step, apply=apply)
     else:
-        new = update_on_shards(zero, ema, state.ema, target, step=step, apply=apply)
+        master_specs, leaf_specs, ema_specs = specs
+        replicated = jax.tree.map(lambda _: P(), state.model_state)
+        placed = sharded_ema.target(master_specs, replicated)  # the target as it is placed
+        where = sharded_ema.Shards(zero.mesh, zero.axis, placed, leaf_specs, ema_specs)
+        new = sharded_ema.update_on_mesh(ema, state.ema, target, where, step=step, apply=apply)
     if ema.every == 1 and ema.start_step == 0:
         # The EMA then counts exactly the applied steps: deriving its counter from the step's
         # lets XLA compute both in one scalar kernel (on a GPU the EMA's own select was a
@@ -112,6 +127,7 @@ def _shard_update(
     grad_scale=None,
     *,
     sums_of=None,
+    ema_specs=None,
 ):
     """``(new_master, opt_state, ema, compute shards, finite, grad_norm)``: the optax and EMA
     updates on the shards (each leaf unchanged where the step is skipped) and
@@ -121,7 +137,8 @@ def _shard_update(
     32), so the reductions over the gradients run there too. ``sums_of``: per gradient leaf,
     the number of micro-batches it is the sum of (a host accumulator: decision 42), divided
     here, where the update streams it; None: every leaf is a mean. ``grad_scale``: a scalar
-    the gradients are multiplied by (None: 1)."""
+    the gradients are multiplied by (None: 1). ``ema_specs``: the specs of an EMA updated on the
+    master's shards (:func:`_new_ema`; None: leaf by leaf, streamed)."""
     if sums_of is not None:
         grads = jax.tree.map(lambda g, k: g if k == 1 else g / k, grads, sums_of)
     grads = _unscaled(zero, state, grads, grad_scale)
@@ -132,7 +149,7 @@ def _shard_update(
         new_master, opt_state = _optax_update(zero, state, master, grads)
     new_master = keep(new_master, master)
     step = jnp.where(apply, state.step + 1, state.step)
-    new_ema = _new_ema(zero, state, ema, new_master, model_state, step, apply, keep)
+    new_ema = _new_ema(zero, state, ema, ema_specs, new_master, model_state, step, apply, keep)
     compute = new_master
     if zero.precision.compute_copy:
         compute = cast(new_master, zero.precision.param_dtype)
@@ -145,33 +162,45 @@ def apply_gradients(
     state: TrainState,
     grads,
     *,
+    plan,
     ema: ShardedEMA | None = None,
     model_state=None,
-    accum_steps: int = 1,
     grad_scale=None,
-    plan=None,
 ):
-    """:meth:`jaxzero.ZeRO.apply_gradients` (see there). ``accum_steps``: the step's
-    micro-batches; with the params offloaded the gradient leaves in host memory are then
-    their sums, in accumulators apart from the params (decision 42), divided by the update.
-    ``grad_scale``: a scalar the gradients are multiplied by before the update (a
-    :class:`~jaxzero.train.loss.GlobalMean` loss's devices x micro-batches / global count).
-    ``plan``: the step's per-leaf plan (built here from the params' shapes when None), which
-    says which gradients sit in host memory and which are host sums over micro-batches."""
-    if plan is None:
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
-        plan = leaf_plan.build(zero, shapes, accum_steps=accum_steps)
-    master = master_view(zero, state)
+    """:meth:`jaxzero.ZeRO.apply_gradients` (see there). ``plan``: the step's per-leaf plan
+    (:mod:`jaxzero.zero.plan`), which says which gradients sit in host memory and which are
+    host sums over its micro-batches (the params offloaded: in accumulators apart from the
+    params, decision 42), divided by the update. ``grad_scale``: a scalar the gradients are
+    multiplied by before the update (a :class:`~jaxzero.train.loss.GlobalMean` loss's
+    devices x micro-batches / global count). The state's layout (its specs, host leaves and
+    shardings) is decided once here: the new state has the old one's structure."""
+    # per gradient leaf, from the plan: in host memory, and the micro-batches it sums
+    accum_steps = plan.accum_steps
+    host = plan.mask(grads, leaf_plan.grads_on_host)
+    sums_of = plan.mask(grads, lambda r: accum_steps if leaf_plan.host_sum(r) else 1)
+    layout = state_layout(zero, state)
+    # the master's shards, per params leaf: the master's, the gradients' and the EMA's target's
+    shard_specs = zero.shard_specs(state.params)
+    shards = sh.named(zero.mesh, shard_specs)
+    ema_specs = None
+    if state.ema is not None and not zero.placement.update_is_local:
+        # updated on the master's shards: where each EMA leaf of the target is split
+        target = sharded_ema.target(state.params, state.model_state)
+        ema_specs = (shard_specs, zero.ema_leaf_specs(target), layout.specs.ema)
+    master = _master(state, shards)
     with jax.named_scope("optimizer_update"):
-        pinned = _pinned(zero, grads, plan.mask(grads, leaf_plan.grads_on_host))
-    sums = zero.path.accumulates_on_host(accum_steps)
-    sums_of = plan.mask(pinned, lambda r: accum_steps if leaf_plan.host_sum(r) else 1)
+        pinned = _pinned(grads, shards, host)
     # unscales where the state lives
-    update = lambda *a: _shard_update(zero, ema, *a, sums_of=sums_of)
+    update = lambda *a: _shard_update(zero, ema, *a, sums_of=sums_of, ema_specs=ema_specs)
+    if state.model_state is not None and model_state is not None:
+        # the loss's new model state, checked before the update (and its EMA) keeps it
+        check_same_structure(state.model_state, model_state, "model_state")
+    sums = zero.path.accumulates_on_host(accum_steps)
+    # a stored master's leaf (a remainder) is streamed in its lo's shards, the params leaf's
     specs = (
-        state_specs(zero, state).replace(params=None, master=None),
-        zero.shard_specs(master),
-        zero.shard_specs(pinned),
+        layout.specs.replace(params=None, master=None),
+        shard_specs,
+        shard_specs,
         jax.tree.map(lambda _: P(), model_state),
         None if grad_scale is None else P(),
     )
@@ -184,6 +213,7 @@ def apply_gradients(
         model_state,
         grad_scale,
         specs=specs,
+        host=layout.host,
         grads_in_params=not sums,
     )
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)
@@ -191,7 +221,7 @@ def apply_gradients(
     step = jnp.where(apply, state.step + 1, state.step)
     if zero.stage in (1, 2):
         with jax.named_scope("gather_updated_params"):
-            compute = zero.all_gather(compute)
+            compute = collectives.all_gather(zero.mesh, zero.axis, compute, shard_specs)
     loss_scale = state.loss_scale
     if loss_scale is not None:
         loss_scale = zero.loss_scale.update(loss_scale, finite)
@@ -205,7 +235,6 @@ def apply_gradients(
         loss_scale=loss_scale,
     )
     if state.model_state is not None and model_state is not None:
-        check_same_structure(state.model_state, model_state, "model_state")
         new_state = new_state.replace(model_state=keep(model_state, state.model_state))
     metrics = _metrics(zero, state, new_state, norm, finite)
-    return constrain(zero, new_state), metrics
+    return zero.placement.constrain(new_state, layout.shardings), metrics

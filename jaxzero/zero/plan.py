@@ -19,9 +19,8 @@ counters, a schedule's state) are the :attr:`Plan.other` rows.
 from __future__ import annotations
 
 import dataclasses
-import math
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -239,12 +238,6 @@ def _merge(rows: list[dict], filled: Sequence[tuple[str, Sequence[dict]]]) -> No
                 row[key], mine[key] = value, feature
 
 
-def _shard_bytes(shape, spec: P, n: int, itemsize: int) -> int:
-    d = sh.spec_dim(spec)
-    size = math.prod(shape)
-    return (size // n if d is not None else size) * itemsize
-
-
 def _mirrors(params_paths: list[tuple[str, ...]], state) -> tuple[list[list], list]:
     """The optimizer-state leaves of each params leaf (its path ends with the param's), and
     the ones that end with no param's: ``(per param: [(path, leaf)], [(path, leaf)])``."""
@@ -321,122 +314,133 @@ def build(
     params,
     *,
     accum_steps: int = 1,
-    ema_storage: Callable[[Any], Sequence[str]] | None = None,
+    ema_storage: Sequence[str] | None = None,
     ema_itemsize: int = 4,
 ) -> Plan:
-    """The :class:`Plan` of ``zero`` (a ``ZeROConfig``) over ``params`` (arrays or shape
-    structs, global shapes) for a step of ``accum_steps`` micro-batches. ``ema_storage``:
-    the EMA's column (``"per_leaf"`` / ``"rows"`` per params leaf, from
-    :mod:`jaxzero.ema`), None without an EMA."""
-    zero.check_layers(params)
+    """The :class:`Plan` of ``zero`` (a ``ZeROConfig``) over ``params`` (arrays, tracers or
+    shape structs, global shapes; a tree ``zero.check_layers`` admits, as ``ZeRO.plan``
+    checks first) for a step of ``accum_steps`` micro-batches.
+    ``ema_storage``: the EMA's column (``"per_leaf"`` / ``"rows"`` per params leaf, from
+    :mod:`jaxzero.ema`), None without an EMA.
+
+    The plan's own columns (shapes, specs, bytes) come from the sharding rule; the features
+    decide theirs in two passes, each merged once: how the loss gets each leaf and its
+    gradient leaves the backward (:func:`decisions`), then, reading those, where its state
+    and params live and how the wire encodes it."""
+    # the shapes alone (tracers under jit, arrays or shape structs)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     paths = [path_strs(p) for p, _ in flat]
     n, p = zero.num_shards, zero.precision
-    param_specs = jax.tree.leaves(zero.param_specs(params), is_leaf=lambda s: isinstance(s, P))
-    state_specs = jax.tree.leaves(zero.shard_specs(params), is_leaf=lambda s: isinstance(s, P))
+    leaves = lambda specs: jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    param_specs, state_specs = leaves(zero.param_specs(params)), leaves(zero.shard_specs(params))
     # the step's reduction (stage 1 with one micro-batch may reduce in the backward as stage 2)
     reducing = zero.path.for_step(accum_steps)
-    grad_specs = jax.tree.leaves(reducing.grad_specs(params), is_leaf=lambda s: isinstance(s, P))
-    stage = zero.stage
-    rows = decisions(zero, paths, accum_steps)
-    for row, (path, x), ps, ss, gs in zip(
-        rows, flat, param_specs, state_specs, grad_specs, strict=True
-    ):
-        scatters = reducing.stage >= 2 and sh.spec_dim(gs) is not None
-        row.update(
-            shape=tuple(x.shape),
-            layer_axis=sh.is_stacked(path, zero.layers),
-            param_spec=ps,
-            state_spec=ss,
-            grad_spec=gs,
-            # the stage rule where no feature decided
-            reduce=row["reduce"] or ("reduce_scatter" if scatters else "all_reduce"),
-            accumulate="device_mean" if accum_steps > 1 else "none",
-            memory="device",
-            params_memory="device",
-            grads_memory="device",
-            wire="exact",
-            ema="none",
-            layout="leaf",
-        )
+    grad_specs = leaves(reducing.grad_specs(params))
+    ema_specs = None if ema_storage is None else leaves(zero.ema_leaf_specs(params))
     opt_state = jax.eval_shape(zero.tx.init, params)
-    mirrors, others = _mirrors(paths, opt_state)
-    state_bytes = [
-        sum(
-            _shard_bytes(x.shape, s, n, np.dtype(x.dtype).itemsize)
-            for s, (_, x) in zip(
-                jax.tree.leaves(
-                    zero.shard_specs([x for _, x in mine]), is_leaf=lambda s: isinstance(s, P)
-                ),
-                mine,
-                strict=True,
+    # the optimizer side's leaves, in the order the offload placement weighs them
+    state = _state_leaves(zero, params, opt_state, state_specs, ema_specs, ema_itemsize)
+    # the plan's own columns: the sharding rule's
+    item = lambda d: np.dtype(d).itemsize
+    rows, split = [], []  # per row: whether its params and its reduced gradient are split
+    for (path, x), ps, ss, gs in zip(flat, param_specs, state_specs, grad_specs, strict=True):
+        shape = tuple(x.shape)
+        split.append((sh.spec_dim(ps) is not None, sh.spec_dim(gs) is not None))
+        rows.append(
+            dict(
+                shape=shape,
+                layer_axis=sh.is_stacked(path, zero.layers),
+                param_spec=ps,
+                state_spec=ss,
+                grad_spec=gs,
+                accumulate="device_mean" if accum_steps > 1 else "none",
+                memory="device",
+                params_memory="device",
+                grads_memory="device",
+                wire="exact",
+                ema="none",
+                layout="leaf",
+                bytes={
+                    "params": sh.shard_bytes(shape, ps, n, item(p.param_dtype)),
+                    "master": 0,
+                    "grads": sh.shard_bytes(shape, gs, n, item(p.output_dtype)),
+                    "opt_state": 0,
+                    "ema": 0,
+                },
             )
         )
-        for mine in mirrors
-    ]
-    master = 4 if p.separate_master else 0
-    item = lambda d: np.dtype(d).itemsize
-    for row, mine_bytes in zip(rows, state_bytes, strict=True):
-        shape = row["shape"]
-        row["bytes"] = {
-            "params": _shard_bytes(shape, row["param_spec"], n, item(p.param_dtype)),
-            "master": _shard_bytes(shape, row["state_spec"], n, master),
-            "grads": _shard_bytes(shape, row["grad_spec"], n, item(p.output_dtype)),
-            "opt_state": mine_bytes,
-            "ema": 0,
-        }
-    if ema_storage is not None:  # the EMA is sharded at every stage
-        ema_specs = jax.tree.leaves(zero.ema_leaf_specs(params), is_leaf=lambda s: isinstance(s, P))
-        for row, how, spec in zip(rows, ema_storage(params), ema_specs, strict=True):
-            row["ema"] = how
-            row["bytes"]["ema"] = _shard_bytes(row["shape"], spec, n, ema_itemsize)
-    # where the optimizer side lives: its leaves in the order the placement reads them
-    owners, sizes = _state_leaves(
-        zero, params, opt_state, mirrors, ema_storage is not None, ema_itemsize
-    )
-    where, other_memory = offload.leaf_columns(zero, rows, owners, sizes, accum_steps)
-    _merge(rows, [("offload=", where)])
-    _merge(rows, [("quantize=", wire.leaf_columns(zero.quantize, rows))])
-    other_specs = jax.tree.leaves(
-        zero.shard_specs([x for _, x in others]), is_leaf=lambda s: isinstance(s, P)
-    )
-    other = [
-        Other(
-            "opt_state/" + "/".join(path_strs(path)),
-            tuple(x.shape),
-            _shard_bytes(x.shape, s, n, np.dtype(x.dtype).itemsize),
-            memory,
-        )
-        for (path, x), s, memory in zip(
-            others, other_specs, other_memory[: len(others)], strict=True
-        )
-    ]
-    if ema_storage is not None:  # its counter, weighed last by the placement
-        other.append(Other("ema/updates", (), 4, other_memory[-1], "ema"))
-    return Plan(tuple(Leaf(**r) for r in rows), tuple(other), stage, n, accum_steps)
+    # the features' first pass: how the loss gets each leaf and its gradient leaves
+    decided_by = decisions(zero, paths, accum_steps)
+    for row, decided, (_, grad_split) in zip(rows, decided_by, split, strict=True):
+        row.update(decided)
+        # the stage rule where no feature decided
+        scatters = reducing.stage >= 2 and grad_split
+        row["reduce"] = decided["reduce"] or ("reduce_scatter" if scatters else "all_reduce")
+    for owner, part, size in zip(state.owners, state.parts, state.sizes, strict=True):
+        if owner is not None:
+            rows[owner]["bytes"][part] += size
+    for row, how in zip(rows, ema_storage or (), strict=ema_storage is not None):
+        row["ema"] = how
+    # the second pass, reading the first: where each leaf lives, how the wire encodes it
+    where, other_memory = offload.leaf_columns(zero, rows, state.owners, state.sizes, accum_steps)
+    encoded = wire.leaf_columns(zero.quantize, rows, split)
+    _merge(rows, [("offload=", where), ("quantize=", encoded)])
+    other = state.other(other_memory)
+    return Plan(tuple(Leaf(**r) for r in rows), tuple(other), zero.stage, n, accum_steps)
 
 
-def _state_leaves(zero, params, opt_state, mirrors, ema: bool, ema_itemsize: int = 4):
+@dataclasses.dataclass(frozen=True)
+class _StateLeaves:
     """The optimizer side's leaves in the order the offload placement weighs them
-    (``(master, opt_state, ema)`` flattened): per leaf, its params row (None for one that
-    mirrors no parameter) and its bytes per device."""
+    (``(master, opt_state, ema)`` flattened), each with its params row (None for one that
+    mirrors no parameter), its part of the state, its bytes per device, and (for those
+    :attr:`Plan.other` lists) its path and shape."""
+
+    owners: list
+    parts: list
+    sizes: list
+    paths: list
+    shapes: list
+
+    def other(self, memory: Sequence[str]) -> list[Other]:
+        """The :class:`Other` rows of the leaves that mirror no parameter (the optimizer's,
+        then the EMA's counter); ``memory``: where each lives."""
+        unowned = [i for i, owner in enumerate(self.owners) if owner is None]
+        return [
+            Other(self.paths[i], self.shapes[i], self.sizes[i], where, self.parts[i])
+            for i, where in zip(unowned, memory, strict=True)
+        ]
+
+
+def _state_leaves(zero, params, opt_state, state_specs, ema_specs, ema_itemsize: int):
+    """The :class:`_StateLeaves` of ``zero``'s state over ``params`` (shape structs):
+    ``state_specs`` and ``ema_specs`` (None without an EMA) are the params' leaves' specs."""
     n = zero.num_shards
-    specs = lambda tree: jax.tree.leaves(zero.shard_specs(tree), is_leaf=lambda s: isinstance(s, P))
+    paths = [path_strs(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    mirrors, _ = _mirrors(paths, opt_state)
     rows_of = {id(x): i for i, mine in enumerate(mirrors) for _, x in mine}
-    owners, sizes = [], []
+    out = _StateLeaves([], [], [], [], [])
+
+    def add(owner, part, x, spec, itemsize, path=None):
+        out.owners.append(owner)
+        out.parts.append(part)
+        out.sizes.append(sh.shard_bytes(x.shape, spec, n, itemsize))
+        out.paths.append(path)
+        out.shapes.append(tuple(x.shape))
+
     flat = jax.tree.leaves(params)
     if zero.precision.separate_master:
-        for i, (x, s) in enumerate(zip(flat, specs(params), strict=True)):
-            owners.append(i)
-            sizes.append(_shard_bytes(x.shape, s, n, 4))
-    for x, s in zip(jax.tree.leaves(opt_state), specs(opt_state), strict=True):
-        owners.append(rows_of.get(id(x)))
-        sizes.append(_shard_bytes(x.shape, s, n, np.dtype(x.dtype).itemsize))
-    if ema:
-        owners.append(None)  # EmaState.updates, its counter
-        sizes.append(4)
-        ema_specs = jax.tree.leaves(zero.ema_leaf_specs(params), is_leaf=lambda s: isinstance(s, P))
+        for i, (x, s) in enumerate(zip(flat, state_specs, strict=True)):
+            add(i, "master", x, s, 4)
+    opt_specs = jax.tree.leaves(zero.shard_specs(opt_state), is_leaf=lambda s: isinstance(s, P))
+    opt_flat = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    for (path, x), s in zip(opt_flat, opt_specs, strict=True):
+        name = "opt_state/" + "/".join(path_strs(path))
+        add(rows_of.get(id(x)), "opt_state", x, s, np.dtype(x.dtype).itemsize, name)
+    if ema_specs is not None:
+        # EmaState.updates, its counter
+        add(None, "ema", jax.ShapeDtypeStruct((), np.int32), P(), 4, "ema/updates")
         for i, (x, s) in enumerate(zip(flat, ema_specs, strict=True)):
-            owners.append(i)
-            sizes.append(_shard_bytes(x.shape, s, n, ema_itemsize))
-    return owners, sizes
+            add(i, "ema", x, s, ema_itemsize)
+    return out

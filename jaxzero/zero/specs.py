@@ -24,6 +24,7 @@ the gathered dimension major before the layer loop, a full-size copy held throug
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -139,3 +140,10 @@ def spec_dim(spec: P) -> int | None:
         if entry is not None:
             return d
     return None
+
+
+def shard_bytes(shape: Sequence[int], spec: P, n: int, itemsize: int) -> int:
+    """Bytes per device of a leaf of ``shape`` placed as ``spec`` (built by :func:`leaf_spec`)
+    over ``n`` devices, ``itemsize`` bytes an element."""
+    size = math.prod(shape)
+    return (size // n if spec_dim(spec) is not None else size) * itemsize

@@ -275,11 +275,13 @@ class DeviceMemory:
     # EMA's (sharded) layout backward into a stage-0 update and all-gather it.
     pin = constrain
 
-    def run_update(self, zero, update, state, master, grads, *rest, specs, grads_in_params=True):
+    def run_update(
+        self, zero, update, state, master, grads, *rest, specs, host, grads_in_params=True
+    ):
         """``update(state, master, grads, *rest)`` where the state lives: here (``zero``: the
-        step's ZeRO config; ``specs``: the arguments' PartitionSpecs and
-        ``grads_in_params``: whether the host gradients sit in the params' buffers, which only
-        the host placement reads)."""
+        step's ZeRO config; ``specs``: the arguments' PartitionSpecs, ``host``: the state's
+        :meth:`host_flags` and ``grads_in_params``: whether the host gradients sit in the
+        params' buffers, which only the host placement reads)."""
         return update(state, master, grads, *rest)
 
     def new_params(self, compute, params, keep):
@@ -367,7 +369,9 @@ class HostMemory(DeviceMemory):
     def pin(self, tree, shardings):
         return tree  # the streamed update placed each output where it belongs
 
-    def run_update(self, zero, update, state, master, grads, *rest, specs, grads_in_params=True):
+    def run_update(
+        self, zero, update, state, master, grads, *rest, specs, host, grads_in_params=True
+    ):
         """``update`` streamed through the device (:mod:`jaxzero.zero.offload.stream`): the state is
         fetched from host memory a chunk at a time and each chunk's result written back into
         the state's own buffers. The finite flag and the norm (``update``'s last outputs)
@@ -375,19 +379,19 @@ class HostMemory(DeviceMemory):
         are on the host: then each is written into the buffer its old one leaves (a stack's
         into its gradient's, which the backward wrote into the stack's: decision 37).
         ``specs``: the PartitionSpecs of ``(state, master, grads, *rest)``, the state without
-        its params and master (the update reads ``master``). ``grads_in_params=False``: the
-        host gradients are accumulators apart from the params (micro-batches: decision 42),
-        and the new params go back into the params' own buffers."""
+        its params and master (the update reads ``master``), the master's per params leaf (a
+        stored master's leaf is streamed in its lo's shards, its params leaf's); ``host``: the
+        state's :meth:`host_flags` (a stored master's flagged as its lo).
+        ``grads_in_params=False``: the host gradients are accumulators apart from the params
+        (micro-batches: decision 42), and the new params go back into the params' own
+        buffers."""
         leaf = remainder.is_stored
         args = (state.replace(params=None, master=None), master, grads, *rest)
         mark = lambda t, on: jax.tree.map(lambda _: on, t, is_leaf=leaf)
         separate = state.master is not None
-        # a stored master's carry is sharded as its lo (one spec, one flag per Remainder)
-        master_specs = remainder.stored_specs(specs[1]) if separate else None
-        on = self.host_flags(zero.mesh, state, specs[0].replace(master=master_specs))
-        host_master, host_opt, host_ema = on
+        host_master, host_opt, host_ema = host
         one = lambda t: jax.tree.map(lambda x: x.lo if leaf(x) else x, t, is_leaf=leaf)
-        host_master, specs = one(host_master), (specs[0], one(specs[1]), *specs[2:])
+        host_master = one(host_master)
         in_host = mark(args[0], False).replace(opt_state=host_opt, ema=host_ema)
         grads_host = jax.tree.map(in_host_memory, grads)
         master_host = host_master if separate else mark(master, False)

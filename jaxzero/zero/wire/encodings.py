@@ -212,17 +212,19 @@ class Wire:
         return self.grads.all_reduce(g, axes)
 
 
-def leaf_columns(wire: Wire, rows) -> list[dict]:
+def leaf_columns(wire: Wire, rows, split) -> list[dict]:
     """The per-leaf plan's ``wire`` column (:mod:`jaxzero.zero.plan`): the encoding of each
     row's all-gather (a sharded leaf gathered at stage 3) and of its gradient's reduction (a
     sharded gradient reduce-scattered), ``"gather/reduce"`` where they differ; a leaf with no
-    dimension to split stays exact (its gradient is all-reduced)."""
+    dimension to split stays exact (its gradient is all-reduced). ``split``: per row, whether
+    the sharding rule splits its compute params and its reduced gradient (the plan's
+    ``param_spec`` and ``grad_spec``)."""
     name = lambda codec: "exact" if codec.bits is None else f"int{codec.bits}"
     out = []
-    for row in rows:
+    for row, (params_split, grad_split) in zip(rows, split, strict=True):
         gathers = row["gather"] not in ("none", "invariant", "vocab_rows")
-        gathered = gathers and spec_dim(row["param_spec"]) is not None
-        scattered = row["reduce"] != "complete" and spec_dim(row["grad_spec"]) is not None
+        gathered = gathers and params_split
+        scattered = row["reduce"] != "complete" and grad_split
         g = name(wire.weights) if gathered else "exact"
         r = name(wire.grads) if scattered and row["reduce"] != "all_reduce" else "exact"
         text = g if g == r else f"{g}/{r}"
