@@ -62,6 +62,22 @@ class Comm:
         return self.precision.output_dtype
 
 
+#: From this many devices on the gather's axis, the backward loops' next all-gather (per layer
+#: and per unit) waits for this layer's (unit's) recompute (decision 49). XLA:GPU keeps one
+#: collective in flight, and there its latency estimate of the gather covers the whole layer:
+#: unordered, the gather took every gemm and left the reduce-scatter bare (LLaMA-7B, the
+#: recommended flags, jax 0.12: 63% of AG+RS hidden at N = 16, 32 and 64, 94% with the wait).
+#: At N = 8 the wait gains nothing (94% either way with the recommended flags) and costs the
+#: gather the recompute's window on XLA's defaults (86% -> 76% on jax 0.10, 83% on jax 0.12).
+GATHER_AFTER_RECOMPUTE_FROM = 16
+
+
+def gather_after_recompute(comm: Comm) -> bool:
+    """Whether the backward loops' next gather waits for the recompute (inside ``shard_map``:
+    :data:`GATHER_AFTER_RECOMPUTE_FROM` devices or more on ``comm.axis``)."""
+    return jax.lax.axis_size(comm.axis) >= GATHER_AFTER_RECOMPUTE_FROM
+
+
 def scatter_leaf(comm: Comm, g, d: int | None):
     """The communicating half of :func:`reduce_leaf`: ``g`` in ``reduce_dtype``,
     reduce-scattered along ``d`` over the data axis (then summed over replica axes), both on

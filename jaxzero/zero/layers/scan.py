@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero.mesh import to_varying, varying_axes
+from jaxzero.zero.collectives import gather_after_recompute
 from jaxzero.zero.layers.backward import (
     accumulated,
     at,
@@ -263,9 +264,10 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
         elif plan.placement.params_on_host:
             (ct, _, _, dk), grads = in_place(comm, layer, state, leaves, dims, length)
         else:
+            split = gather_after_recompute(comm)
 
             def body(state, i):  # XLA's pipeliner moves layer i's reduce-scatter under i - 1
-                state, dw = layer(state, i, split=True)
+                state, dw = layer(state, i, split=split)
                 return state, reduce_tree(comm, dw, dims, leaves)
 
             steps = jnp.arange(length)

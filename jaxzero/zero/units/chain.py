@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jaxzero.mesh import in_host_memory, to_varying, varying_axes
-from jaxzero.zero.collectives import reduce_leaves
+from jaxzero.zero.collectives import gather_after_recompute, reduce_leaves
 from jaxzero.zero.jaxpr_eval import bind, bind_unrematted
 from jaxzero.zero.jaxpr_eval import reads as read_vars
 from jaxzero.zero.layers.plan import gather_leaf, gather_shard
@@ -308,9 +308,12 @@ class Chain:
             given = [c for c in out_cts if c is not None]
             w, x = barrier(w, given), barrier([value[v] for v in xs], given)
             primal, vjp = jax.vjp(piece, w, x)
-            if prefetch:  # under unit k's backward gemms, after its recompute
+            if prefetch:  # under unit k's backward gemms (after its recompute, at large N)
                 tie = w + given + ([reduced] if reduced is not None else [])
-                weights[prev] = self._gather(prev, shard_of, token(tie) + finite_token(primal))
+                tok = token(tie)
+                if gather_after_recompute(self.comm):
+                    tok = tok + finite_token(primal)
+                weights[prev] = self._gather(prev, shard_of, tok)
             out_cts = [
                 jnp.zeros_like(y) if c is None else c for y, c in zip(primal, out_cts, strict=True)
             ]
