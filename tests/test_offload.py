@@ -131,11 +131,9 @@ def test_offload_trains_like_the_device_state(name, zkw, skw):
         assert float(host.loss_scale.scale) == float(dev.loss_scale.scale)
 
 
-# slow: stages 1 and 2 (stage 3 stays; tests/test_offload_chains.py checks every stage against
-# single-device optax with six chains)
-@pytest.mark.parametrize(
-    "stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3]
-)
+# slow: every stage (tests/test_offload_chains.py keeps each stage against single-device optax:
+# masked AdamW at stage 1, clipped Adam at stage 2, Adafactor and SGD at whole-model stage 3)
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3)])
 def test_offload_matches_single_device_optax(stage):
     """fp32 Adam, offloaded, against plain optax on one device with the full batch (the
     tolerance of tests/test_zero.py: the sharded sums reorder the gradient's arithmetic)."""
