@@ -49,6 +49,7 @@ from jaxzero.zero.layers import stacked_params as stacked_params
 from jaxzero.zero.layers import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from jaxzero.zero.layers import vocab_parallel_embed as vocab_parallel_embed
 from jaxzero.zero.layers import vocab_table as vocab_table
+from jaxzero.zero.offload.nvme_update import NVMe as NVMe
 from jaxzero.zero.wire import Wire as Wire
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "EmaState",
     "GlobalMean",
     "LossScaleState",
+    "NVMe",
     "Precision",
     "ShardedEMA",
     "StaticLossScale",

@@ -74,7 +74,11 @@ class ZeRO(ZeROConfig):
         (decision 37); ``"activations"``, alone or
         as ``("optimizer", "activations")``: stage 3 with ``layers=`` keeps the layer inputs
         :func:`jaxzero.scan_layers` saves for the backward in host memory, fetched back one
-        layer ahead (decision 36).
+        layer ahead (decision 36); or :class:`jaxzero.NVMe` ``(path, ...)`` (ZeRO-Infinity's
+        NVMe tier, DeepSpeed's ``offload_optimizer: {device: nvme}``): the fp32 master and the
+        optimizer state in a file under ``path``, paged through a window of host buffers by
+        the update, the params on the device (decision 50); the step and its state come from
+        :func:`jaxzero.make_train_step` (stored as ``offload="optimizer"`` and ``nvme``).
       offload_fraction: with ``offload="optimizer"``, the share in (0, 1] of the master,
         optimizer state and EMA bytes per device kept in pinned host memory (DeepSpeed's
         ``offload_optimizer.ratio``, Megatron's ``--optimizer-offload-fraction``): the largest
@@ -124,8 +128,16 @@ class ZeRO(ZeROConfig):
         Raises:
           TypeError: a params leaf is not a floating array (every offending path is listed).
           ValueError: ``opt_state`` does not match ``tx.init(params)`` (the paths are named),
-            or ``step`` is not an int >= 0.
+            or ``step`` is not an int >= 0; the optimizer state is on disk
+            (``offload=jz.NVMe(...)``: the step's ``init`` writes it there).
         """
+        if self.nvme is not None:
+            raise ValueError(
+                f"ZeRO(offload=NVMe({str(self.nvme.path)!r}, ...)) keeps the optimizer state in "
+                f"a file, which zero.init would hold in memory whole. Make the state with "
+                f"jz.make_train_step(loss_fn, zero).init(params): it writes the file a group of "
+                f"leaves at a time."
+            )
         return train_state.init(
             self, params, ema=ema, model_state=model_state, rng=rng, opt_state=opt_state, step=step
         )

@@ -21,6 +21,7 @@ from jaxzero.mesh import mesh_platform
 from jaxzero.train import loss as user_loss
 from jaxzero.train import pmap_leftovers
 from jaxzero.train.grads import local_gradients
+from jaxzero.train.nvme_step import make_nvme_train_step
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh
 from jaxzero.train.update import apply_gradients
@@ -291,6 +292,13 @@ def make_train_step(
     unscale, global finite check, optax update on the shards, EMA on the same shards,
     ``cast(master)`` all-gathered to the compute params.
 
+    With ``ZeRO(offload=jz.NVMe(path, ...))`` the step is the NVMe tier's
+    (:class:`jaxzero.train.nvme_step.NVMeTrainStep`, decision 50): its ``init`` writes the
+    fp32 master and the optimizer state into a file under ``path`` a group of leaves at a
+    time, each step pages them through the window of host buffers, and
+    ``state.optimizer_state()`` reads them back; it takes no ``ema``, ``stateful``, ``rng``,
+    ``donate=False`` or ``allow_loss_collectives`` yet.
+
     Returns:
       A :class:`TrainStep`; ``state, metrics = step(state, batch)`` with metrics ``loss``,
       ``aux`` (when given), ``grad_norm``, ``step``, ``skipped``, ``finite``.
@@ -302,6 +310,15 @@ def make_train_step(
     """
     if not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}.")
+    if zero.nvme is not None:
+        given = dict(
+            ema=ema,
+            stateful=stateful,
+            rng=rng,
+            donate=donate,
+            allow_loss_collectives=allow_loss_collectives,
+        )
+        return _on_disk(loss_fn, zero, accum_steps, given)
     if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
     if ema is not None and not isinstance(ema, ShardedEMA):
@@ -336,6 +353,31 @@ def make_train_step(
             stacklevel=2,
         )
     return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful, bool(rng))
+
+
+#: make_train_step's options and their defaults, which the NVMe tier's step does not take yet
+_NOT_ON_DISK = {
+    "ema": None,
+    "stateful": False,
+    "rng": False,
+    "donate": True,
+    "allow_loss_collectives": False,
+}
+
+
+def _on_disk(loss_fn, zero: ZeRO, accum_steps: int, options: dict):
+    """The NVMe tier's step (``ZeRO(offload=jz.NVMe(...))``, decision 50), after refusing
+    the options it does not take yet (``options``: make_train_step's, by name)."""
+    given = [k for k, v in options.items() if v != _NOT_ON_DISK[k]]
+    if given:
+        raise ValueError(
+            f"ZeRO(offload=NVMe(...)) trains with the optimizer state on disk, and that step "
+            f"does not take {', '.join(f'{k}=' for k in given)} yet; drop it, or use "
+            f"offload='optimizer' (the state in pinned host memory)."
+        )
+    return make_nvme_train_step(
+        loss_fn, dataclasses.replace(zero, nvme=None), zero.nvme, accum_steps=accum_steps
+    )
 
 
 def _keyed_loss(loss_fn):

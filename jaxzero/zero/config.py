@@ -40,6 +40,7 @@ from jaxzero.zero.layers import vocab
 from jaxzero.zero.offload import activations
 from jaxzero.zero.offload import placement as offload
 from jaxzero.zero.offload.fraction import check_fraction
+from jaxzero.zero.offload.nvme_update import NVMe
 from jaxzero.zero.path import GradientPath
 from jaxzero.zero.units import patterns as units
 from jaxzero.zero.wire import encodings as wire
@@ -87,7 +88,8 @@ def canonical(given: dict[str, Any]) -> dict[str, Any]:
     patterns, ``precision`` a :class:`~jaxzero.precision.Precision`, ``prefetch`` a bool with
     ``units=`` (None without), ``quantize`` a :class:`~jaxzero.zero.wire.Wire` carrying
     ``hpz_partition_size``, ``offload`` None, ``"optimizer"`` or ``("optimizer", "params")``
-    with ``"activations"`` moved to ``offload_activations``, ``offload_fraction`` a float.
+    with ``"activations"`` moved to ``offload_activations`` and a :class:`NVMe` to ``nvme``,
+    ``offload_fraction`` a float.
     Canonical input comes back unchanged, so ``dataclasses.replace`` round-trips.
 
     Args:
@@ -111,12 +113,40 @@ def canonical(given: dict[str, Any]) -> dict[str, Any]:
     out["prefetch"] = units.prefetch_option(given["prefetch"], out["units"])
     out["quantize"] = wire.wire(given["quantize"], given["hpz_partition_size"])
     out["hpz_partition_size"] = out["quantize"].hpz
-    state, acts = activations.split(given["offload"])
+    spelled, out["nvme"] = _nvme(given["offload"], given["nvme"])
+    state, acts = activations.split(spelled)
     out["offload"] = state = offload.check_offload(state, stage)
     out["offload_activations"] = acts or given["offload_activations"]
     fraction = given["offload_fraction"]
     out["offload_fraction"] = check_fraction(fraction, state, offload.params_offloaded(state))
+    if out["nvme"] is not None and (state != offload.OPTIMIZER or out["offload_fraction"] != 1):
+        raise ValueError(
+            f"offload={given['offload']!r} with offload_fraction={fraction!r}: the NVMe tier "
+            f"keeps the whole optimizer side (the fp32 master and the optax state) in its file "
+            f"and the params on the device, so it takes offload=jz.NVMe(path) alone (no "
+            f"'params', no 'remainder', offload_fraction 1)."
+        )
     return out
+
+
+def _nvme(spelled, nvme):
+    """``(the offload spelling without the disk, the NVMe settings or None)``:
+    ``offload=jz.NVMe(path)`` is stored as ``offload="optimizer"`` and ``nvme=NVMe(path)``."""
+    if isinstance(spelled, NVMe):
+        if nvme is not None and nvme != spelled:
+            raise ValueError(
+                f"offload={spelled!r} and nvme={nvme!r} name two NVMe settings; pass one, as "
+                f"offload=jz.NVMe(path, ...)."
+            )
+        return offload.OPTIMIZER, spelled
+    if nvme is not None and not isinstance(nvme, NVMe):
+        raise TypeError(f"nvme={nvme!r} must be a jaxzero.NVMe(path, ...) or None.")
+    if nvme is not None and spelled != offload.OPTIMIZER:
+        raise ValueError(
+            f"nvme={nvme!r} keeps the optimizer state on disk, and offload={spelled!r} does "
+            f"not offload it; spell it offload=jz.NVMe(path, ...)."
+        )
+    return spelled, nvme
 
 
 class _Canonical(type):
@@ -160,6 +190,7 @@ class ZeROConfig(metaclass=_Canonical):
     hpz_partition_size: int | None = None
     offload_fraction: float = 1.0
     offload_activations: bool = False  # set from offload=("activations", ...)
+    nvme: NVMe | None = None  # set from offload=jz.NVMe(...): the optimizer state on disk
 
     def __post_init__(self):
         """How the canonical fields combine (each field alone was checked by :func:`canonical`)."""
