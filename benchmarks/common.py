@@ -1,14 +1,17 @@
 """Shared pieces of the benchmarks: token batches, the ZeRO formulas, HLO collective
-accounting that knows about while loops, timing and markdown. The models are
-:mod:`jaxzero.gpu.models`'.
+accounting that knows about while loops, timing and markdown, and the demo's digits CNN. The
+models are :mod:`jaxzero.gpu.models`'.
 
 Import this module only after ``XLA_FLAGS`` is set (the scripts do that first).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 import statistics
+import sys
 import time
 
 import jax
@@ -225,3 +228,24 @@ def sharded_ema_case(mesh, params, ema, stage: int):
         lambda e, m, t: zero.update_ema(ema, e, m, step=t, apply=True), donate_argnums=0
     )
     return update, [state.ema, master, jnp.asarray(1, jnp.int32)]
+
+
+def digits_cnn():
+    """The demo's CNN (``examples/digits.py``) on its digits data, computing in bf16:
+    ``(train data, test data, params, loss_fn, predict)``, with ``loss_fn(params, batch)``
+    the mean cross-entropy and ``predict(params, x)`` the logits."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "digits.py")
+    spec = importlib.util.spec_from_file_location("digits_example", path)
+    digits = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = digits  # its dataclasses look their module up
+    spec.loader.exec_module(digits)
+    train, test = digits.load_data(0)
+    model = digits.CNN()
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))["params"]
+
+    def loss_fn(p, b):
+        logits = model.apply({"params": p}, b["x"].astype(jnp.bfloat16)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    predict = jax.jit(lambda p, x: model.apply({"params": p}, x.astype(jnp.bfloat16)))
+    return train, test, params, loss_fn, predict

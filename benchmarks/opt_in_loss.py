@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import os
 import sys
 import time
@@ -44,6 +43,9 @@ import optax  # noqa: E402
 import jaxzero as jz  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import digits_cnn  # noqa: E402
 
 REMAINDER = ("optimizer", "remainder")
 #: name -> (offload, store the moments in bf16, the run it must equal bit for bit)
@@ -53,16 +55,6 @@ RUNS = {
     "bf16 moments": ("optimizer", True, None),
     "remainder + bf16 moments": (REMAINDER, True, "bf16 moments"),
 }
-
-
-def _digits():
-    spec = importlib.util.spec_from_file_location(
-        "digits_example", os.path.join(ROOT, "examples", "digits.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _host_bytes(tree) -> int:
@@ -138,16 +130,7 @@ def main(argv=None):
     parser.add_argument("--out", help="write the tables to <out>.md")
     parser.add_argument("--plot", help="write the three loss curves to this PNG")
     args = parser.parse_args(argv)
-    digits = _digits()
-    train_data, test = digits.load_data(0)
-    model = digits.CNN()
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))["params"]
-
-    def loss_fn(p, b):
-        logits = model.apply({"params": p}, b["x"].astype(jnp.bfloat16)).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
-
-    predict = jax.jit(lambda p, x: model.apply({"params": p}, x.astype(jnp.bfloat16)))
+    train_data, test, params, loss_fn, predict = digits_cnn()
     warmup = min(100, args.steps // 10)
     sched = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup, args.steps, 3e-5)
     adamw = optax.adamw(sched, weight_decay=1e-4)
