@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import re
 
+import optax
 import pytest
 
+import jaxzero as jz
 from jaxzero import cli
 from jaxzero.gpu.offload_cost import OffloadCost, disk_cost
 
@@ -67,6 +69,12 @@ def test_plan_nvme_prints_the_node_disk_bytes_time_step_and_efficiency(capsys):
     )
     efficiency = compute / (compute + read + write)
     assert float(row["ZI eff."].rstrip("%")) / 100 == pytest.approx(efficiency, abs=2e-3)
+    # the lines to paste build the NVMe tier, and that spelling is a ZeRO the step takes
+    paste = out[out.index("zero = jz.ZeRO(") :].split("\n")[0]
+    assert 'offload=jz.NVMe("/nvme/run")' in paste and 'offload="optimizer"' not in paste
+    mesh = jz.data_parallel_mesh(8)
+    zero = eval(paste.split("=", 1)[1], {"jz": jz, "tx": optax.adam(1e-3), "mesh": mesh})
+    assert zero.offload == "optimizer" and zero.nvme == jz.NVMe("/nvme/run")
 
 
 @pytest.mark.parametrize(

@@ -307,7 +307,7 @@ def add_pcie(group) -> None:
         nargs=2,
         metavar=("READ", "WRITE"),
         help="with --offload optimizer, the state on an NVMe disk per node read and written at "
-        "these GB/s (jaxzero.train.nvme_step.make_nvme_train_step; benchmarks/nvme.py measures "
+        "these GB/s (jaxzero.ZeRO(offload=jaxzero.NVMe(path)); benchmarks/nvme.py measures "
         "them): prints each row's disk bytes per node per step (every GPU's offloaded state "
         "on the node, --gpus-per-node, read once and written once), the disk time (read time + "
         "write time: one disk serves both), the step (compute + the slower of the disk and the "
@@ -1017,13 +1017,19 @@ def _source(value) -> str:
     return repr(value)
 
 
-def paste(row, width: int = 100, indent: str = "  ") -> str:
+#: the directory the paste names for the NVMe tier's file (``--nvme-gbps``)
+NVME_DIR = "/nvme/run"
+
+
+def paste(row, width: int = 100, indent: str = "  ", nvme: bool = False) -> str:
     """``zero = jz.ZeRO(tx, mesh, stage=..., ...)`` for ``row``: its ``zero_options`` (the
     keyword arguments its step was compiled with, :func:`jaxzero.gpu.plan.zero_options`) less
     ZeRO's defaults, as Python, on one line when it fits ``width``, else wrapped inside the
-    call."""
+    call; with ``nvme`` (``--nvme-gbps``) the optimizer offload is the NVMe tier's,
+    ``offload=jz.NVMe(NVME_DIR)``."""
+    source = lambda k, v: f'jz.NVMe("{NVME_DIR}")' if nvme and k == "offload" else _source(v)
     args = ["tx", "mesh"] + [
-        f"{k}={_source(v)}"
+        f"{k}={source(k, v)}"
         for k, v in row.zero_options.items()
         if k not in _DEFAULTS or v != _DEFAULTS[k]
     ]
@@ -1079,7 +1085,9 @@ def pick_note(rows, args, width: int = 100) -> str:
 
         dtype = STATE_DTYPES[args.state_dtype]
         lines.append(f"  tx = jz.with_state_dtype(tx, jnp.{dtype})  # import jax.numpy as jnp")
-    lines.append(paste(row, width))
+    lines.append(paste(row, width, nvme=bool(getattr(args, "nvme_gbps", None))))
+    if getattr(args, "nvme_gbps", None):
+        lines.append(f"  # {NVME_DIR}: a directory on the node's NVMe drives")
     step = _step_line(args, "  ")
     if step:
         lines.append(step)
