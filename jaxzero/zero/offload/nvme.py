@@ -443,7 +443,7 @@ class Swapper:
         """``(g, buffer)`` for each group in turn, read ahead and written behind: while the
         caller updates ``buffer`` in place, groups ``g+1 .. g+lookahead`` are being read and
         ``g-1`` written. Ends with :meth:`flush`; closed early (``break``), it writes nothing
-        more and returns its buffers to the pool.
+        more, waits for the writes already asked for, and returns its buffers to the pool.
 
         Args:
           groups: the groups' order (all, in order, by default).
@@ -472,6 +472,7 @@ class Swapper:
                 for h in queue:
                     self.wait(h)
                     self.release(h)
+                self.flush()  # the writes behind land, and their buffers are back
                 raise
             if write:
                 self.write_back(g)
