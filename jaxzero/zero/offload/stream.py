@@ -503,16 +503,8 @@ def run(
       gradients' and the prologue's values those parts take).
     """
     chunk = CHUNK if chunk is None else chunk
-    r, env, out_tree, stays, _ = _traced(
-        fn,
-        args,
-        mesh=mesh,
-        specs=specs,
-        host=host,
-        device_outputs=device_outputs,
-        alias=alias,
-        stored=stored,
-    )
+    where = dict(mesh=mesh, specs=specs, host=host, device_outputs=device_outputs, alias=alias)
+    r, env, out_tree, stays, _ = _traced(fn, args, stored=stored, **where)
     plan, jaxpr = r.plan, r.plan.jaxpr.jaxpr
     later, pending = _deferred(r, defer) if defer is not None else ([], [])
     env.update(r.prologue(env, plan.prologue, chunk))
@@ -578,17 +570,8 @@ def run_rows(
       ``{flat output index: its rows}`` for each deferred output that stays on the device
       (the new compute params' rows).
     """
-    r, env, _, _, tree = _traced(
-        fn,
-        args,
-        mesh=mesh,
-        specs=specs,
-        host=host,
-        device_outputs=device_outputs,
-        alias=alias,
-        stored=stored,
-        local=local,
-    )
+    where = dict(mesh=mesh, specs=specs, host=host, device_outputs=device_outputs, alias=alias)
+    r, env, _, _, tree = _traced(fn, args, stored=stored, local=local, **where)
     later, reads = _deferred(r, defer)
     if len(reads) != len(pending):
         raise ValueError(
