@@ -138,3 +138,56 @@ def test_only_orbaxs_leftovers_are_dropped_after_a_failed_read(tmp_path):
     out = run_script(LATER, tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[-2] == "['mine', 'Broken.__del__']", out.stdout
+
+
+# A tensorstore read still running when its asyncio loop is closed (what Orbax's restore leaves
+# behind when another read fails first): when it completes, tensorstore's done callback calls
+# loop.call_soon_threadsafe and reports the RuntimeError as unraisable, with no object. Then a
+# user's own call on a closed loop, from a __del__ (a Python frame above call_soon_threadsafe).
+CLOSED_LOOP = """
+import asyncio, sys
+import tensorstore as ts
+from jaxzero.checkpoint import quiet
+seen = []
+if sys.argv[2] == "after":
+    quiet.collect_leftovers()
+sys.unraisablehook = (lambda previous: lambda u: (seen.append(type(u.exc_value).__name__), previous(u)))(sys.unraisablehook)
+
+def leftover_read():
+    promise, future = ts.Promise.new()
+    async def read():
+        await future
+    loop = asyncio.new_event_loop()
+    loop.create_task(read())
+    loop.run_until_complete(asyncio.sleep(0.01))
+    loop.close()
+    promise.set_result(1)  # the read completes after its loop was closed
+
+leftover_read()
+closed = asyncio.new_event_loop()
+closed.close()
+class Mine:
+    def __del__(self):
+        closed.call_soon_threadsafe(print)
+Mine()
+print("SEEN", seen)
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_read_completing_after_its_loop_closed_is_dropped_after_a_failed_read(tmp_path, when):
+    """After a failed read, tensorstore's report of a leftover read that completes on a closed
+    loop is dropped; before any failed read it reaches stderr as Python prints it. The user's
+    own ``call_soon_threadsafe`` on a closed loop is reported either way."""
+    out = subprocess.run(
+        [sys.executable, "-c", CLOSED_LOOP, str(tmp_path), when],
+        capture_output=True,
+        text=True,
+        env=user_env(),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == "SEEN ['RuntimeError', 'RuntimeError']", out.stdout
+    reported = out.stderr.count("RuntimeError: Event loop is closed")
+    assert reported == (2 if when == "before" else 1), out.stderr
+    assert "Mine.__del__" in out.stderr, out.stderr

@@ -14,7 +14,10 @@ stderr; nothing else is silenced, and only while a jaxzero call runs.
   leftover still running then (its read not yet failed, on a loaded machine) is collected
   later, at the latest when the interpreter exits: from the first failed read on, the
   unraisable exceptions and asyncio's reports of Orbax's own coroutines and tasks (their
-  code in the ``orbax`` package) are dropped whenever they come, and nothing else is.
+  code in the ``orbax`` package) are dropped whenever they come, and so is the
+  ``RuntimeError: Event loop is closed`` that tensorstore reports when a read it still ran
+  completes after Orbax closed the loop awaiting it (its done callback's
+  ``loop.call_soon_threadsafe``, reported with no object); nothing else is.
 """
 
 from __future__ import annotations
@@ -107,12 +110,31 @@ def _drop_orbax_leftovers_later() -> None:
 
     # the hook may run while the interpreter exits, its modules' globals cleared: it reads
     # only what it was given here
-    def hook(unraisable, previous=sys.unraisablehook, marker=f"{os.sep}orbax{os.sep}"):
+    def hook(
+        unraisable,
+        previous=sys.unraisablehook,
+        marker=f"{os.sep}orbax{os.sep}",
+        asyncio_dir=f"{os.sep}asyncio{os.sep}",
+    ):
         obj = unraisable.object
         get_coro = getattr(obj, "get_coro", None)
         code = getattr(get_coro() if callable(get_coro) else obj, "cr_code", None)
-        if code is None or marker not in code.co_filename:
-            previous(unraisable)
+        if code is not None and marker in code.co_filename:
+            return
+        # a tensorstore read that completes after Orbax closed its loop: tensorstore's done
+        # callback, native code, calls loop.call_soon_threadsafe and reports the
+        # RuntimeError with no object (PyErr_WriteUnraisable(NULL))
+        tb = getattr(unraisable, "exc_traceback", None)
+        if (
+            obj is None
+            and isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and tb is not None
+            and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+            and asyncio_dir in tb.tb_frame.f_code.co_filename
+        ):
+            return
+        previous(unraisable)
 
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_DropOrbaxLater())
