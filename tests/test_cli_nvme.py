@@ -49,6 +49,11 @@ def test_plan_nvme_prints_the_node_disk_bytes_time_step_and_efficiency(capsys):
     params = int(re.search(r"-> ([\d,]+) params", out).group(1).replace(",", ""))
     assert f"{READ:g} GB/s read and {WRITE:g} GB/s write per node" in out
     assert f"shared by {NODE} GPUs" in out
+    header = out.splitlines()[0]
+    assert header.endswith(
+        f"offload optimizer to NVMe ({READ:g} GB/s read, {WRITE:g} GB/s write), paged through "
+        "pinned host memory"
+    ), header
     row = _nvme_row(out)
     assert row["stage"] == "3 per layer"
 

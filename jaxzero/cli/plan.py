@@ -429,7 +429,7 @@ def _describe(args, shape, recommended_xla_flags) -> str:
         + (", EMA" if args.ema else "")
         + ("" if args.compute_copy else ", stage 3 without a compute copy")
         + (", stage 3 vocabulary-parallel embedding" if args.vocab_parallel else "")
-        + (f", offload {offload_words(args)} to pinned host memory" if args.offload else "")
+        + (f", offload {offload_words(args)} to {_offload_target(args)}" if args.offload else "")
         + (f", {format_bytes(args.gpu_memory)} per GPU" if args.gpu_memory else "")
         + (f", {_wire_words(args)} on the wire" if args.quantize else "")
         + (f", hpZ in groups of {args.hpz}" if args.hpz else "")
@@ -869,6 +869,15 @@ def network(rows, args) -> str:
             row = f"{format_bytes(total):>10}  cross-node {format_bytes(cross):>10}"
         lines.append(f"  {r.label:<{width}} {row}")
     return "\n".join(lines)
+
+
+def _offload_target(args) -> str:
+    """Where the header says the offloaded state lives: pinned host memory, or with
+    ``--nvme-gbps`` the optimizer state in a file on NVMe, paged through host buffers."""
+    if getattr(args, "nvme_gbps", None):
+        read, write = args.nvme_gbps
+        return f"NVMe ({read:g} GB/s read, {write:g} GB/s write), paged through pinned host memory"
+    return "pinned host memory"
 
 
 def nvme(rows, args, wrap: int = WIDTH) -> str:
