@@ -29,6 +29,7 @@ from jaxzero.checkpoint.structure import EXTRA, METADATA, STATE, describe, flat_
 from jaxzero.checkpoint.trust import check_metadata
 from jaxzero.ema import ema as sharded_ema
 from jaxzero.ema.ema import ShardedEMA
+from jaxzero.train.nvme_step import NVMeState
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated
 from jaxzero.trees import node_types
@@ -38,10 +39,13 @@ from jaxzero.zero.offload import remainder
 # --------------------------------------------------------------------------------- manager
 def _registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    from jaxzero.checkpoint import nvme  # the disk tier's item (it reads through this module)
+
     for item, save_args, restore_args in (
         (STATE, ocp.args.StandardSave, ocp.args.StandardRestore),
         (EXTRA, ocp.args.StandardSave, ocp.args.StandardRestore),
         (METADATA, ocp.args.JsonSave, ocp.args.JsonRestore),
+        (nvme.ITEM, nvme.Save, nvme.Restore),
     ):
         reg.add(item, save_args)
         reg.add(item, restore_args)
@@ -217,7 +221,9 @@ def save(
       manager_or_dir: a manager from :func:`manager` (asynchronous saves), or a directory
         (a manager is opened, the save completes and the manager is closed).
       step: the step number (the checkpoint's directory name).
-      state: the :class:`~jaxzero.TrainState`.
+      state: the :class:`~jaxzero.TrainState`, or the NVMe tier's
+        :class:`~jaxzero.train.nvme_step.NVMeState` (its disk leaves streamed a group at a
+        time: :mod:`jaxzero.checkpoint.nvme`).
       zero: the ``ZeRO`` that built ``state``: records stage, mesh axis, precision policy
         and optimizer in the metadata (optional but recommended).
       ema: the ``ShardedEMA`` the step updates ``state.ema`` with: records its settings
@@ -238,6 +244,21 @@ def save(
         not checkpoint steps; ``step`` exists already or is older than the newest step.
         Nothing is written.
     """
+    if isinstance(state, NVMeState):  # the optimizer state on disk: streamed a group at a time
+        from jaxzero.checkpoint import nvme
+
+        return nvme.save(
+            manager_or_dir,
+            step,
+            state,
+            zero=zero,
+            ema=ema,
+            metadata=metadata,
+            extra=extra,
+            optimizer=optimizer,
+            wait=wait,
+            force=force,
+        )
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be a jaxzero.TrainState, got {type(state).__name__}.")
     if zero is not None and not isinstance(zero, ZeRO):
@@ -392,7 +413,9 @@ def restore(
     check_dtypes: bool = True,
     fallback: bool = False,
 ):
-    """Restore a :class:`~jaxzero.TrainState` directly into ``zero``'s shardings.
+    """Restore a :class:`~jaxzero.TrainState` directly into ``zero``'s shardings (with
+    ``ZeRO(offload=jz.NVMe(path))``: an ``NVMeState`` with a fresh state file, filled a group
+    at a time: :func:`jaxzero.checkpoint.nvme.restore`).
 
     The target is ``zero.abstract_state(params, ema=ema, model_state=..., rng=...)`` (or the
     given abstract ``TrainState``, re-sharded for ``zero``); Orbax reads each array straight
@@ -435,6 +458,21 @@ def restore(
     """
     if not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}.")
+    if zero.nvme is not None:  # an NVMeState, its file filled a group at a time
+        from jaxzero.checkpoint import nvme
+
+        return nvme.restore(
+            manager_or_dir,
+            zero,
+            params_or_abstract_state,
+            step=step,
+            ema=ema,
+            model_state=model_state,
+            rng=rng,
+            with_extra=with_extra,
+            check_dtypes=check_dtypes,
+            fallback=fallback,
+        )
     if ema is not None and not isinstance(ema, ShardedEMA):
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
     if fallback and step is not None:

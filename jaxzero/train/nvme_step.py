@@ -18,14 +18,19 @@ as with the host offload; host memory holds the swapper's window::
 
 A step updates the file in place. An error in the middle of a step's update (a failed write)
 leaves the file part updated: the step raises it, and the state refuses later steps and reads
-with a message naming it (restore from a checkpoint). The file is locked while its state is
-open: a second run in the same directory is refused, naming the first one's process;
-:meth:`NVMeState.close` releases it.
+with a message naming it (restore from a checkpoint). A process killed in the middle of an
+update leaves the file marked (``optimizer_state.swp.updating``): the next state opened on it
+(``init``, or ``jaxzero.checkpoint.restore``) warns and rebuilds it. The file is locked while
+its state is open: a second run in the same directory is refused, naming the first one's
+process; :meth:`NVMeState.close` releases it (and the kernel, when the process dies).
+``jaxzero.checkpoint.save`` and ``restore`` stream the state a group at a time
+(:mod:`jaxzero.checkpoint.nvme`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -41,7 +46,7 @@ from jaxzero.zero import specs as sh
 from jaxzero.zero.offload.nvme import check_directory
 from jaxzero.zero.offload.nvme_update import DiskUpdate, NVMe, finite_and_norm
 
-__all__ = ["NVMe", "NVMeState", "NVMeTrainStep", "make_nvme_train_step"]
+__all__ = ["NVMe", "NVMeState", "NVMeTrainStep", "make_nvme_train_step", "open_disk"]
 
 
 @dataclasses.dataclass
@@ -61,6 +66,11 @@ class NVMeState:
     loss_scale: Any
     disk: DiskUpdate
 
+    def gather_view(self):
+        """What :func:`jaxzero.gather` of the state gathers: its compute params (on the
+        device; the optimizer side is read with :meth:`optimizer_state`)."""
+        return self.params
+
     def optimizer_state(self):
         """``(opt_state, master)`` as trees of global numpy arrays, read from the file a group
         at a time (``master`` None when the params are the master)."""
@@ -69,6 +79,35 @@ class NVMeState:
     def close(self) -> None:
         """Close the state's file (it stays on disk) and release its lock."""
         self.disk.close()
+
+
+def open_disk(zero: ZeRO, nvme: NVMe, params) -> DiskUpdate:
+    """The :class:`DiskUpdate` of ``zero``'s state of ``params`` (arrays or shapes) with its
+    file under ``nvme.path``: made (every check of the swapper, the lock, the preallocation)
+    before any state exists, to be filled with ``DiskUpdate.fill``.
+
+    Args:
+      zero: the host offload's ZeRO (``offload="optimizer"``, no ``nvme``).
+      nvme: where and how the state is paged.
+      params: the model params, or their ShapeDtypeStructs.
+    """
+    abstract = zero.abstract_state(params)
+    on_device = abstract.master is None
+    master = abstract.params if on_device else abstract.master
+    aval = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+    named = lambda t: sh.named(zero.mesh, zero.shard_specs(t))
+    return DiskUpdate(
+        zero.tx,
+        zero.precision,
+        zero.skip_nonfinite,
+        opt_state=aval(abstract.opt_state),
+        master=aval(master),
+        opt_shardings=named(abstract.opt_state),
+        master_shardings=named(master),
+        master_on_device=on_device,
+        scaled=abstract.loss_scale is not None,
+        nvme=nvme,
+    )
 
 
 @dataclasses.dataclass
@@ -95,23 +134,10 @@ class NVMeTrainStep:
           The :class:`NVMeState`; the file is ``nvme.path/optimizer_state.swp``.
         """
         zero = self.zero
-        abstract = zero.abstract_state(params)
-        on_device = abstract.master is None
-        master = abstract.params if on_device else abstract.master
-        aval = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-        named = lambda t: sh.named(zero.mesh, zero.shard_specs(t))
-        disk = DiskUpdate(
-            zero.tx,
-            zero.precision,
-            zero.skip_nonfinite,
-            opt_state=aval(abstract.opt_state),
-            master=aval(master),
-            opt_shardings=named(abstract.opt_state),
-            master_shardings=named(master),
-            master_on_device=on_device,
-            scaled=abstract.loss_scale is not None,
-            nvme=self.nvme,
-        )
+        disk = open_disk(zero, self.nvme, params)
+        on_device = disk.master_on_device
+        if disk.found_torn:
+            warnings.warn(f"{disk.found_torn} first values (init)", stacklevel=2)
 
         def leaves(indices):
             # zero.init under jit, its other outputs unused: XLA computes only these leaves

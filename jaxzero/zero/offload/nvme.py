@@ -265,6 +265,7 @@ class Swapper:
         self._cond = threading.Condition()
         self._pool = concurrent.futures.ThreadPoolExecutor(queue_depth, "jaxzero-nvme")
         self.in_use = self.peak_in_use = 0  # buffers out of the pool: now, and the most ever
+        self.closed = False  # set by close: the file and its lock are released
 
     def _open(self, direct):
         flags = os.O_RDWR | os.O_CREAT
@@ -502,9 +503,12 @@ class Swapper:
 
     def close(self) -> None:
         """Flush, stop the I/O threads and close the file (it stays on disk)."""
+        if self.closed:
+            return
         try:
             self.flush()
         finally:
+            self.closed = True
             self._pool.shutdown(wait=True)
             os.close(self._fd)
             os.close(self._lock)  # releases the lock; the lock file stays (see _lock)

@@ -223,6 +223,34 @@ def _evaluator(closed, eqns, ins, outs, shardings):
     return fn
 
 
+def _marker(path: str) -> str:
+    return path + ".updating"
+
+
+def _mark_updating(path: str) -> None:
+    with open(_marker(path), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def _unmark_updating(path: str) -> None:
+    os.unlink(_marker(path))
+
+
+def _torn(path: str) -> str | None:
+    """The message for a state file whose update marker is still there (its process stopped
+    in the middle of an update, or of writing the file's first values), else None."""
+    try:
+        with open(_marker(path)) as f:
+            pid = f.read().strip() or "?"
+    except FileNotFoundError:
+        return None
+    return (
+        f"the optimizer state file {path} was left part updated by process {pid}, which "
+        "stopped in the middle of an update (its groups hold different steps); its contents "
+        "are replaced by this state's"
+    )
+
+
 class DiskUpdate:
     """The traced update, its state leaves placed (disk, resident, device) and grouped into
     the swapper's file, and the loop that runs it a group at a time.
@@ -400,6 +428,9 @@ class DiskUpdate:
         self.swapper = None
         #: why the file no longer holds one step's state (an update failed in the middle)
         self.broken: str | None = None
+        #: what the file held when it was opened: a state some process left part updated
+        #: (killed in the middle of an update), which ``fill`` replaces; else None
+        self.found_torn: str | None = None
         if self.leaves:
             self.swapper = Swapper(
                 nvme.path,
@@ -410,6 +441,7 @@ class DiskUpdate:
                 queue_depth=nvme.queue_depth,
                 direct=nvme.direct,
             )
+            self.found_torn = _torn(self.swapper.path)
         # the jitted pieces
         pro = self.plan.prologue
         self._prologue = jax.jit(_evaluator(self.closed, pro.eqns, pro.inputs, pro.outputs, {}))
@@ -506,13 +538,18 @@ class DiskUpdate:
         Returns:
           The resident leaves, ``{flat input index: array}`` in their shardings.
         """
+        if self.swapper is not None:
+            _mark_updating(self.swapper.path)  # until every group holds the new state
         for g, leaves in enumerate(self.group_leaves):
             buffer = self.swapper.acquire(g)
             for i, x in zip(leaves, make(leaves), strict=True):
                 self.leaves[i].from_device(jax.device_put(x, self.leaves[i].sharding), buffer)
+                del x
             self.swapper.write_back(g, buffer)
         if self.swapper is not None:
-            self.swapper.flush()
+            self.swapper.flush(sync=True)
+            _unmark_updating(self.swapper.path)
+            self.found_torn = None
         resident = [i for i, k in enumerate(self.kinds) if k == RESIDENT]
         arrays = make(resident) if resident else []
         return {
@@ -544,6 +581,16 @@ class DiskUpdate:
         if not self.master_on_device:
             master = jax.tree.unflatten(self.master_tree, flat[self.n_o :])
         return opt, master
+
+    def leaf_array(self, i: int, buffer) -> jax.Array:
+        """Disk leaf ``i`` (a flat input index) as a global array in its sharding on the
+        devices, from its shards in its group's ``buffer``."""
+        leaf = self.leaves[i]
+        return jax.device_put(leaf.to_host(buffer), leaf.sharding)
+
+    def check_whole(self) -> None:
+        """Raise the part-updated error when an update failed in the middle of the groups."""
+        self._check_whole()
 
     # -- a step --------------------------------------------------------------------------
 
@@ -582,8 +629,13 @@ class DiskUpdate:
         env.update(zip(pro.outputs, self._prologue(*[env[v] for v in pro.inputs]), strict=True))
         var_leaf = {invars[i]: i for i in self.leaves}
         if self.swapper is not None:
+            # a marker beside the file while its groups hold two steps: a process killed in
+            # the middle leaves it, and the next state opened on the file says so
+            _mark_updating(self.swapper.path)
             try:
                 self._groups(env, var_leaf)
+                self.swapper.flush()
+                _unmark_updating(self.swapper.path)
             except BaseException as e:
                 self.broken = (
                     f"the optimizer state file {self.swapper.path} was left part updated by an "

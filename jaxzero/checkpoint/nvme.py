@@ -1,0 +1,405 @@
+"""Checkpoints of a state whose optimizer side is on disk (``ZeRO(offload=jz.NVMe(path))``,
+decision 50), written and read a group of leaves at a time, so that the optimizer state is never
+in host memory whole.
+
+A step of such a checkpoint holds the items every jaxzero step holds, and one more:
+
+- ``state``: the :class:`~jaxzero.TrainState` of the run, as the host offload's checkpoint
+  holds it (the same leaves, paths, shapes, dtypes and checksums in ``metadata``), except the
+  leaves kept on disk, which are absent (empty nodes);
+- ``nvme`` (:data:`ITEM`): the leaves kept on disk, one Orbax PyTree checkpoint per group of
+  the state file (``group_<g>``, the leaves keyed by their dotted ``state`` names), and
+  ``leaves.json``: each group's leaves and each leaf's checksum (``metadata``'s hash), taken
+  while the group passes. The item's handler reads each group through the swapper's window,
+  writes it and waits for the write before it reads the next, inside Orbax's save of the step:
+  the step's directory is renamed into place only when every item is written (a process
+  killed in the middle leaves a temporary directory that no restore reads), and ``save``
+  returns only when the disk leaves are written (the next step updates the file in place).
+
+:func:`restore` makes a fresh state file under the ZeRO's NVMe directory (any device count:
+each leaf is read straight into the new sharding) and fills it a group at a time, reading only
+that group's leaves of the checkpoint (the others are Orbax placeholders), each verified
+against its checksum before it is written.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+import jaxzero.checkpoint.guards as guards
+import jaxzero.checkpoint.integrity as integrity
+import jaxzero.checkpoint.io as io
+from jaxzero.checkpoint.integrity import CheckpointDamagedError
+from jaxzero.checkpoint.structure import (
+    EXTRA,
+    METADATA,
+    STATE,
+    describe,
+    flat_leaves,
+    leaf_name,
+    leaf_row,
+)
+from jaxzero.train.nvme_step import NVMeState, open_disk
+from jaxzero.train.optimizer import ZeRO
+from jaxzero.train.state import TrainState
+from jaxzero.zero.offload import parts
+
+ITEM = "nvme"
+INDEX = "leaves.json"
+
+
+# --------------------------------------------------------------------------------- the item
+class Handler(ocp.CheckpointHandler):
+    """The :data:`ITEM` of a step: the disk leaves, a group at a time (see the module)."""
+
+    def save(self, directory: epath.Path, args: Save) -> None:
+        disk, names = args.disk, args.names
+        directory = epath.Path(directory)
+        groups, sums = [], {}
+        writer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+        passes = () if disk.swapper is None else disk.swapper.pipelined(write=False)
+        try:
+            for g, buffer in passes:
+                arrays = {names[i]: disk.leaf_array(i, buffer) for i in disk.group_leaves[g]}
+                sums.update(integrity.checksums(arrays))
+                writer.save(directory / f"group_{g}", args=ocp.args.PyTreeSave(arrays))
+                groups.append(sorted(arrays))
+                del arrays  # this group's copies go before the next group's arrive
+        finally:
+            writer.close()
+        if jax.process_index() == 0:
+            index = {"groups": groups, integrity.KEY: {"algorithm": integrity.ALGORITHM}}
+            index[integrity.KEY]["leaves"] = sums
+            (directory / INDEX).write_text(json.dumps(index))
+
+    def restore(self, directory: epath.Path, args: Restore | None = None) -> dict:
+        """The item's index (``leaves.json``); the leaves are read by :func:`restore`."""
+        return json.loads((epath.Path(directory) / INDEX).read_text())
+
+    def metadata(self, directory: epath.Path) -> None:
+        return None
+
+
+@ocp.args.register_with_handler(Handler, for_save=True)
+@dataclasses.dataclass
+class Save(ocp.args.CheckpointArgs):
+    """``disk``: the state's :class:`~jaxzero.zero.offload.nvme_update.DiskUpdate`;
+    ``names``: each disk leaf's dotted name by flat index."""
+
+    disk: Any
+    names: dict
+
+
+@ocp.args.register_with_handler(Handler, for_restore=True)
+@dataclasses.dataclass
+class Restore(ocp.args.CheckpointArgs):
+    """Reads the item's index."""
+
+
+# --------------------------------------------------------------------------------- layout
+def _names(opt_tree, master_tree, master_on_device: bool) -> dict[int, str]:
+    """Each optimizer-state input's dotted ``state`` name by the update's flat index (the
+    optax state's leaves, then the separate master's)."""
+    n_o = opt_tree.num_leaves
+    opt = jax.tree.unflatten(opt_tree, list(range(n_o)))
+    master = None
+    if not master_on_device:
+        master = jax.tree.unflatten(master_tree, list(range(n_o, n_o + master_tree.num_leaves)))
+    skeleton = TrainState(step=None, params=None, master=master, opt_state=opt, skipped=None)
+    return {i: leaf_name(path) for path, i in flat_leaves(skeleton).items()}
+
+
+def _on_disk(x) -> bool:
+    """Whether the NVMe tier keeps a state leaf of this shape on disk (the update's rule)."""
+    return int(np.prod(x.shape, dtype=np.int64)) > parts.SMALL
+
+
+def _state_tree(state: NVMeState) -> TrainState:
+    """The ``state`` item of ``state``: the host offload's TrainState without its disk leaves."""
+    disk = state.disk
+    flat: list = [None] * (disk.n_o + disk.n_m)
+    for i, x in state.resident.items():
+        flat[i] = x
+    opt = jax.tree.unflatten(disk.opt_tree, flat[: disk.n_o])
+    master = (
+        None if disk.master_on_device else jax.tree.unflatten(disk.master_tree, flat[disk.n_o :])
+    )
+    return TrainState(
+        step=state.step,
+        params=state.params,
+        master=master,
+        opt_state=opt,
+        skipped=state.skipped,
+        loss_scale=state.loss_scale,
+    )
+
+
+# --------------------------------------------------------------------------------- save
+def save(
+    manager_or_dir,
+    step,
+    state: NVMeState,
+    *,
+    zero: ZeRO | None = None,
+    ema=None,
+    metadata: dict | None = None,
+    extra=None,
+    optimizer: str | None = None,
+    wait: bool = False,
+    force: bool = False,
+) -> bool:
+    """:func:`jaxzero.checkpoint.save` of an :class:`NVMeState` (see the module): the leaves on
+    disk stream into the step a group at a time, and are written when this returns, also with
+    an asynchronous manager (the next step updates the file in place).
+
+    Raises:
+      ValueError: ``ema`` is given (the NVMe tier keeps no EMA); ``zero`` is not the ZeRO the
+        state was trained with (another optimizer or precision); the step exists already.
+      RuntimeError: the state's file was left part updated by a failed step, or is closed.
+      Nothing is written.
+    """
+    if ema is not None:
+        raise ValueError(
+            f"ema={ema!r}: an NVMe state has no EMA (the NVMe tier does not keep one yet); "
+            "save it without ema="
+        )
+    if zero is not None and not isinstance(zero, ZeRO):
+        raise TypeError(f"zero must be a jaxzero.ZeRO or None, got {type(zero).__name__}.")
+    disk = state.disk
+    disk.check_whole()
+    if disk.swapper is not None and disk.swapper.closed:
+        raise RuntimeError(
+            f"the state's file {disk.swapper.path} is closed (NVMeState.close): nothing to save"
+        )
+    tree = _state_tree(state)
+    if zero is not None:
+        want = jax.tree.structure(zero.abstract_state(jax.tree.map(_aval, state.params)).opt_state)
+        if want != disk.opt_tree:
+            raise ValueError(
+                "zero= is not the ZeRO this NVMe state was trained with: its optimizer state's "
+                f"tree is {want}, the state's is {disk.opt_tree}"
+            )
+    names = _names(disk.opt_tree, disk.master_tree, disk.master_on_device)
+    rows = [
+        leaf_row(tuple(names[i].split(".")), leaf.shape, leaf.dtype)
+        for i, leaf in sorted(disk.leaves.items())
+    ]
+    step = int(np.asarray(step))
+    with io.opened(manager_or_dir, read_only=False) as mngr:
+        guards.check_only_steps(mngr)
+        guards.check_new_step(mngr, step)
+        meta = describe(tree, zero=zero, optimizer=optimizer, metadata=metadata)
+        meta["checkpoint_step"] = step
+        meta["ema"] = guards.ema_settings(None)
+        meta["has_extra"] = extra is not None
+        meta[ITEM] = {"leaves": rows, "total_bytes": sum(r["bytes"] for r in rows)}
+        extra = None if extra is None else io._host_tree(extra)
+        meta[integrity.KEY] = io._checksums(tree, extra)
+        items = {
+            STATE: ocp.args.StandardSave(tree),
+            METADATA: ocp.args.JsonSave(meta),
+            ITEM: Save(disk, {i: names[i] for i in disk.leaves}),
+        }
+        if extra is not None:
+            items[EXTRA] = ocp.args.StandardSave(extra)
+        try:
+            started = mngr.save(step, args=ocp.args.Composite(**items), force=force)
+            if wait:
+                mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - a write error is re-raised with the step
+            if not integrity.is_write_error(e):
+                raise
+            raise io._save_failed(mngr, step, e) from e
+        return bool(started)
+
+
+def _aval(x):
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+# --------------------------------------------------------------------------------- restore
+def restore(
+    manager_or_dir,
+    zero: ZeRO,
+    params,
+    *,
+    step: int | None = None,
+    ema=None,
+    model_state=None,
+    rng=None,
+    with_extra: bool = False,
+    check_dtypes: bool = True,
+    fallback: bool = False,
+):
+    """:func:`jaxzero.checkpoint.restore` into ``ZeRO(offload=jz.NVMe(path))``: an
+    :class:`NVMeState` whose state file (a fresh one under ``path``, at ``zero``'s device
+    count) is filled from the checkpoint a group at a time.
+
+    A file a killed process left part updated in the directory is replaced (a warning names
+    the process that left it); a file another live state holds is refused (its lock).
+
+    Raises:
+      ValueError: an option the NVMe tier does not take (``ema=``, ``model_state=``,
+        ``rng=``, ``fallback=True``, ``check_dtypes=False``), a step saved from a state in
+        memory, or from another precision policy or model; nothing is written.
+      CheckpointDamagedError: a leaf read back differs from its checksum (the new file is
+        closed; the run restores from another step).
+    """
+    for name, given in (("ema", ema), ("model_state", model_state), ("rng", rng)):
+        if given is not None:
+            raise ValueError(
+                f"{name}= is not supported by the NVMe tier's restore (its state has no "
+                f"{name}); restore without it"
+            )
+    if fallback or not check_dtypes:
+        raise ValueError(
+            "fallback=True and check_dtypes=False are not supported by the NVMe tier's "
+            "restore yet: restore a given step with the dtypes it was saved with"
+        )
+    if isinstance(params, TrainState):
+        raise ValueError(
+            "the NVMe tier's restore takes the model params (arrays or ShapeDtypeStructs), not "
+            "an abstract TrainState: the state's layout on disk follows from the params"
+        )
+    plain = dataclasses.replace(zero, nvme=None)
+    shapes = jax.tree.map(_aval, params)
+    abstract = plain.abstract_state(shapes)
+    with io.opened(manager_or_dir) as mngr:
+        step = io.resolve_step(mngr, step)
+        directory = os.fspath(mngr.directory)
+        where = f"checkpoint step {step} in {directory}"
+        meta = io.read_metadata(mngr, step) or {}
+        if not io.has_item(mngr, step, ITEM):
+            raise ValueError(
+                f"{where} was saved from a state in memory (offload={meta.get('offload')!r}), "
+                "not from the NVMe tier: restoring it into ZeRO(offload=jz.NVMe(...)) is not "
+                "supported yet; restore it with the ZeRO it was saved with"
+            )
+        if bool(meta.get("has_master")) != (abstract.master is not None):
+            raise ValueError(
+                f"{where} was written with precision {meta.get('precision')} (separate master: "
+                f"{meta.get('has_master')}), and this ZeRO's policy "
+                f"{'keeps' if abstract.master is not None else 'has no'} separate master: the "
+                "NVMe tier restores only into the precision policy it was saved with"
+            )
+        # the state item's target: the host offload's abstract state without the disk leaves
+        master_on_device = abstract.master is None
+        opt_tree = jax.tree.structure(abstract.opt_state)
+        master_tree = jax.tree.structure(abstract.params if master_on_device else abstract.master)
+        flat = jax.tree.leaves(abstract.opt_state)
+        if not master_on_device:
+            flat += jax.tree.leaves(abstract.master)
+        names = _names(opt_tree, master_tree, master_on_device)
+        on_disk = {i for i, x in enumerate(flat) if _on_disk(x)}
+        kept = [None if i in on_disk else x for i, x in enumerate(flat)]
+        target = abstract.replace(
+            opt_state=jax.tree.unflatten(opt_tree, kept[: opt_tree.num_leaves]),
+            master=None
+            if master_on_device
+            else jax.tree.unflatten(master_tree, kept[opt_tree.num_leaves :]),
+        )
+        io.check_compatible(io.stored_tree(mngr, step), target)
+        saved = {r["path"]: r for r in (meta.get(ITEM) or {}).get("leaves", [])}
+        for i in sorted(on_disk):
+            row, x = saved.get(names[i]), flat[i]
+            if row is None or tuple(row["shape"]) != tuple(x.shape) or row["dtype"] != x.dtype.name:
+                raise ValueError(
+                    f"{where} does not match the target state: its disk leaf {names[i]} is "
+                    f"{row and (row['shape'], row['dtype'])}, the target's "
+                    f"{(list(x.shape), x.dtype.name)}"
+                )
+        index = mngr.restore(step, args=ocp.args.Composite(**{ITEM: Restore()}))[ITEM]
+        tree, extra = io._read_state(mngr, step, target, with_extra=with_extra)
+        sums = meta.get(integrity.KEY)
+        integrity.check(io._named(tree), sums, step=step, directory=directory)
+        if extra is not None and sums:
+            integrity.check(io._named(extra, "extra."), sums, step=step, directory=directory)
+        item = epath.Path(directory) / str(step) / ITEM
+        state = _fill(plain, zero, shapes, tree, names, index, item, step, directory, on_disk)
+        return (state, extra) if with_extra else state
+
+
+def _fill(plain, zero, shapes, tree, names, index, item, step, directory, on_disk) -> NVMeState:
+    """The restored :class:`NVMeState`: a fresh file filled from the step's disk leaves a
+    group of the new file at a time; ``tree`` is the restored ``state`` item, without the
+    leaves ``on_disk`` (flat indices)."""
+    disk = open_disk(plain, zero.nvme, shapes)
+    torn = disk.found_torn
+    try:
+        if set(disk.leaves) != on_disk:  # the update's placement, against _on_disk's rule
+            raise RuntimeError(
+                f"the NVMe update keeps leaves {sorted(disk.leaves)} on disk, the checkpoint's "
+                f"reader expected {sorted(on_disk)}"
+            )
+        # the resident leaves by the update's flat index (the optax state's, then the master's)
+        values: dict[int, Any] = {}
+        kept = [i for i in range(disk.n_o) if i not in disk.leaves]
+        got = jax.tree.leaves(tree.opt_state)
+        if not disk.master_on_device:
+            kept += [i for i in range(disk.n_o, disk.n_o + disk.n_m) if i not in disk.leaves]
+            got += jax.tree.leaves(tree.master)
+        values.update(zip(kept, got, strict=True))
+        group_of = {n: g for g, group in enumerate(index["groups"]) for n in group}
+        want = (index.get(integrity.KEY) or {}).get("leaves", {})
+        reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+
+        def make(indices):
+            out = dict((i, values[i]) for i in indices if i not in disk.leaves)
+            by_group = collections.defaultdict(list)
+            for i in indices:
+                if i in disk.leaves:
+                    by_group[group_of[names[i]]].append(i)
+            for g, mine in by_group.items():
+                target = {n: ocp.PLACEHOLDER for n in index["groups"][g]}
+                for i in mine:
+                    leaf = disk.leaves[i]
+                    target[names[i]] = jax.ShapeDtypeStruct(
+                        leaf.shape, leaf.dtype, sharding=disk.shardings[i]
+                    )
+                got = reader.restore(
+                    item / f"group_{g}",
+                    args=ocp.args.PyTreeRestore(
+                        item=target,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    ),
+                )
+                read = {names[i]: got[names[i]] for i in mine}
+                _verify(read, want, step, directory, f"{step}/{ITEM}/group_{g}")
+                out.update((i, read[names[i]]) for i in mine)
+                del got, read
+            return [out.pop(i) for i in indices]
+
+        resident = disk.fill(make)
+        reader.close()
+    except BaseException:
+        disk.close()  # the file stays, marked part written; its lock is released
+        raise
+    if torn:
+        warnings.warn(f"{torn} values from checkpoint step {step} of {directory}", stacklevel=3)
+    return NVMeState(tree.params, resident, tree.step, tree.skipped, tree.loss_scale, disk)
+
+
+def _verify(arrays: dict, want: dict, step: int, directory, file: str) -> None:
+    """Each leaf of ``arrays`` against its saved checksum."""
+    got = integrity.checksums(arrays)
+    for name, value in got.items():
+        if name in want and want[name] != value:
+            raise CheckpointDamagedError(
+                f"checkpoint step {step} in {directory} is damaged: leaf {name} read back "
+                f"other numbers than were saved (checksum {value}, saved {want[name]}; file "
+                f"{file}).",
+                step=step,
+                leaf=name,
+                directory=os.fspath(directory),
+                file=file,
+            )

@@ -1,0 +1,192 @@
+"""Checkpoints of the NVMe tier's state (jaxzero/checkpoint/nvme.py, decision 50): saved a group
+of leaves at a time, restored into a fresh state file at the same or another device count, and
+a run killed in the middle of an update resumes from its last checkpoint with the numbers of a
+run never interrupted.
+
+Expected numbers come from the host offload's step (``offload="optimizer"``, itself checked
+against plain optax) and from plain optax on one device (tests/tolerance.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import chex
+import jax
+import numpy as np
+import pytest
+import tolerance
+from test_nvme_step import TX, _problem, _same
+
+import jaxzero as jz
+from jaxzero import checkpoint
+from jaxzero.checkpoint.structure import flat_leaves
+
+N = 8
+
+
+def _nvme_zero(path, n=N):
+    os.makedirs(path, exist_ok=True)
+    return jz.ZeRO(TX, jz.data_parallel_mesh(n), stage=2, offload=jz.NVMe(path))
+
+
+def _host_run(params, loss_fn, batches):
+    """The host offload's state after ``batches``, uninterrupted, as numpy."""
+    zero = jz.ZeRO(TX, jz.data_parallel_mesh(N), stage=2, offload="optimizer")
+    step = jz.make_train_step(loss_fn, zero)
+    state = step.init(params)
+    for b in batches:
+        state, _ = step(state, b)
+    return jax.tree.map(np.asarray, jz.gather((state.params, state.opt_state)))
+
+
+def _read(state):
+    """``(params, opt_state)`` of an NVMe state as numpy (the optax state read from its file)."""
+    opt_state, master = state.optimizer_state()
+    assert master is None  # fp32: the params are the master
+    return jax.tree.map(np.asarray, jz.gather(state.params)), opt_state
+
+
+def test_a_checkpoint_of_the_disk_state_restores_at_8_and_4_devices(tmp_path):
+    """Two clip + AdamW steps at stage 2 with the state on disk, saved; restored into a fresh
+    file at 8 devices and at 4, each trains two more steps (the save through an asynchronous
+    manager, and a step of the saved run before it commits): at 8 devices the params and the
+    optax state equal the host offload's uninterrupted four steps (the disk's leaves bit for
+    bit, the resident ones within 4 ulps: test_nvme_step's rule), at 4 they are within
+    tests/tolerance.py's rule of plain optax. The checkpoint holds the host offload's leaves:
+    its metadata names every leaf of the host offload's state, the disk ones in the NVMe item."""
+    params, loss_fn, batches = _problem(4)
+    zero = _nvme_zero(tmp_path / "run")
+    step = jz.make_train_step(loss_fn, zero)
+    state = step.init(params)
+    for b in batches[:2]:
+        state, _ = step(state, b)
+    saved = _read(state)
+    ckpt = tmp_path / "ckpt"
+    mngr = checkpoint.manager(ckpt)  # asynchronous: the disk leaves are written on return
+    assert checkpoint.save(mngr, 2, state, zero=zero)
+    state, _ = step(state, batches[2])  # updates the file in place while the step commits
+    checkpoint.wait(mngr)
+    mngr.close()
+    state.close()
+
+    meta = checkpoint.load_metadata(ckpt, 2)
+    host = jz.ZeRO(TX, jz.data_parallel_mesh(N), stage=2, offload="optimizer")
+    want_names = {".".join(p) for p in flat_leaves(host.abstract_state(params))}
+    got_names = {r["path"] for r in meta["leaves"]} | {r["path"] for r in meta["nvme"]["leaves"]}
+    assert got_names == want_names
+    assert {r["path"] for r in meta["nvme"]["leaves"]} == {
+        "opt_state.1.0.mu.w1", "opt_state.1.0.nu.w1", "opt_state.1.0.mu.w2", "opt_state.1.0.nu.w2",
+    }  # fmt: skip
+
+    want = _host_run(params, loss_fn, batches)
+    plain, plain_opt, atol = tolerance.reference(TX, params, loss_fn, batches)
+    for n in (8, 4):
+        zero_n = _nvme_zero(tmp_path / f"r{n}", n)
+        restored = checkpoint.restore(ckpt, zero_n, params)
+        assert int(restored.step) == 2
+        if n == N:  # the round trip: the saved state, bit for bit
+            chex.assert_trees_all_equal(_read(restored), saved)
+        # jz.gather of the state: its compute params, as of the state in memory
+        chex.assert_trees_all_equal(jax.tree.map(np.asarray, jz.gather(restored)), saved[0])
+        step_n = jz.make_train_step(loss_fn, zero_n)
+        for b in batches[2:]:
+            restored, _ = step_n(restored, b)
+        got_params, got_opt = _read(restored)
+        if n == N:
+            jax.tree.map(_same, (got_params, got_opt), want)
+        else:
+            chex.assert_trees_all_close(got_params, plain, atol=atol)
+        restored.close()
+
+
+def test_what_the_disk_checkpoint_does_not_take_is_refused_before_anything_is_written(tmp_path):
+    """An EMA, a state whose update failed, a step saved from the host offload restored into
+    the NVMe tier, and restore options the tier does not take: each raises naming the fix,
+    and neither the checkpoint directory nor the NVMe directory gains a file."""
+    params, loss_fn, batches = _problem(1)
+    (tmp_path / "run").mkdir()
+    zero = _nvme_zero(tmp_path / "run")
+    step = jz.make_train_step(loss_fn, zero)
+    state = step.init(params)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(ValueError, match="has no EMA"):
+        checkpoint.save(ckpt, 0, state, zero=zero, ema=jz.ShardedEMA(0.9))
+    assert not ckpt.exists()
+    state.disk.broken = "the file was left part updated"
+    with pytest.raises(RuntimeError, match="part updated"):
+        checkpoint.save(ckpt, 0, state, zero=zero)
+    assert not ckpt.exists()
+    state.close()
+
+    host = jz.ZeRO(TX, jz.data_parallel_mesh(N), stage=2, offload="optimizer")
+    host_state = jz.make_train_step(loss_fn, host).init(params)
+    checkpoint.save(ckpt, 1, host_state, zero=host)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    with pytest.raises(ValueError, match="saved from a state in memory"):
+        checkpoint.restore(ckpt, _nvme_zero(fresh), params)
+    for kw in ({"ema": jz.ShardedEMA(0.9)}, {"fallback": True}, {"check_dtypes": False}):
+        with pytest.raises(ValueError, match="not supported by the NVMe tier"):
+            checkpoint.restore(ckpt, _nvme_zero(fresh), params, **kw)
+    assert os.listdir(fresh) == []
+
+
+# --------------------------------------------------------------------------------- kill
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nvme_ckpt_worker.py")
+
+
+def _worker(*args, env=None):
+    return subprocess.Popen(
+        [sys.executable, WORKER, *map(str, args)],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_a_run_killed_in_the_middle_of_an_update_resumes_from_its_checkpoint(tmp_path):
+    """A child process trains with the state on disk, checkpoints after step 2 and is killed
+    (SIGKILL) in step 3's update, after the first group of the file is written and before the
+    second. Its lock dies with it. A second process restores step 2 into the same NVMe
+    directory: the torn file is detected (a warning naming the killed process) and rebuilt from
+    the checkpoint, and two more steps give the params and optax state of the host offload's
+    four uninterrupted steps (the disk's leaves bit for bit, the resident ones within 4 ulps)."""
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    run.mkdir()
+    marker = tmp_path / "in_update"
+    child = _worker("train", run, ckpt, env={"NVME_CKPT_PAUSE": str(marker)})
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            if child.poll() is not None or time.monotonic() > deadline:
+                out = child.stdout.read() if child.poll() is not None else ""
+                pytest.fail(f"the worker did not reach step 3's update: {out[-3000:]}")
+            time.sleep(0.1)
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert (run / "optimizer_state.swp.updating").exists()  # the torn file's marker
+
+    resumed = _worker("resume", run, ckpt, tmp_path / "resumed.npz")
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out[-3000:]
+    assert f"left part updated by process {child.pid}" in out
+    assert not (run / "optimizer_state.swp.updating").exists()
+    got = np.load(tmp_path / "resumed.npz")
+
+    params, loss_fn, batches = _problem(4)
+    want_params, want_opt = _host_run(params, loss_fn, batches)
+    want = jax.tree.leaves((want_params, want_opt))
+    assert len(got.files) == len(want)
+    for i, value in enumerate(want):
+        _same(got[f"leaf_{i}"], value)
