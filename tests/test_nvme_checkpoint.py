@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 import tolerance
-from test_nvme_step import TX, _problem, _same
+from test_nvme_step import BF16, TX, _problem, _same
 
 import jaxzero as jz
 from jaxzero import checkpoint
@@ -29,9 +29,9 @@ from jaxzero.checkpoint.structure import flat_leaves
 N = 8
 
 
-def _nvme_zero(path, n=N):
+def _nvme_zero(path, n=N, stage=2, **kw):
     os.makedirs(path, exist_ok=True)
-    return jz.ZeRO(TX, jz.data_parallel_mesh(n), stage=2, offload=jz.NVMe(path))
+    return jz.ZeRO(TX, jz.data_parallel_mesh(n), stage=stage, offload=jz.NVMe(path), **kw)
 
 
 def _host_run(params, loss_fn, batches):
@@ -102,6 +102,31 @@ def test_a_checkpoint_of_the_disk_state_restores_at_8_and_4_devices(tmp_path):
         else:
             chex.assert_trees_all_close(got_params, plain, atol=atol)
         restored.close()
+
+
+def test_a_bf16_state_with_its_master_on_disk_restores_at_2_devices(tmp_path):
+    """bf16 compute at stage 3: the fp32 master's large leaves are on disk beside the optax
+    state's. Saved at 8 devices after two steps and restored at 2: the master and the optax
+    state read back from the new file, the bf16 params and the counters equal the saved ones
+    bit for bit, and the params are the master's bf16 cast."""
+    params, loss_fn, batches = _problem(2)
+    zero = _nvme_zero(tmp_path / "run", stage=3, precision=BF16)
+    step = jz.make_train_step(loss_fn, zero)
+    state = step.init(params)
+    for b in batches:
+        state, _ = step(state, b)
+    saved = (jz.gather(state.params), *state.optimizer_state(), int(state.step))
+    checkpoint.save(tmp_path / "ckpt", 2, state, zero=zero)
+    state.close()
+    on_disk = {r["path"] for r in checkpoint.load_metadata(tmp_path / "ckpt")["nvme"]["leaves"]}
+    assert {"master.w1", "master.w2", "opt_state.1.0.mu.w1"} <= on_disk
+    zero2 = _nvme_zero(tmp_path / "r2", 2, stage=3, precision=BF16)
+    restored = checkpoint.restore(tmp_path / "ckpt", zero2, params)
+    got = (jz.gather(restored.params), *restored.optimizer_state(), int(restored.step))
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, saved))
+    cast = jax.tree.map(lambda m: np.asarray(m).astype(jax.numpy.bfloat16), got[2])
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, got[0]), cast)
+    restored.close()
 
 
 def test_what_the_disk_checkpoint_does_not_take_is_refused_before_anything_is_written(tmp_path):
