@@ -130,8 +130,8 @@ def test_a_bf16_state_with_its_master_on_disk_restores_at_2_devices(tmp_path):
 
 
 def test_what_the_disk_checkpoint_does_not_take_is_refused_before_anything_is_written(tmp_path):
-    """An EMA, a state whose update failed, a step saved from the host offload restored into
-    the NVMe tier, and restore options the tier does not take: each raises naming the fix,
+    """An EMA, a state whose update failed, a step restored into another precision policy, and
+    restore options the tier does not take: each raises naming the fix,
     and neither the checkpoint directory nor the NVMe directory gains a file."""
     params, loss_fn, batches = _problem(1)
     (tmp_path / "run").mkdir()
@@ -153,12 +153,49 @@ def test_what_the_disk_checkpoint_does_not_take_is_refused_before_anything_is_wr
     checkpoint.save(ckpt, 1, host_state, zero=host)
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    with pytest.raises(ValueError, match="saved from a state in memory"):
-        checkpoint.restore(ckpt, _nvme_zero(fresh), params)
+    with pytest.raises(ValueError, match="restores only into the precision policy"):
+        checkpoint.restore(ckpt, _nvme_zero(fresh, precision=BF16), params)
     for kw in ({"ema": jz.ShardedEMA(0.9)}, {"fallback": True}, {"check_dtypes": False}):
         with pytest.raises(ValueError, match="not supported by the NVMe tier"):
             checkpoint.restore(ckpt, _nvme_zero(fresh), params, **kw)
     assert os.listdir(fresh) == []
+
+
+def test_a_step_restores_across_the_host_offload_and_the_disk_tier(tmp_path):
+    """Two steps of the host offload, saved, restored into the NVMe tier (its disk leaves read
+    from the step's state item a group at a time) and trained two more steps: the params and
+    optax state of the host offload's four uninterrupted steps (the disk's leaves bit for bit,
+    the resident ones within 4 ulps). The other way, two NVMe steps saved and restored into the
+    host offload: the NVMe state's params and optax state bit for bit, and two more steps
+    within tests/tolerance.py's rule of plain optax."""
+    params, loss_fn, batches = _problem(4)
+    host = jz.ZeRO(TX, jz.data_parallel_mesh(N), stage=2, offload="optimizer")
+    host_step = jz.make_train_step(loss_fn, host)
+    state = host_step.init(params)
+    for b in batches[:2]:
+        state, _ = host_step(state, b)
+    checkpoint.save(tmp_path / "host", 2, state, zero=host)
+    zero = _nvme_zero(tmp_path / "run")
+    restored = checkpoint.restore(tmp_path / "host", zero, params)
+    step = jz.make_train_step(loss_fn, zero)
+    for b in batches[2:]:
+        restored, _ = step(restored, b)
+    jax.tree.map(_same, _read(restored), _host_run(params, loss_fn, batches))
+    restored.close()
+
+    nvme_state = step.init(params)
+    for b in batches[:2]:
+        nvme_state, _ = step(nvme_state, b)
+    checkpoint.save(tmp_path / "nvme", 2, nvme_state, zero=zero)
+    saved = _read(nvme_state)
+    nvme_state.close()
+    back = checkpoint.restore(tmp_path / "nvme", host, params)
+    got = jax.tree.map(np.asarray, jz.gather((back.params, back.opt_state)))
+    chex.assert_trees_all_equal(got, saved)
+    for b in batches[2:]:
+        back, _ = host_step(back, b)
+    plain, _, atol = tolerance.reference(TX, params, loss_fn, batches)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, jz.gather(back)), plain, atol=atol)
 
 
 # --------------------------------------------------------------------------------- kill

@@ -266,6 +266,7 @@ def save(
     if ema is not None and not isinstance(ema, ShardedEMA):
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
     check_not_donated(state)
+    state.check_flushed("jaxzero.checkpoint.save")
     step = int(np.asarray(step))
     # A bucketed EMA is stored per leaf (a local slice, no communication): the on-disk format
     # does not depend on ShardedEMA(bucket_leaves_up_to=...), N or the stage.
@@ -538,6 +539,10 @@ def _restore_step(
     """``(state, extra)`` of one step: checked against ``target``, read in the stored dtypes,
     verified against the saved checksums, then cast / given a master as ``target`` needs;
     warns when ``ema``'s settings differ from those saved with the step."""
+    from jaxzero.checkpoint import nvme
+
+    if has_item(mngr, step, nvme.ITEM):  # a step of the NVMe tier: its disk leaves beside
+        return nvme.read_in_memory(mngr, step, target, with_extra=with_extra)
     directory = os.fspath(mngr.directory)
     meta = _damaged_if_raises(
         lambda: read_metadata(mngr, step), step, directory, "metadata", f"{METADATA}/metadata"

@@ -19,7 +19,10 @@ A step of such a checkpoint holds the items every jaxzero step holds, and one mo
 :func:`restore` makes a fresh state file under the ZeRO's NVMe directory (any device count:
 each leaf is read straight into the new sharding) and fills it a group at a time, reading only
 that group's leaves of the checkpoint (the others are Orbax placeholders), each verified
-against its checksum before it is written.
+against its checksum before it is written. A step of a state in memory (the host offload's)
+restores the same way, its disk leaves read from its ``state`` item (:class:`StateItem`); a step
+of the NVMe tier restores into a state in memory through :func:`read_in_memory`, which
+``jaxzero.checkpoint.restore`` calls for any ZeRO without ``nvme``.
 """
 
 from __future__ import annotations
@@ -279,12 +282,6 @@ def restore(
         directory = os.fspath(mngr.directory)
         where = f"checkpoint step {step} in {directory}"
         meta = io.read_metadata(mngr, step) or {}
-        if not io.has_item(mngr, step, ITEM):
-            raise ValueError(
-                f"{where} was saved from a state in memory (offload={meta.get('offload')!r}), "
-                "not from the NVMe tier: restoring it into ZeRO(offload=jz.NVMe(...)) is not "
-                "supported yet; restore it with the ZeRO it was saved with"
-            )
         if bool(meta.get("has_master")) != (abstract.master is not None):
             raise ValueError(
                 f"{where} was written with precision {meta.get('precision')} (separate master: "
@@ -308,31 +305,190 @@ def restore(
             if master_on_device
             else jax.tree.unflatten(master_tree, kept[opt_tree.num_leaves :]),
         )
-        io.check_compatible(io.stored_tree(mngr, step), target)
-        saved = {r["path"]: r for r in (meta.get(ITEM) or {}).get("leaves", [])}
-        for i in sorted(on_disk):
-            row, x = saved.get(names[i]), flat[i]
-            if row is None or tuple(row["shape"]) != tuple(x.shape) or row["dtype"] != x.dtype.name:
-                raise ValueError(
-                    f"{where} does not match the target state: its disk leaf {names[i]} is "
-                    f"{row and (row['shape'], row['dtype'])}, the target's "
-                    f"{(list(x.shape), x.dtype.name)}"
-                )
-        index = mngr.restore(step, args=ocp.args.Composite(**{ITEM: Restore()}))[ITEM]
-        tree, extra = io._read_state(mngr, step, target, with_extra=with_extra)
-        sums = meta.get(integrity.KEY)
+        stored = io.stored_tree(mngr, step)
+        step_dir = epath.Path(directory) / str(step)
+        sums = meta.get(integrity.KEY) or {}
+        if io.has_item(mngr, step, ITEM):
+            io.check_compatible(stored, target)
+            saved = {r["path"]: r for r in (meta.get(ITEM) or {}).get("leaves", [])}
+            for i in sorted(on_disk):
+                row, x = saved.get(names[i]), flat[i]
+                if (
+                    row is None
+                    or tuple(row["shape"]) != tuple(x.shape)
+                    or row["dtype"] != x.dtype.name
+                ):
+                    raise ValueError(
+                        f"{where} does not match the target state: its disk leaf {names[i]} "
+                        f"is {row and (row['shape'], row['dtype'])}, the target's "
+                        f"{(list(x.shape), x.dtype.name)}"
+                    )
+            index = mngr.restore(step, args=ocp.args.Composite(**{ITEM: Restore()}))[ITEM]
+            source = Groups(step_dir / ITEM, index, step, directory)
+            tree, extra = io._read_state(mngr, step, target, with_extra=with_extra)
+        else:  # a step of a state in memory: its disk leaves are read from its state item
+            io._missing_parts(stored, abstract, step=step, directory=directory)
+            io.check_compatible(stored, abstract)
+            source = StateItem(step_dir / STATE, abstract, sums, step, directory)
+            tree = source.read_tree(target)
+            extra = None
+            if with_extra and io.has_item(mngr, step, EXTRA):
+                args = ocp.args.Composite(**{EXTRA: ocp.args.StandardRestore()})
+                extra = mngr.restore(step, args=args)[EXTRA]
         integrity.check(io._named(tree), sums, step=step, directory=directory)
         if extra is not None and sums:
             integrity.check(io._named(extra, "extra."), sums, step=step, directory=directory)
-        item = epath.Path(directory) / str(step) / ITEM
-        state = _fill(plain, zero, shapes, tree, names, index, item, step, directory, on_disk)
+        state = _fill(plain, zero, shapes, tree, names, source, step, directory, on_disk)
         return (state, extra) if with_extra else state
 
 
-def _fill(plain, zero, shapes, tree, names, index, item, step, directory, on_disk) -> NVMeState:
-    """The restored :class:`NVMeState`: a fresh file filled from the step's disk leaves a
-    group of the new file at a time; ``tree`` is the restored ``state`` item, without the
-    leaves ``on_disk`` (flat indices)."""
+def read_in_memory(mngr, step: int, target: TrainState, *, with_extra: bool):
+    """``(state, extra)``: a step of the NVMe tier read into a state in memory (the host
+    offload's, or any ZeRO's), ``target`` its abstract ``TrainState`` (the fp32 master's
+    shapes). The ``state`` item is read as any step's, and each disk leaf from its group
+    straight into ``target``'s sharding (a group at a time, verified against its checksum):
+    the state is then in memory, where ``target``'s ZeRO keeps it.
+
+    Raises:
+      ValueError: ``target`` has another precision policy (a separate master or not), an
+        EMA, model state or an rng key, or other leaves; nothing is read.
+    """
+    directory = os.fspath(mngr.directory)
+    where = f"checkpoint step {step} in {directory}"
+    meta = io.read_metadata(mngr, step) or {}
+    if bool(meta.get("has_master")) != (target.master is not None):
+        raise ValueError(
+            f"{where} was saved by the NVMe tier with precision {meta.get('precision')} "
+            f"(separate master: {meta.get('has_master')}): it restores only into that "
+            "precision policy"
+        )
+    rows = {r["path"]: r for r in (meta.get(ITEM) or {}).get("leaves", [])}
+    flat = flat_leaves(target)
+    on_disk = {p: x for p, x in flat.items() if leaf_name(p) in rows}
+    stored = io.stored_tree(mngr, step)
+    kept = jax.tree.unflatten(
+        jax.tree.structure(target), [None if p in on_disk else x for p, x in flat.items()]
+    )
+    io._missing_parts(stored, kept, step=step, directory=directory)
+    io.check_compatible(stored, kept)
+    for p, x in on_disk.items():
+        row = rows[leaf_name(p)]
+        if tuple(row["shape"]) != tuple(x.shape) or row["dtype"] != jax.numpy.dtype(x.dtype).name:
+            raise ValueError(
+                f"{where} does not match the target state: its disk leaf {leaf_name(p)} is "
+                f"{(row['shape'], row['dtype'])}, the target's {(list(x.shape), x.dtype)}"
+            )
+    if len(on_disk) != len(rows):
+        missing = sorted(set(rows) - {leaf_name(p) for p in on_disk})
+        raise ValueError(f"{where} has disk leaves the target state lacks: {missing}")
+    index = mngr.restore(step, args=ocp.args.Composite(**{ITEM: Restore()}))[ITEM]
+    state, extra = io._read_state(mngr, step, kept, with_extra=with_extra)
+    sums = meta.get(integrity.KEY)
+    integrity.check(io._named(state), sums, step=step, directory=directory)
+    if extra is not None and sums:
+        integrity.check(io._named(extra, "extra."), sums, step=step, directory=directory)
+    groups = Groups(epath.Path(directory) / str(step) / ITEM, index, step, directory)
+    read = groups.read({leaf_name(p): x for p, x in on_disk.items()})
+    got = flat_leaves(state)
+    leaves = [read[leaf_name(p)] if p in on_disk else got[p] for p in flat]
+    return jax.tree.unflatten(jax.tree.structure(target), leaves), extra
+
+
+class Groups:
+    """The disk leaves of a step of the NVMe tier: its :data:`ITEM`'s group checkpoints.
+
+    Args:
+      item: the step's item directory; index: its ``leaves.json``; step, directory: for
+        messages.
+    """
+
+    def __init__(self, item, index: dict, step: int, directory):
+        self.item, self.index, self.step, self.directory = item, index, step, directory
+        self.group_of = {n: g for g, group in enumerate(index["groups"]) for n in group}
+        self.sums = (index.get(integrity.KEY) or {}).get("leaves", {})
+
+    def read(self, wanted: dict) -> dict:
+        """``{name: array}`` of ``wanted`` (``{name: ShapeDtypeStruct with a sharding}``),
+        each saved group read once for its wanted leaves alone, verified against its
+        checksums."""
+        by_group = collections.defaultdict(list)
+        for name in wanted:
+            by_group[self.group_of[name]].append(name)
+        out = {}
+        reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+        try:
+            for g, mine in by_group.items():
+                target = {n: ocp.PLACEHOLDER for n in self.index["groups"][g]}
+                target.update((n, wanted[n]) for n in mine)
+                got = _read(reader, self.item / f"group_{g}", target)
+                read = {n: got[n] for n in mine}
+                file = f"{self.step}/{ITEM}/group_{g}"
+                _verify(read, self.sums, self.step, self.directory, file)
+                out.update(read)
+                del got, read
+        finally:
+            reader.close()
+        return out
+
+
+class StateItem:
+    """The disk leaves of a step of a state in memory (the host offload's): its ``state``
+    item, read a few leaves at a time (every other leaf an Orbax placeholder).
+
+    Args:
+      path: the step's ``state`` directory; abstract: the full target ``TrainState``; sums:
+        the metadata's checksums entry; step, directory: for messages.
+    """
+
+    def __init__(self, path, abstract: TrainState, sums: dict, step: int, directory):
+        self.path, self.abstract, self.step, self.directory = path, abstract, step, directory
+        self.sums = sums.get("leaves", {}) if sums.get("algorithm") == integrity.ALGORITHM else {}
+        self.paths = {leaf_name(p): p for p in flat_leaves(abstract)}
+
+    def _target(self, wanted: dict):
+        flat = flat_leaves(self.abstract)
+        for p in flat:
+            name = leaf_name(p)
+            flat[p] = wanted[name] if name in wanted else ocp.PLACEHOLDER
+        return jax.tree.unflatten(jax.tree.structure(self.abstract), list(flat.values()))
+
+    def read_tree(self, target: TrainState) -> TrainState:
+        """``target`` (the abstract state with None where a leaf is on disk) read; the
+        disk leaves are not."""
+        wanted = {leaf_name(p): x for p, x in flat_leaves(target).items()}
+        reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+        try:
+            got = _read(reader, self.path, self._target(wanted))
+        finally:
+            reader.close()
+        return jax.tree.map(lambda x: None if x is ocp.PLACEHOLDER else x, got)
+
+    def read(self, wanted: dict) -> dict:
+        """:meth:`Groups.read`'s, from the state item."""
+        reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+        try:
+            got = _read(reader, self.path, self._target(wanted))
+        finally:
+            reader.close()
+        flat = {leaf_name(p): x for p, x in flat_leaves(got).items()}
+        read = {n: flat[n] for n in wanted}
+        _verify(read, self.sums, self.step, self.directory, f"{self.step}/{STATE}")
+        return read
+
+
+def _read(reader, path, target):
+    return reader.restore(
+        path,
+        args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+        ),
+    )
+
+
+def _fill(plain, zero, shapes, tree, names, source, step, directory, on_disk) -> NVMeState:
+    """The restored :class:`NVMeState`: a fresh file filled from ``source``'s disk leaves (a
+    :class:`Groups` or a :class:`StateItem`) a group of the new file at a time; ``tree`` is
+    the restored ``state`` item without the leaves ``on_disk`` (flat indices)."""
     disk = open_disk(plain, zero.nvme, shapes)
     torn = disk.found_torn
     try:
@@ -349,38 +505,19 @@ def _fill(plain, zero, shapes, tree, names, index, item, step, directory, on_dis
             kept += [i for i in range(disk.n_o, disk.n_o + disk.n_m) if i not in disk.leaves]
             got += jax.tree.leaves(tree.master)
         values.update(zip(kept, got, strict=True))
-        group_of = {n: g for g, group in enumerate(index["groups"]) for n in group}
-        want = (index.get(integrity.KEY) or {}).get("leaves", {})
-        reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
 
         def make(indices):
-            out = dict((i, values[i]) for i in indices if i not in disk.leaves)
-            by_group = collections.defaultdict(list)
-            for i in indices:
-                if i in disk.leaves:
-                    by_group[group_of[names[i]]].append(i)
-            for g, mine in by_group.items():
-                target = {n: ocp.PLACEHOLDER for n in index["groups"][g]}
-                for i in mine:
-                    leaf = disk.leaves[i]
-                    target[names[i]] = jax.ShapeDtypeStruct(
-                        leaf.shape, leaf.dtype, sharding=disk.shardings[i]
-                    )
-                got = reader.restore(
-                    item / f"group_{g}",
-                    args=ocp.args.PyTreeRestore(
-                        item=target,
-                        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                    ),
+            wanted = {
+                names[i]: jax.ShapeDtypeStruct(
+                    disk.leaves[i].shape, disk.leaves[i].dtype, sharding=disk.shardings[i]
                 )
-                read = {names[i]: got[names[i]] for i in mine}
-                _verify(read, want, step, directory, f"{step}/{ITEM}/group_{g}")
-                out.update((i, read[names[i]]) for i in mine)
-                del got, read
-            return [out.pop(i) for i in indices]
+                for i in indices
+                if i in disk.leaves
+            }
+            read = source.read(wanted) if wanted else {}
+            return [read.pop(names[i]) if i in disk.leaves else values[i] for i in indices]
 
         resident = disk.fill(make)
-        reader.close()
     except BaseException:
         disk.close()  # the file stays, marked part written; its lock is released
         raise
