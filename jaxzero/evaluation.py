@@ -23,6 +23,7 @@ def ema_params(state: TrainState, dtype=None):
             "step.init(params)."
         )
     check_not_donated(state)
+    state.check_flushed("jaxzero.ema_params")
     dtype = jax.numpy.dtype(dtype or jax.tree.leaves(state.params)[0].dtype)
     tree = state.ema.ema
     # With a model state the EMA averages {"params", "model_state"}: keep "params".
@@ -34,6 +35,7 @@ def ema_model_state(state: TrainState):
     """The EMA of the model state (e.g. BatchNorm statistics), replicated; the model's own
     state when the EMA does not cover one."""
     check_not_donated(state)
+    state.check_flushed("jaxzero.ema_model_state")
     if state.ema is None or state.model_state is None:
         return state.model_state
     tree = state.ema.ema

@@ -22,6 +22,24 @@ from jaxzero.zero.offload import remainder
 from jaxzero.zero.offload.remainder import stored_specs
 
 
+class Pending(struct.PyTreeNode):
+    """The layer stacks' update that a step with ``ZeRO(offload_update="deferred")`` left in
+    host memory undone (decision 51), applied at the start of the next step or by
+    :meth:`jaxzero.TrainStep.flush`.
+
+    Attributes:
+      values: what the streamed update's deferred rows read besides their state (the
+        prologue's values, the gradients' stacks): ``stream.run(..., defer=)``'s second value.
+      avals: ``(tree, ShapeDtypeStructs)`` of the update's ``(grads, model_state,
+        grad_scale)`` arguments, which the rows trace it with again.
+      rows: the flat params leaves whose new compute params the rows give.
+    """
+
+    values: tuple
+    avals: tuple = struct.field(pytree_node=False)
+    rows: tuple = struct.field(pytree_node=False)
+
+
 class TrainState(struct.PyTreeNode):
     """Everything that persists between steps, each leaf placed on the mesh.
 
@@ -56,8 +74,26 @@ class TrainState(struct.PyTreeNode):
     model_state: Any = None
     rng: Any = None
 
+    @property
+    def pending(self) -> Pending | None:
+        """The layer stacks' update the last step left undone: None here; a
+        :class:`PendingState` (``ZeRO(offload_update="deferred")``) carries one."""
+        return None
+
+    def check_flushed(self, reader: str) -> None:
+        """Raise ValueError when the state carries a :class:`Pending` update: ``reader`` (what
+        reads the state, named in the message) would see the layer stacks a step behind."""
+        if self.pending is not None:
+            raise ValueError(
+                f"{reader} reads this state, which carries the layer stacks' update left "
+                f"pending by ZeRO(offload_update='deferred'): their master, optimizer state, "
+                f"EMA and params are a step behind. Apply it first: state = step.flush(state) "
+                f"(the TrainStep that made the state)."
+            )
+
     def gather_view(self):
         """What :func:`jaxzero.gather` of a state gathers: its compute params."""
+        self.check_flushed("jaxzero.gather")
         return self.params
 
     def fp32_master(self):
@@ -69,8 +105,35 @@ class TrainState(struct.PyTreeNode):
         Returns:
           The master tree of fp32 arrays, or None when the state has no separate master (the
           master is ``params``).
+
+        Raises:
+          ValueError: the state carries a pending update (:meth:`check_flushed`).
         """
+        self.check_flushed("TrainState.fp32_master")
         return None if self.master is None else remainder.fp32(self.master, self.params)
+
+
+class PendingState(TrainState):
+    """A :class:`TrainState` whose layer stacks' update the last step of
+    ``ZeRO(offload_update="deferred")`` left undone (decision 51): their master, optimizer
+    state, EMA and compute params are those of the step before, and ``pending`` holds what
+    applying it reads. The next step applies it before its forward;
+    :meth:`jaxzero.TrainStep.flush` applies it and returns a plain :class:`TrainState`.
+    A subclass rather than a field, so that a state without deferral keeps its tree (and its
+    checkpoints their layout).
+
+    Attributes:
+      pending: the :class:`Pending` update.
+    """
+
+    pending: Pending | None = None
+
+
+def with_pending(state: TrainState, pending: Pending | None) -> TrainState:
+    """``state``'s fields as a :class:`PendingState` carrying ``pending``, or as a plain
+    :class:`TrainState` when ``pending`` is None."""
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(TrainState)}
+    return TrainState(**fields) if pending is None else PendingState(**fields, pending=pending)
 
 
 def _placement(devices, shape=None) -> str:

@@ -24,7 +24,7 @@ from jaxzero.train.grads import local_gradients
 from jaxzero.train.nvme_step import make_nvme_train_step
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh
-from jaxzero.train.update import apply_gradients
+from jaxzero.train.update import apply_gradients, apply_pending
 from jaxzero.trees import batch_rows
 from jaxzero.zero.config import ZeROConfig
 from jaxzero.zero.path import GradientPath
@@ -98,6 +98,9 @@ class TrainStep:
     jitted: Any
     stateful: bool = False
     rng: bool = False
+    #: the jitted :func:`~jaxzero.train.update.apply_pending` of :meth:`flush`
+    #: (``ZeRO(offload_update="deferred")``), else None
+    flushing: Any = None
     _in_flight: collections.deque = dataclasses.field(
         default_factory=collections.deque, repr=False, compare=False
     )
@@ -151,6 +154,33 @@ class TrainStep:
                 "state carries an EMA but the step was built without one; pass the same "
                 "ShardedEMA to make_train_step(..., ema=ema)."
             )
+        if state.pending is not None and self.flushing is None:
+            raise ValueError(
+                "state carries the layer stacks' update left pending by a step of "
+                "ZeRO(offload_update='deferred'), and this step's ZeRO does not defer it; "
+                "apply it with that step first: state = step.flush(state)."
+            )
+
+    def flush(self, state: TrainState) -> TrainState:
+        """``state`` with the layer stacks' update that the last step left pending applied
+        (``ZeRO(offload_update="deferred")``, decision 51): their master, optimizer state and
+        EMA in host memory and their compute params as a step without deferral leaves them.
+        Call it before reading the state (checkpoints, :func:`jaxzero.gather`,
+        :func:`jaxzero.ema_params`, exports refuse a state with an update pending). The
+        state is donated, as to the step; a state with nothing pending comes back as it is.
+
+        Args:
+          state: a :class:`TrainState` this step made (a
+            :class:`~jaxzero.train.state.PendingState` after a step that deferred).
+
+        Returns:
+          A plain :class:`TrainState` (nothing pending).
+        """
+        self.check_state(state)
+        if state.pending is None:
+            return state
+        self._wait_for_other_steps()
+        return self.flushing(state)
 
     def place_batch(self, batch):
         """The batch as global arrays split over every mesh axis (``zero.batch_spec()``).
@@ -341,7 +371,14 @@ def make_train_step(
         allow_loss_collectives=allow_loss_collectives,
     )
     step_fn = _step_fn(zero, reducing, grads_fn, ema, accum_steps)
-    jitted = jax.jit(step_fn, donate_argnums=(0,) if donate else ())
+    donated = (0,) if donate else ()
+    jitted = jax.jit(step_fn, donate_argnums=donated)
+    flushing = None
+    if zero.offload_update is not None:
+        flush = lambda s: apply_pending(
+            zero, s, plan=zero.plan(s.params, accum_steps=accum_steps), ema=ema
+        )
+        flushing = jax.jit(flush, donate_argnums=donated)
     # what the step built will not do (nothing is traced yet)
     unused = zero.path.unused_layers(accum_steps)
     if unused:
@@ -352,7 +389,7 @@ def make_train_step(
             UserWarning,
             stacklevel=2,
         )
-    return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful, bool(rng))
+    return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful, bool(rng), flushing)
 
 
 #: make_train_step's options and their defaults, which the NVMe tier's step does not take yet
@@ -416,10 +453,13 @@ def _step_fn(
         return grads_fn(params, model_state, batch, key, scale, specs, plan)
 
     def step_fn(state: TrainState, batch):
-        shards = loss_shards(zero, state)
-        specs, batch_spec = zero.param_specs(state.params), zero.batch_spec()
         # each leaf's fate, decided once per trace from the params' shapes
         plan = zero.plan(state.params, accum_steps=accum_steps)
+        # the layer stacks' update the last step left (offload_update="deferred"), before the
+        # forward: every micro-batch reads the updated params
+        state = apply_pending(zero, state, plan=plan, ema=ema)
+        shards = loss_shards(zero, state)
+        specs, batch_spec = zero.param_specs(state.params), zero.batch_spec()
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale.scale
         replicated = lambda t: jax.tree.map(lambda _: P(), t)
         sm = jax.shard_map(

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero.ema import ema as sharded_ema
 from jaxzero.ema.ema import ShardedEMA
-from jaxzero.train.state import TrainState, cast, state_layout
+from jaxzero.train.state import Pending, TrainState, cast, state_layout, with_pending
 from jaxzero.trees import check_same_structure
 from jaxzero.zero import collectives
 from jaxzero.zero import plan as leaf_plan
@@ -157,6 +157,39 @@ def _shard_update(
     return new_master, keep(opt_state, state.opt_state), new_ema, compute, finite, norm
 
 
+def _streamed(zero: ZeROConfig, state: TrainState, plan, ema, model_state, grad_scale):
+    """What :func:`apply_gradients` and :func:`apply_pending` hand the placement's update:
+    ``(update, master, specs, layout, sums)``, the update function of ``(state, master, grads,
+    model_state, grad_scale)``, the master it reads, those arguments' PartitionSpecs, the
+    state's :class:`~jaxzero.train.state.StateLayout` and whether the host gradients are
+    sums over micro-batches apart from the params (decision 42)."""
+    # per gradient leaf, from the plan: the micro-batches it sums
+    accum_steps = plan.accum_steps
+    sums_of = plan.mask(state.params, lambda r: accum_steps if leaf_plan.host_sum(r) else 1)
+    layout = state_layout(zero, state)
+    # the master's shards, per params leaf: the master's, the gradients' and the EMA's target's
+    shard_specs = zero.shard_specs(state.params)
+    shards = sh.named(zero.mesh, shard_specs)
+    ema_specs = None
+    if state.ema is not None and not zero.placement.update_is_local:
+        # updated on the master's shards: where each EMA leaf of the target is split
+        target = sharded_ema.target(state.params, state.model_state)
+        ema_specs = (shard_specs, zero.ema_leaf_specs(target), layout.specs.ema)
+    master = _master(state, shards)
+    # unscales where the state lives
+    update = lambda *a: _shard_update(zero, ema, *a, sums_of=sums_of, ema_specs=ema_specs)
+    sums = zero.path.accumulates_on_host(accum_steps)
+    # a stored master's leaf (a remainder) is streamed in its lo's shards, the params leaf's
+    specs = (
+        layout.specs.replace(params=None, master=None),
+        shard_specs,
+        shard_specs,
+        jax.tree.map(lambda _: P(), model_state),
+        None if grad_scale is None else P(),
+    )
+    return update, master, specs, layout, sums
+
+
 def apply_gradients(
     zero: ZeROConfig,
     state: TrainState,
@@ -173,38 +206,22 @@ def apply_gradients(
     params, decision 42), divided by the update. ``grad_scale``: a scalar the gradients are
     multiplied by before the update (a :class:`~jaxzero.train.loss.GlobalMean` loss's
     devices x micro-batches / global count). The state's layout (its specs, host leaves and
-    shardings) is decided once here: the new state has the old one's structure."""
-    # per gradient leaf, from the plan: in host memory, and the micro-batches it sums
-    accum_steps = plan.accum_steps
+    shardings) is decided once here: the new state has the old one's structure. With
+    ``offload_update="deferred"`` the new state is a
+    :class:`~jaxzero.train.state.PendingState`: the layer stacks' update is left in its
+    ``pending`` (:func:`apply_pending` applies it), and their params are the old ones."""
+    state.check_flushed("the update (apply_gradients)")
     host = plan.mask(grads, leaf_plan.grads_on_host)
-    sums_of = plan.mask(grads, lambda r: accum_steps if leaf_plan.host_sum(r) else 1)
-    layout = state_layout(zero, state)
-    # the master's shards, per params leaf: the master's, the gradients' and the EMA's target's
-    shard_specs = zero.shard_specs(state.params)
+    update, master, specs, layout, sums = _streamed(zero, state, plan, ema, model_state, grad_scale)
+    shard_specs = specs[1]
     shards = sh.named(zero.mesh, shard_specs)
-    ema_specs = None
-    if state.ema is not None and not zero.placement.update_is_local:
-        # updated on the master's shards: where each EMA leaf of the target is split
-        target = sharded_ema.target(state.params, state.model_state)
-        ema_specs = (shard_specs, zero.ema_leaf_specs(target), layout.specs.ema)
-    master = _master(state, shards)
     with jax.named_scope("optimizer_update"):
         pinned = _pinned(grads, shards, host)
-    # unscales where the state lives
-    update = lambda *a: _shard_update(zero, ema, *a, sums_of=sums_of, ema_specs=ema_specs)
     if state.model_state is not None and model_state is not None:
         # the loss's new model state, checked before the update (and its EMA) keeps it
         check_same_structure(state.model_state, model_state, "model_state")
-    sums = zero.path.accumulates_on_host(accum_steps)
-    # a stored master's leaf (a remainder) is streamed in its lo's shards, the params leaf's
-    specs = (
-        layout.specs.replace(params=None, master=None),
-        shard_specs,
-        shard_specs,
-        jax.tree.map(lambda _: P(), model_state),
-        None if grad_scale is None else P(),
-    )
-    new_master, opt_state, new_ema, compute, finite, norm = zero.placement.run_update(
+    deferred = zero.offload_update is not None
+    outs = zero.placement.run_update(
         zero,
         update,
         state,
@@ -215,13 +232,26 @@ def apply_gradients(
         specs=specs,
         host=layout.host,
         grads_in_params=not sums,
+        defer=deferred,
     )
+    pending = None
+    if deferred:
+        outs, values, rows = outs
+        # the arguments the rows trace the update with again: only their shapes are read
+        leaves, tree = jax.tree.flatten((pinned, model_state, grad_scale))
+        shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
+        pending = Pending(values, (tree, shapes), rows)
+    new_master, opt_state, new_ema, compute, finite, norm = outs
+    if deferred:  # the stacks' compute params: the old ones until the rows run
+        compute = _with_rows(compute, state.params, rows)
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
     step = jnp.where(apply, state.step + 1, state.step)
     if zero.stage in (1, 2):
         with jax.named_scope("gather_updated_params"):
             compute = collectives.all_gather(zero.mesh, zero.axis, compute, shard_specs)
+        if deferred:  # the old replicated params: no gather of the stale shards
+            compute = _with_rows(compute, state.params, rows)
     loss_scale = state.loss_scale
     if loss_scale is not None:
         loss_scale = zero.loss_scale.update(loss_scale, finite)
@@ -237,4 +267,65 @@ def apply_gradients(
     if state.model_state is not None and model_state is not None:
         new_state = new_state.replace(model_state=keep(model_state, state.model_state))
     metrics = _metrics(zero, state, new_state, norm, finite)
-    return zero.placement.constrain(new_state, layout.shardings), metrics
+    new_state = zero.placement.constrain(new_state, layout.shardings)
+    return (new_state if pending is None else with_pending(new_state, pending)), metrics
+
+
+def _with_rows(compute, params, rows):
+    """``compute`` (a params tree, None at a deferred leaf) with ``params``' leaf at each flat
+    leaf index of ``rows``."""
+    flat, tree = jax.tree.flatten(compute, is_leaf=lambda x: x is None)
+    old = jax.tree.leaves(params)
+    return jax.tree.unflatten(tree, [old[i] if i in rows else x for i, x in enumerate(flat)])
+
+
+def apply_pending(zero: ZeROConfig, state: TrainState, *, plan, ema: ShardedEMA | None = None):
+    """``state`` with its :class:`~jaxzero.train.state.Pending` update applied (under jit): the
+    layer stacks' rows that the last step's update left undone, a layer at a time
+    (``stream.run_rows``), written into the master, the optimizer state and the EMA in host
+    memory, and their new compute params into ``params``: a plain
+    :class:`~jaxzero.train.state.TrainState`. A state with nothing pending comes back as it
+    is. ``plan`` and ``ema``: the step's, as the update that left the rows was given them."""
+    pending = state.pending
+    if pending is None:
+        return state
+    state = with_pending(state, None)
+    tree, shapes = pending.avals
+    grads, model_state, grad_scale = jax.tree.unflatten(tree, shapes)
+    update, master, specs, layout, sums = _streamed(zero, state, plan, ema, model_state, grad_scale)
+    args, new_master, stacks = zero.placement.run_pending(
+        zero,
+        update,
+        state,
+        master,
+        grads,
+        model_state,
+        grad_scale,
+        pending=pending.values,
+        rows=pending.rows,
+        specs=specs,
+        host=layout.host,
+        grads_in_params=not sums,
+    )
+    flat, params_tree = jax.tree.flatten(state.params)
+    new = [stacks.get(i) for i in range(len(flat))]
+    if zero.stage in (1, 2):
+        specs_flat = jax.tree.leaves(specs[1], is_leaf=lambda s: isinstance(s, P))
+        gathered = collectives.all_gather(
+            zero.mesh,
+            zero.axis,
+            [new[i] for i in pending.rows],
+            [specs_flat[i] for i in pending.rows],
+        )
+        for i, x in zip(pending.rows, gathered, strict=True):
+            new[i] = x
+    params = jax.tree.unflatten(
+        params_tree, [x if y is None else y for x, y in zip(flat, new, strict=True)]
+    )
+    state = state.replace(
+        params=params,
+        master=new_master if state.master is not None else None,
+        opt_state=args.opt_state,
+        ema=args.ema,
+    )
+    return zero.placement.constrain(state, layout.shardings)

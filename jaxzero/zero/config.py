@@ -191,6 +191,9 @@ class ZeROConfig(metaclass=_Canonical):
     offload_fraction: float = 1.0
     offload_activations: bool = False  # set from offload=("activations", ...)
     nvme: NVMe | None = None  # set from offload=jz.NVMe(...): the optimizer state on disk
+    #: None, or "deferred": with offload="optimizer" and layers=, the layer stacks' update is
+    #: applied at the start of the next step (decision 51's staged path)
+    offload_update: str | None = None
 
     def __post_init__(self):
         """How the canonical fields combine (each field alone was checked by :func:`canonical`)."""
@@ -204,6 +207,14 @@ class ZeROConfig(metaclass=_Canonical):
             self.offload, self.layers, self.units, exact, copy, defers, self.prefetch
         )
         self.activations  # noqa: B018 (checked here, before any state exists)
+        offload.check_update(
+            self.offload_update,
+            self.offload,
+            self.layers,
+            self.offload_fraction,
+            self.nvme,
+            self.precision.separate_master,
+        )
         if self.offload_activations:
             offload.check_platform(self.mesh)
 

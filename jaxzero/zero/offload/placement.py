@@ -106,6 +106,47 @@ def check_offload(offload, stage) -> str | tuple[str, str] | None:
     return offload
 
 
+#: ``offload_update=`` values: None (the update after the backward) or the staged path of
+#: decision 51, the layer stacks' update applied at the start of the next step
+DEFERRED = "deferred"
+
+
+def check_update(update, offload, layers, fraction, nvme, separate_master) -> str | None:
+    """``offload_update`` checked against the checked ``offload``, ``layers``,
+    ``offload_fraction``, ``nvme`` and whether the precision keeps a separate master: None or
+    ``"deferred"``, which needs the whole optimizer side in pinned host memory, a separate
+    fp32 master and layer stacks, the only state whose update it defers."""
+    if update is None:
+        return None
+    if update != DEFERRED:
+        raise ValueError(
+            f"offload_update={update!r} is not supported; use None (the update after the "
+            f"backward) or 'deferred' (the layer stacks' update applied at the start of the "
+            f"next step, decision 51)."
+        )
+    fix = "or drop offload_update='deferred'."
+    if offload != OPTIMIZER or nvme is not None or fraction != 1:
+        raise ValueError(
+            f"offload_update='deferred' defers the layer stacks' update of the optimizer state "
+            f"in pinned host memory; it is built for offload='optimizer' with "
+            f"offload_fraction=1 (got offload={offload!r}, offload_fraction={fraction!r}"
+            f"{', NVMe' if nvme is not None else ''}). Use offload='optimizer', {fix}"
+        )
+    if not layers:
+        raise ValueError(
+            "offload_update='deferred' defers the update of the layer stacks (layers=), and "
+            "this configuration names none, so it would change nothing. Name the stacks with "
+            f"layers=, {fix}"
+        )
+    if not separate_master:
+        raise ValueError(
+            "offload_update='deferred' defers the update of the fp32 master kept apart from "
+            "the compute params, and this precision keeps none (the params are the master), "
+            f"so it would change nothing. Use precision='bf16', {fix}"
+        )
+    return update
+
+
 def params_offloaded(offload) -> bool:
     """Whether a checked ``offload`` keeps the params in host memory."""
     return isinstance(offload, tuple) and PARAMS in offload
@@ -276,12 +317,29 @@ class DeviceMemory:
     pin = constrain
 
     def run_update(
-        self, zero, update, state, master, grads, *rest, specs, host, grads_in_params=True
+        self,
+        zero,
+        update,
+        state,
+        master,
+        grads,
+        *rest,
+        specs,
+        host,
+        grads_in_params=True,
+        defer=False,
     ):
         """``update(state, master, grads, *rest)`` where the state lives: here (``zero``: the
         step's ZeRO config; ``specs``: the arguments' PartitionSpecs, ``host``: the state's
-        :meth:`host_flags` and ``grads_in_params``: whether the host gradients sit in the
-        params' buffers, which only the host placement reads)."""
+        :meth:`host_flags`, ``grads_in_params``: whether the host gradients sit in the
+        params' buffers, and ``defer``: whether the layer stacks' update is left for later,
+        which only the host placement reads or does)."""
+        if defer:
+            raise ValueError(
+                "the deferred update (offload_update='deferred') leaves the layer stacks' "
+                "update in host memory, and this state is in device memory: use "
+                "offload='optimizer'."
+            )
         return update(state, master, grads, *rest)
 
     def new_params(self, compute, params, keep):
@@ -370,7 +428,17 @@ class HostMemory(DeviceMemory):
         return tree  # the streamed update placed each output where it belongs
 
     def run_update(
-        self, zero, update, state, master, grads, *rest, specs, host, grads_in_params=True
+        self,
+        zero,
+        update,
+        state,
+        master,
+        grads,
+        *rest,
+        specs,
+        host,
+        grads_in_params=True,
+        defer=False,
     ):
         """``update`` streamed through the device (:mod:`jaxzero.zero.offload.stream`): the state is
         fetched from host memory a chunk at a time and each chunk's result written back into
@@ -384,7 +452,100 @@ class HostMemory(DeviceMemory):
         state's :meth:`host_flags` (a stored master's flagged as its lo).
         ``grads_in_params=False``: the host gradients are accumulators apart from the params
         (micro-batches: decision 42), and the new params go back into the params' own
-        buffers."""
+        buffers. ``defer=True`` (``ZeRO(offload_update="deferred")``, decision 51): the
+        parts of the layer stacks' state are left undone (``stream.run(..., defer=)``), and
+        the call returns ``(outputs, pending, rows)``: the outputs with those state leaves
+        unchanged and their compute leaves None, what :meth:`run_pending` reads, and the
+        flat params leaves whose compute rows it gives."""
+        fn, args, kw = self._streamed(
+            zero,
+            update,
+            state,
+            master,
+            grads,
+            *rest,
+            specs=specs,
+            host=host,
+            grads_in_params=grads_in_params,
+        )
+        if not defer:
+            return stream.run(fn, args, **kw)
+        outs, pending = stream.run(fn, args, defer=_stacked(zero, args, kw["host"]), **kw)
+        compute = jax.tree.leaves(outs[3], is_leaf=lambda x: x is None)
+        return outs, pending, tuple(j for j, x in enumerate(compute) if x is None)
+
+    def run_pending(
+        self,
+        zero,
+        update,
+        state,
+        master,
+        grads,
+        *rest,
+        pending,
+        rows,
+        specs,
+        host,
+        grads_in_params=True,
+    ):
+        """The layer stacks' rows that :meth:`run_update` with ``defer=True`` left undone,
+        applied a layer at a time (``stream.run_rows`` in a loop over the layers): the same
+        arguments as that call (``grads`` and ``rest`` may be ShapeDtypeStructs: what
+        ``pending`` carries is read instead), with ``state`` and ``master`` as they are now.
+
+        Returns:
+          ``(state, master, compute)``: ``state`` (the update's first argument) and
+          ``master`` with the rows written into their host leaves, and the new compute
+          params of the flat params leaves ``rows``, each a stack in the master's shards.
+        """
+        leaf = remainder.is_stored
+        fn, args, kw = self._streamed(
+            zero,
+            update,
+            state,
+            master,
+            grads,
+            *rest,
+            specs=specs,
+            host=host,
+            grads_in_params=grads_in_params,
+        )
+        defer = _stacked(zero, args, kw["host"])
+        flat, tree = jax.tree.flatten(args, is_leaf=leaf)
+        held = [i for i, d in enumerate(defer) if d]
+        layers = {flat[i].shape[0] for i in held}
+        params = jax.tree.leaves(state.params)
+        shards = jax.tree.leaves(sh.named(zero.mesh, zero.shard_specs(state.params)))
+        # the flat output of the first compute leaf: after the master, optimizer state and EMA
+        first = len(params) + len(jax.tree.leaves((state.opt_state, state.ema)))
+
+        def body(i, carry):
+            vals, stacks = carry
+            now = list(flat)
+            for k, v in zip(held, vals, strict=True):
+                now[k] = v
+            new_args, new = stream.run_rows(
+                fn, jax.tree.unflatten(tree, now), pending, i, 1, defer=defer, **kw
+            )
+            out = jax.tree.leaves(new_args, is_leaf=leaf)
+            put = lambda s, j: jax.lax.dynamic_update_slice_in_dim(s, new[first + j], i, 0)
+            return [out[k] for k in held], [put(s, j) for s, j in zip(stacks, rows, strict=True)]
+
+        stacks = [
+            jax.lax.with_sharding_constraint(jnp.zeros_like(params[j]), shards[j]) for j in rows
+        ]
+        if held:
+            (count,) = layers
+            vals, stacks = jax.lax.fori_loop(0, count, body, ([flat[i] for i in held], stacks))
+            for k, v in zip(held, vals, strict=True):
+                flat[k] = v
+        done = jax.tree.unflatten(tree, flat)
+        return done[0], done[1], dict(zip(rows, stacks, strict=True))
+
+    def _streamed(
+        self, zero, update, state, master, grads, *rest, specs, host, grads_in_params=True
+    ):
+        """``(fn, args, keywords)`` of the ``stream.run`` call :meth:`run_update` makes."""
         leaf = remainder.is_stored
         args = (state.replace(params=None, master=None), master, grads, *rest)
         mark = lambda t, on: jax.tree.map(lambda _: on, t, is_leaf=leaf)
@@ -443,9 +604,7 @@ class HostMemory(DeviceMemory):
         n = len(flat(args))
         first_master = len(flat(args[0]))
         pairs = {first_master + i: n - m + i for i, s in enumerate(stored) if s}
-        return stream.run(
-            fn,
-            args,
+        kw = dict(
             mesh=zero.mesh,
             specs=jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
             host=jax.tree.leaves(flags),
@@ -453,9 +612,18 @@ class HostMemory(DeviceMemory):
             device_outputs=device_outputs,
             stored=pairs,
         )
+        return fn, args, kw
 
     def new_params(self, compute, params, keep):
         return compute  # already the kept master's cast: the device params are not read
+
+
+def _stacked(zero, args, host) -> list[bool]:
+    """Per flat leaf of the streamed update's ``args`` (a stored master one leaf), whether it
+    is a host state leaf of the ``layers=`` stacks: what ``stream.run(..., defer=)`` leaves
+    for later."""
+    paths = jax.tree_util.tree_flatten_with_path(args, is_leaf=remainder.is_stored)[0]
+    return [h and sh.is_stacked(p, zero.layers) for (p, _), h in zip(paths, host, strict=True)]
 
 
 def memory_kinds(mesh: Mesh) -> tuple[str, ...]:
