@@ -1,0 +1,207 @@
+"""``ZeRO(offload="optimizer", offload_update="deferred")``: each step leaves the layer
+stacks' streamed update in host memory undone (a ``PendingState``) and the next step
+applies it before its forward; ``TrainStep.flush`` applies what is left (decision 51, its
+second stage). On 8 simulated devices, several steps and a flush give plain single-device
+optax's master and optimizer state (tests/tolerance.py's rule, the loss on the bf16 cast of
+the master), at stages 1, 2 and 3; a non-finite step is skipped; the readers of a state
+refuse one with an update pending.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import tolerance
+
+import jaxzero as jz
+from jaxzero import checkpoint as ck
+
+# make_train_step warns that stages 1 and 2 with layers= reduce no layer in the backward here
+# (a float32 reduce of bf16 compute): the stacks stay unsplit along the layer axis all the same
+pytestmark = pytest.mark.filterwarnings("ignore:ZeRO\\(stage=:UserWarning")
+
+N = 8
+BF16 = jz.Precision("bfloat16", "float32", "float32")
+TX = {
+    "adamw": optax.adamw(1e-2, weight_decay=0.1),
+    # a clip below the gradients' norm (about 0.5 on these batches): the clip scales every step
+    "clip_adamw": optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2, weight_decay=0.1)),
+}
+
+
+L, D, W = 4, 64, 128  # the stack's (L, D, W) kernel is streamed (> 4096 elements a leaf)
+
+
+def _problem(steps=3):
+    """``(params, loss_fn, batches)``: ``jz.scan_layers`` over a stack of 4 linear layers,
+    each adding ``x @ w + g`` to the carry, a kernel and a bias outside the stack that make
+    the carry's start, and a loss linear in the output with batches of -1, 0 and 1. Every gradient is then a mean of small integers, exact
+    in bf16 however the rows are split and summed, so the bf16 cast's rounding never reaches
+    AdamW's updates (its reruns in other summation orders agree to the last bit), while the
+    loss itself reads the params (a forward on stale stacks is seen in the losses)."""
+    ks = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "layers": {
+            "w": 0.05 * jax.random.normal(ks[0], (L, D, W)),
+            "g": 0.05 * jax.random.normal(ks[1], (L, W)),
+        },
+        "b": 0.05 * jax.random.normal(ks[2], (W,)),
+        "k": 0.05 * jax.random.normal(ks[3], (D, W)),
+    }
+
+    def loss_fn(p, batch):
+        layer = lambda w, c: (c[0], c[1] + c[0] @ w["w"] + w["g"])
+        h0 = batch["x"] @ p["k"] + p["b"]
+        _, h = jz.scan_layers(layer, p["layers"], (batch["x"], h0))
+        return jnp.mean(jnp.sum(h * batch["y"], axis=-1))
+
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "x": rng.integers(-1, 2, size=(32, D)).astype(np.float32),
+            "y": rng.integers(-1, 2, size=(32, W)).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+    return params, loss_fn, batches
+
+
+def _losses(tx, params, loss_fn, batches):
+    """Plain optax's loss (on the bf16 cast) at each batch, on the params before that batch's
+    update and on those a step behind (the first batch's on the initial params)."""
+    cast = lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+    cast_loss = jax.jit(lambda p, b: loss_fn(cast(p), b))
+    grad = jax.jit(jax.grad(cast_loss))
+    p, before, s, out = params, params, tx.init(params), []
+    for b in batches:
+        out.append((float(cast_loss(p, b)), float(cast_loss(before, b))))
+        u, s = tx.update(grad(p, b), s, p)
+        p, before = optax.apply_updates(p, u), p
+    return np.array(out).T
+
+
+def _zero(tx, stage, **kw):
+    kw = {"precision": BF16, "layers": "layers", "offload": "optimizer", **kw}
+    return jz.ZeRO(tx, jz.data_parallel_mesh(N), stage=stage, **kw)
+
+
+def _gathered(tree):
+    return jax.tree.map(np.asarray, jz.gather(tree))
+
+
+def _kinds(tree):
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+def _assert_is_optax(state, tx, params, loss_fn, batches):
+    """The flushed state's fp32 master and optimizer state are single-device optax's (its loss
+    on the bf16 cast), within tests/tolerance.py's spread of that reference, which moved the
+    params far past it; the compute params are the master's bf16 cast."""
+    ref, ref_opt, atol = tolerance.reference_cast(tx, params, loss_fn, batches, jnp.bfloat16)
+    assert tolerance.max_distance(ref, params) > 20 * atol
+    master = _gathered(state.master)
+    chex.assert_trees_all_close(master, ref, atol=atol, rtol=0)
+    chex.assert_trees_all_close(_gathered(state.opt_state), ref_opt, atol=atol, rtol=0)
+    cast = jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16)), master)
+    chex.assert_trees_all_equal(_gathered(state.params), cast)
+    assert _kinds((state.master, state.opt_state)) == {"pinned_host"}
+    return atol
+
+
+@pytest.mark.parametrize(
+    "stage,name,accum",
+    [(1, "adamw", 2), (2, "clip_adamw", 1), (3, "adamw", 1), (3, "clip_adamw", 2)],
+)
+def test_deferred_steps_then_flush_give_plain_optax(stage, name, accum):
+    """Three steps, each applying the stacks' rows the step before left (with micro-batches,
+    before the first), then a flush: plain optax's three updates. Before the flush the
+    stacks' master is a step behind (farther from optax than the tolerance)."""
+    tx = TX[name]
+    params, loss_fn, batches = _problem()
+    step = jz.make_train_step(
+        loss_fn, _zero(tx, stage, offload_update="deferred"), accum_steps=accum
+    )
+    state = step.init(params)
+    assert state.pending is None  # the first step runs with nothing pending
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        assert state.pending is not None and bool(metrics["finite"])
+        losses.append(float(metrics["loss"]))
+    # each forward read the stacks the step before updated: plain optax's losses, not those of
+    # the params a step behind
+    want, stale = _losses(tx, params, loss_fn, batches)
+    np.testing.assert_allclose(losses, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(stale[1:] - want[1:]).min() > 1e-2
+    if name == "clip_adamw":
+        assert float(metrics["grad_norm"]) > 0.05
+    behind = _gathered(state.master)["layers"]
+    state = step.flush(state)
+    assert state.pending is None and int(state.step) == len(batches)
+    atol = _assert_is_optax(state, tx, params, loss_fn, batches)
+    assert tolerance.max_distance(behind, _gathered(state.master)["layers"]) > 20 * atol
+    assert step.flush(state) is state  # nothing pending: as it is
+
+
+def test_a_nonfinite_step_is_skipped_with_its_rows():
+    """A NaN batch between two finite ones: the step is skipped, its deferred rows leave the
+    stacks as they are, and the flushed state is optax's two finite updates."""
+    tx = TX["adamw"]
+    params, loss_fn, batches = _problem()
+    bad = dict(batches[1], x=np.full_like(batches[1]["x"], np.nan))
+    step = jz.make_train_step(loss_fn, _zero(tx, 2, offload_update="deferred"))
+    state = step.init(params)
+    for b in (batches[0], bad, batches[2]):
+        state, metrics = step(state, b)
+    state = step.flush(state)
+    assert (int(state.step), int(state.skipped)) == (2, 1)
+    _assert_is_optax(state, tx, params, loss_fn, [batches[0], batches[2]])
+
+
+def test_readers_refuse_a_state_with_an_update_pending(tmp_path):
+    """``jz.gather``, ``fp32_master`` (exports), ``ema_params``, ``checkpoint.save`` and a
+    step without deferral refuse a state whose update is pending, naming ``flush``; after the
+    flush they read it, and the EMA's stacks are averaged with the step's new master."""
+    params, loss_fn, batches = _problem(steps=1)
+    ema = jz.ShardedEMA(0.9, schedule="constant")
+    zero = _zero(TX["adamw"], 3, offload_update="deferred")
+    step = jz.make_train_step(loss_fn, zero, ema=ema)
+    state, _ = step(step.init(params), batches[0])
+    flush = r"state = step\.flush\(state\)"
+    with pytest.raises(ValueError, match=r"jaxzero\.gather reads this state.*" + flush):
+        jz.gather(state)
+    with pytest.raises(ValueError, match=r"fp32_master reads this state.*" + flush):
+        state.fp32_master()
+    with pytest.raises(ValueError, match=r"jaxzero\.ema_params reads this state.*" + flush):
+        jz.ema_params(state)
+    with pytest.raises(ValueError, match=r"jaxzero\.checkpoint\.save reads this state.*" + flush):
+        ck.save(str(tmp_path), 1, state, zero=zero, ema=ema)
+    plain = jz.make_train_step(loss_fn, _zero(TX["adamw"], 3), ema=ema)
+    with pytest.raises(ValueError, match=r"does not defer it.*" + flush):
+        plain(state, batches[0])
+    state = step.flush(state)
+    assert jax.tree.leaves(jz.gather(state)) and jax.tree.leaves(jz.ema_params(state))
+    _assert_is_optax(state, TX["adamw"], params, loss_fn, batches)
+    master = _gathered(state.master)
+    want = jax.tree.map(lambda p, m: 0.9 * np.asarray(p) + 0.1 * m, params, master)
+    chex.assert_trees_all_close(_gathered(state.ema), want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"offload": None}, r"built for offload='optimizer'"),
+        ({"offload": ("optimizer", "params"), "precision": "bf16"}, r"built for offload="),
+        ({"layers": None}, r"names none, so it would change nothing"),
+        ({"precision": "fp32"}, r"keeps none \(the params are the master\)"),
+        ({"offload_update": "later"}, r"offload_update='later' is not supported"),
+    ],
+)
+def test_the_deferred_update_is_refused_where_it_changes_nothing(kw, match):
+    kw = {"offload_update": "deferred", **kw}
+    with pytest.raises(ValueError, match=match):
+        _zero(optax.adam(1e-2), 3, **kw)
