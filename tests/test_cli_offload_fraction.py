@@ -9,6 +9,7 @@ import math
 import re
 
 import pytest
+from compile_memo import reuse_gpu_compiles
 
 from jaxzero import cli
 from jaxzero.gpu import offload_fraction
@@ -33,8 +34,10 @@ def test_gpu_plan_offload_auto_picks_the_smallest_fraction_that_fits(capsys, mon
     scheduler then hides less of the all-gather + reduce-scatter bytes, so auto bisects
     towards 1. The row is the smallest fraction compiled that fits and hides as much as the
     step with everything offloaded. One bisection (three compiles: the test's time; the
-    bisection itself is tests/test_offload_fraction.py's)."""
+    bisection itself is tests/test_offload_fraction.py's). The three compiles are
+    tests/test_cli_plan_output.py's too: one process compiles them once."""
     monkeypatch.setattr(offload_fraction, "BISECTIONS", 1)
+    reuse_gpu_compiles(monkeypatch, "8 x h100, 8MB")
     assert cli.main([*ARGV, "--wide", "--offload", "auto", "--gpu-memory", LIMIT]) == 0
     out = capsys.readouterr().out
     assert "offload the smallest fraction of the optimizer that fits" in out
@@ -66,13 +69,18 @@ def test_gpu_plan_offload_auto_picks_the_smallest_fraction_that_fits(capsys, mon
     assert f * 2.95 <= host + 0.01 and h2d == pytest.approx(host, rel=0.02)
 
 
-def test_gpu_plan_offload_auto_offloads_the_params_too_where_the_optimizer_is_not_enough(capsys):
+def test_gpu_plan_offload_auto_offloads_the_params_too_where_the_optimizer_is_not_enough(
+    capsys, monkeypatch
+):
     """Compiled for 5 MB devices the tiny step does not fit with the whole optimizer side
     offloaded (5.42 MB) but fits with the params offloaded too (4.52 MB): auto's row is
     ``--offload optimizer,params``'s own for the same memory, peak, host and PCIe bytes
     alike, and its note lists the fraction 1 that did not fit before the params. In fp32
     ZeRO does not build the params offload (it writes 16-bit gradients into the params' host
-    buffers): the row stays at 1, short of the memory."""
+    buffers): the row stays at 1, short of the memory. ``--offload optimizer,params`` lowers
+    the very module auto compiled last, so that compile is reused (a module of its own would
+    be compiled, and its row still compared)."""
+    reuse_gpu_compiles(monkeypatch, "8 x h100, 5MB")
     limit = ["--gpu-memory", "5MB"]
     assert cli.main([*ARGV, "--wide", "--offload", "auto", *limit]) == 0
     auto = capsys.readouterr().out

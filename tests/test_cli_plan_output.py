@@ -17,6 +17,7 @@ import types
 import jax
 import optax
 import pytest
+from compile_memo import reuse_gpu_compiles
 
 import jaxzero as jz
 from jaxzero import cli, gpu
@@ -66,8 +67,10 @@ def test_plan_prints_a_compact_table_xla_logs_after_it_and_a_zero_to_paste(capfd
     one bisection): every line after the description fits 100 columns, the columns are the
     compact ones, nothing has a carriage return, XLA's lines are summed up on stderr and
     nowhere verbatim, fd 2 is back afterwards, and the pasted ZeRO line builds the row's
-    ZeRO: stage 3 per layer, the optimizer offloaded at the table's fraction."""
+    ZeRO: stage 3 per layer, the optimizer offloaded at the table's fraction. The three
+    compiles are that test's too: one process compiles them once."""
     monkeypatch.setattr(offload_fraction, "BISECTIONS", 1)
+    reuse_gpu_compiles(monkeypatch, "8 x h100, 8MB")
     rows = []
     _noisy_plan(monkeypatch, rows)
     assert cli.main([*ARGV, "--offload", "auto", "--gpu-memory", "8MB"]) == 0
