@@ -9,6 +9,7 @@ against plain optax) and from plain optax on one device (tests/tolerance.py).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,6 +75,8 @@ def test_a_checkpoint_of_the_disk_state_restores_at_8_and_4_devices(tmp_path):
     mngr.close()
     state.close()
 
+    report = checkpoint.verify(ckpt)  # every leaf, the disk ones too, against its checksum
+    assert report.ok and report.steps[0].checked == report.steps[0].leaves, str(report)
     meta = checkpoint.load_metadata(ckpt, 2)
     host = jz.ZeRO(TX, jz.data_parallel_mesh(N), stage=2, offload="optimizer")
     want_names = {".".join(p) for p in flat_leaves(host.abstract_state(params))}
@@ -108,7 +111,8 @@ def test_a_bf16_state_with_its_master_on_disk_restores_at_2_devices(tmp_path):
     """bf16 compute at stage 3: the fp32 master's large leaves are on disk beside the optax
     state's. Saved at 8 devices after two steps and restored at 2: the master and the optax
     state read back from the new file, the bf16 params and the counters equal the saved ones
-    bit for bit, and the params are the master's bf16 cast."""
+    bit for bit, and the params are the master's bf16 cast. With a disk leaf's saved checksum
+    changed, ``verify`` names the leaf and ``restore`` raises CheckpointDamagedError."""
     params, loss_fn, batches = _problem(2)
     zero = _nvme_zero(tmp_path / "run", stage=3, precision=BF16)
     step = jz.make_train_step(loss_fn, zero)
@@ -127,6 +131,16 @@ def test_a_bf16_state_with_its_master_on_disk_restores_at_2_devices(tmp_path):
     cast = jax.tree.map(lambda m: np.asarray(m).astype(jax.numpy.bfloat16), got[2])
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, got[0]), cast)
     restored.close()
+
+    # a disk leaf whose numbers differ from its checksum: verify names it, restore refuses it
+    index_file = tmp_path / "ckpt" / "2" / "nvme" / "leaves.json"
+    index = json.loads(index_file.read_text())
+    index["checksums"]["leaves"]["master.w1"] = "0" * 16
+    index_file.write_text(json.dumps(index))
+    report = checkpoint.verify(tmp_path / "ckpt")
+    assert not report.ok and report.steps[0].leaf == "master.w1", str(report)
+    with pytest.raises(checkpoint.CheckpointDamagedError, match="leaf master.w1"):
+        checkpoint.restore(tmp_path / "ckpt", zero2, params)
 
 
 def test_what_the_disk_checkpoint_does_not_take_is_refused_before_anything_is_written(tmp_path):

@@ -394,6 +394,32 @@ def read_in_memory(mngr, step: int, target: TrainState, *, with_extra: bool):
     return jax.tree.unflatten(jax.tree.structure(target), leaves), extra
 
 
+def verify_groups(mngr, step: int, sharding_of) -> tuple[int, int]:
+    """``(leaves compared with a checksum, leaves read)`` of a step's :data:`ITEM`, each
+    group read whole in the shardings ``sharding_of(shape)`` gives and checked against
+    ``leaves.json`` (:func:`jaxzero.checkpoint.verify`'s share of an NVMe step).
+
+    Raises:
+      CheckpointDamagedError: a leaf read back other numbers than were saved.
+    """
+    directory = os.fspath(mngr.directory)
+    meta = io.read_metadata(mngr, step) or {}
+    rows = {r["path"]: r for r in (meta.get(ITEM) or {}).get("leaves", [])}
+    index = mngr.restore(step, args=ocp.args.Composite(**{ITEM: Restore()}))[ITEM]
+    groups = Groups(epath.Path(directory) / str(step) / ITEM, index, step, directory)
+    read = 0
+    for names in index["groups"]:
+        wanted = {}
+        for n in names:
+            shape = tuple(rows[n]["shape"])
+            dtype = jax.numpy.dtype(rows[n]["dtype"])
+            wanted[n] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_of(shape))
+        got = groups.read(wanted)
+        read += len(got)
+        del got
+    return sum(1 for group in index["groups"] for n in group if n in groups.sums), read
+
+
 class Groups:
     """The disk leaves of a step of the NVMe tier: its :data:`ITEM`'s group checkpoints.
 

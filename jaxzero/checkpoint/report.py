@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxzero.checkpoint.integrity as integrity
+import jaxzero.checkpoint.nvme as nvme
 import jaxzero.checkpoint.quiet as quiet
 from jaxzero.checkpoint.adopt import describe_plain
 from jaxzero.checkpoint.integrity import CheckpointDamagedError
@@ -260,6 +261,9 @@ def _verify_step(mngr, step: int, mesh: Mesh) -> StepReport:
         if out.get(EXTRA) is not None:
             named.update({"extra." + leaf_name(k): v for k, v in flat_leaves(out[EXTRA]).items()})
         checked = integrity.check(named, sums, step=step, directory=directory, files=files)
+        if has_item(mngr, step, nvme.ITEM):  # the NVMe tier's disk leaves, a group at a time
+            more, read = nvme.verify_groups(mngr, step, lambda shape: _spread(shape, mesh))
+            checked, leaves = checked + more, leaves + read
     except CheckpointDamagedError as e:
         return StepReport(step, False, 0, leaves, str(e), e.leaf, e.file)
     except (ValueError, TypeError, OSError) as e:
