@@ -77,6 +77,8 @@ def test_a_checkpoint_of_the_disk_state_restores_at_8_and_4_devices(tmp_path):
 
     report = checkpoint.verify(ckpt)  # every leaf, the disk ones too, against its checksum
     assert report.ok and report.steps[0].checked == report.steps[0].leaves, str(report)
+    text = checkpoint.inspect(ckpt)
+    assert "on disk (the NVMe tier's nvme item): 4 leaves" in text and "opt_state.1.0.nu.w2" in text
     meta = checkpoint.load_metadata(ckpt, 2)
     host = jz.ZeRO(TX, jz.data_parallel_mesh(N), stage=2, offload="optimizer")
     want_names = {".".join(p) for p in flat_leaves(host.abstract_state(params))}

@@ -130,7 +130,8 @@ def inspect(directory, *, step: int | None = None) -> str:
     Lists the complete steps and any interrupted saves, then for ``step`` (default: the
     newest complete one) the jaxzero metadata (version, stage, mesh, precision, optimizer,
     ``layers=``, ``units=`` and ``offload=`` where saved, user metadata) and every leaf's
-    path, shape, dtype, bytes and partition spec. Reads metadata only (no arrays).
+    path, shape, dtype, bytes and partition spec (the NVMe tier's disk leaves in a table of
+    their own). Reads metadata only (no arrays).
     """
     plain = describe_plain(directory)
     if plain:
@@ -155,6 +156,14 @@ def inspect(directory, *, step: int | None = None) -> str:
         size = format_bytes(total, binary=True)
         lines.append(f"  state: {len(rows)} leaves, {total} bytes ({size})")
         lines += ["    " + line for line in _table(rows)]
+        disk = ((meta or {}).get(nvme.ITEM) or {}).get("leaves")
+        if disk:  # the NVMe tier's leaves, in the step's nvme item
+            total = sum(r["bytes"] for r in disk)
+            size = format_bytes(total, binary=True)
+            lines.append(
+                f"  on disk (the NVMe tier's {nvme.ITEM} item): {len(disk)} leaves, {total} bytes ({size})"
+            )
+            lines += ["    " + line for line in _table(disk)]
         lines += _extra_lines(mngr, step)
         return "\n".join(lines)
 
