@@ -214,6 +214,83 @@ def test_a_step_restores_across_the_host_offload_and_the_disk_tier(tmp_path):
     chex.assert_trees_all_close(jax.tree.map(np.asarray, jz.gather(back)), plain, atol=atol)
 
 
+# --------------------------------------------------------------------------------- memory
+_RSS_SCRIPT = """
+import os, sys
+import jaxzero as jz
+jz.simulate_cpu_devices(1)
+import jax, jax.numpy as jnp, numpy as np, optax
+from jaxzero import checkpoint
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+def reset():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status("VmRSS")
+
+def loss_fn(p, b):
+    return sum(jnp.mean((b["x"].astype(w.dtype) @ w).astype(jnp.float32) ** 2) for w in p.values())
+
+pol = jz.Precision("bfloat16", "float32", "bfloat16")
+root = sys.argv[1]
+leaves = int(sys.argv[2]); side = 1024
+def zero_at(d, **kw):
+    os.makedirs(d, exist_ok=True)
+    return jz.ZeRO(optax.adam(1e-3), jz.data_parallel_mesh(1), stage=1, offload=jz.NVMe(d, **kw), precision=pol)
+# warm-up: a small model saved and restored
+z = zero_at(f"{root}/warm")
+st = jz.make_train_step(loss_fn, z)
+small_p = {"w": np.ones((128, 128), np.float32)}
+s = st.init(small_p); s, _ = st(s, {"x": np.ones((8, 128), np.float32)})
+checkpoint.save(f"{root}/warm-ckpt", 1, s, zero=z); s.close()
+s = checkpoint.restore(f"{root}/warm-ckpt", zero_at(f"{root}/warm2"), small_p); s.close()
+
+params = {f"w{i}": np.full((side, side), 0.01 * (i + 1), np.float32) for i in range(leaves)}
+group = 3 * 4 * side * side
+z = zero_at(f"{root}/run", buffer_count=2, buffer_mb=group / 2**20)
+step = jz.make_train_step(loss_fn, z)
+state = step.init(params)
+state, _ = step(state, {"x": np.ones((8, side), np.float32)})
+jax.block_until_ready(state.params)
+start = reset()
+checkpoint.save(f"{root}/ckpt", 1, state, zero=z)
+saved = status("VmHWM") - start
+window = state.disk.window_bytes; disk = state.disk.disk_bytes
+state.close()
+start = reset()
+r = checkpoint.restore(f"{root}/ckpt", zero_at(f"{root}/r", buffer_count=2, buffer_mb=group / 2**20), params)
+restored = status("VmHWM") - start
+params_bytes = 2 * leaves * side * side  # the bf16 compute params, in the state item
+print(disk, window, group, params_bytes, saved, restored)
+"""
+
+
+def test_save_and_restore_never_hold_the_state_in_memory_whole(tmp_path):
+    """test_nvme_step's memory test for checkpoints: 8 kernels of 1024 x 1024, bf16 compute and
+    an fp32 master, Adam, 96 MiB of state on disk in 8 groups, a window of 2 x 12 MiB, one
+    device (after a warm-up save and restore of a small model). The process's peak resident
+    memory (VmHWM reset before each) grows over ``save`` by at most the window, two groups and
+    16 MiB, and over ``restore`` by at most the bf16 params (the state item), the window, two
+    groups and 16 MiB: each bound below the 96 MiB a phase that held the state would add."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(tmp_path), "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    on_disk, window, group, params, saved, restored = map(int, proc.stdout.split()[-6:])
+    assert on_disk == 8 * group and on_disk >= 4 * window
+    slack = 16 << 20
+    assert saved <= window + 2 * group + slack < on_disk, (saved, on_disk)
+    assert restored <= params + window + 2 * group + slack < on_disk, (restored, on_disk)
+
+
 # --------------------------------------------------------------------------------- kill
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nvme_ckpt_worker.py")
 
