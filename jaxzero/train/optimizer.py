@@ -84,6 +84,13 @@ class ZeRO(ZeROConfig):
         ``offload_optimizer.ratio``, Megatron's ``--optimizer-offload-fraction``): the largest
         leaves first until at least that share is reached; the rest stays in device memory,
         updated there in the same step (decision 43). Default 1: all of it.
+      offload_update: None (the update after the backward), or ``"deferred"``: with
+        ``offload="optimizer"`` over all the state, ``layers=`` and an fp32 master, the layer
+        stacks' streamed update is left pending in the returned
+        :class:`~jaxzero.train.state.PendingState` and applied at the start of the next step;
+        ``step.flush(state)`` applies what is pending before a checkpoint, a gather or an
+        export (which refuse a pending state). The same numbers; it hides nothing yet: it is
+        the staged path to the update inside the next forward (decision 51).
       quantize: None (exact collectives), or ZeRO++'s quantized collectives
         (:mod:`jaxzero.zero.wire`): ``"weights"`` (qwZ, stage 3: each shard all-gathered as
         int8 blocks of <= 4096 values with a float32 scale each, dequantized to the compute
