@@ -42,6 +42,7 @@ Example::
     state = jz.checkpoint.restore("/ckpt", zero, params, ema=ema)   # latest complete step
 """
 
+from jaxzero.checkpoint import io, nvme
 from jaxzero.checkpoint.adopt import adopt
 from jaxzero.checkpoint.export import export, load_export
 from jaxzero.checkpoint.integrity import CheckpointDamagedError
@@ -63,6 +64,9 @@ from jaxzero.checkpoint.structure import METADATA as METADATA
 from jaxzero.checkpoint.structure import STATE as STATE
 from jaxzero.checkpoint.structure import describe
 from jaxzero.checkpoint.structure import leaf_table as leaf_table
+
+# the NVMe tier's checkpoint item, save and restore (built on io, which never imports it)
+io.use_disk_tier(nvme)
 
 __all__ = [
     "adopt",

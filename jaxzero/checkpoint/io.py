@@ -35,11 +35,22 @@ from jaxzero.train.state import TrainState, check_not_donated
 from jaxzero.trees import node_types
 from jaxzero.zero.offload import remainder
 
+# The NVMe tier's checkpoint (:mod:`jaxzero.checkpoint.nvme`) is built on this module: the
+# package plugs it in when it loads (:func:`use_disk_tier`), and this module never imports it.
+_disk_tier: Any = None
+
+
+def use_disk_tier(tier) -> None:
+    """Plug in the NVMe tier's checkpoint: its item in every manager, and the save, restore
+    and read of a step whose optimizer state is on disk (the package calls it once)."""
+    global _disk_tier
+    _disk_tier = tier
+
 
 # --------------------------------------------------------------------------------- manager
 def _registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    from jaxzero.checkpoint import nvme  # the disk tier's item (it reads through this module)
+    nvme = _disk_tier
 
     for item, save_args, restore_args in (
         (STATE, ocp.args.StandardSave, ocp.args.StandardRestore),
@@ -245,8 +256,7 @@ def save(
         Nothing is written.
     """
     if isinstance(state, NVMeState):  # the optimizer state on disk: streamed a group at a time
-        from jaxzero.checkpoint import nvme
-
+        nvme = _disk_tier
         return nvme.save(
             manager_or_dir,
             step,
@@ -460,8 +470,7 @@ def restore(
     if not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}.")
     if zero.nvme is not None:  # an NVMeState, its file filled a group at a time
-        from jaxzero.checkpoint import nvme
-
+        nvme = _disk_tier
         return nvme.restore(
             manager_or_dir,
             zero,
@@ -539,8 +548,7 @@ def _restore_step(
     """``(state, extra)`` of one step: checked against ``target``, read in the stored dtypes,
     verified against the saved checksums, then cast / given a master as ``target`` needs;
     warns when ``ema``'s settings differ from those saved with the step."""
-    from jaxzero.checkpoint import nvme
-
+    nvme = _disk_tier
     if has_item(mngr, step, nvme.ITEM):  # a step of the NVMe tier: its disk leaves beside
         return nvme.read_in_memory(mngr, step, target, with_extra=with_extra)
     directory = os.fspath(mngr.directory)
