@@ -23,9 +23,10 @@ def reuse_gpu_compiles(monkeypatch, devices: str) -> None:
 
     Args:
       monkeypatch: the test's fixture (the sharing ends with the test).
-      devices: the compile-only devices that every compile of the test is for, e.g.
-        ``"8 x h100, 8MB"``: part of the key, since the module's text does not say the
-        devices' memory, and XLA's scheduler keeps the step under it.
+      devices: the compile-only devices that every compile of the test is for, their kind
+        and memory at least, e.g. ``"8 x h100, 8MB"``: part of the key, since the module's
+        text names neither (XLA compiles for the kind, and its scheduler keeps the step
+        under the memory).
     """
     compile_once = report._compile
 

@@ -86,8 +86,14 @@ def make_step(stage, per_layer, precision, n=N, shape=SHAPE):
     return jz.make_train_step(make_loss(shape), zero, ema=jz.ShardedEMA(0.99))
 
 
-@functools.cache
 def compiled(stage, per_layer, precision, n=N, flags=False, shape=SHAPE):
+    # one cache entry per step, however the call spells its arguments (functools.cache keys
+    # on the spelling: flags=False written out would compile the same step again)
+    return _compiled(stage, per_layer, precision, n, flags, shape)
+
+
+@functools.cache
+def _compiled(stage, per_layer, precision, n, flags, shape):
     step = make_step(stage, per_layer, precision, n, shape)
     options = gpu.xla_options() if flags else None
     return gpu.compile_report(
