@@ -195,7 +195,7 @@ def latest_step(manager_or_dir) -> int | None:
 
 
 # --------------------------------------------------------------------------------- save
-def _host_tree(tree):
+def host_tree(tree):
     """``extra`` as host numpy arrays (small; replicated values read on every process)."""
 
     def leaf(x):
@@ -291,8 +291,8 @@ def save(
         meta["checkpoint_step"] = step
         meta["ema"] = guards.ema_settings(ema)
         meta["has_extra"] = extra is not None
-        extra = None if extra is None else _host_tree(extra)
-        meta[integrity.KEY] = _checksums(state, extra)
+        extra = None if extra is None else host_tree(extra)
+        meta[integrity.KEY] = state_checksums(state, extra)
         items = {STATE: ocp.args.StandardSave(state), METADATA: ocp.args.JsonSave(meta)}
         if extra is not None:
             items[EXTRA] = ocp.args.StandardSave(extra)
@@ -303,7 +303,7 @@ def save(
         except Exception as e:  # noqa: BLE001 - a write error is re-raised with the step
             if not integrity.is_write_error(e):
                 raise
-            raise _save_failed(mngr, step, e) from e
+            raise save_failed(mngr, step, e) from e
         return bool(started)
 
 
@@ -326,10 +326,10 @@ def wait(mngr: ocp.CheckpointManager) -> None:
     except Exception as e:  # noqa: BLE001 - a write error is re-raised with the step
         if not integrity.is_write_error(e):
             raise
-        raise _save_failed(mngr, None, e) from e
+        raise save_failed(mngr, None, e) from e
 
 
-def _checksums(state: TrainState, extra) -> dict:
+def state_checksums(state: TrainState, extra) -> dict:
     """The metadata's ``checksums`` entry: every leaf's hash (:mod:`integrity`), taken now,
     before an asynchronous save copies the same arrays."""
     leaves = integrity.checksums({leaf_name(k): v for k, v in flat_leaves(state).items()})
@@ -340,7 +340,7 @@ def _checksums(state: TrainState, extra) -> dict:
     return {"algorithm": integrity.ALGORITHM, "leaves": leaves}
 
 
-def _save_failed(mngr: ocp.CheckpointManager, step: int | None, error: Exception) -> OSError:
+def save_failed(mngr: ocp.CheckpointManager, step: int | None, error: Exception) -> OSError:
     """A failed write (disk full, file too large, ...), possibly of an earlier asynchronous
     save: an OSError naming the step that failed and the newest complete step."""
     failed = integrity.failed_step(error)
@@ -560,7 +560,7 @@ def _restore_step(
     )
     read_target, finish = _read_plan(stored, target, check_dtypes)
     context = "" if meta is None else _mismatch_hints(meta, target)
-    _missing_parts(stored, read_target, step=step, directory=directory)
+    missing_parts(stored, read_target, step=step, directory=directory)
     check_compatible(stored, read_target, check_dtypes=True, context=context)
     items = (STATE, EXTRA) if with_extra else (STATE,)
     files = integrity.step_files(directory, step, items)
@@ -574,9 +574,11 @@ def _restore_step(
     if integrity.any_process_failed(problem):
         raise problem or integrity.read_error(None, step=step, directory=directory)
     sums = (meta or {}).get(integrity.KEY)
-    integrity.check(_named(state), sums, step=step, directory=directory, files=files)
+    integrity.check(named_leaves(state), sums, step=step, directory=directory, files=files)
     if extra is not None and sums:
-        integrity.check(_named(extra, "extra."), sums, step=step, directory=directory, files=files)
+        integrity.check(
+            named_leaves(extra, "extra."), sums, step=step, directory=directory, files=files
+        )
     guards.warn_ema_changed(meta, ema, step, directory)
     return finish(state), extra
 
@@ -606,7 +608,7 @@ def _read_state_quietly(mngr, step: int, target: TrainState, with_extra: bool, f
     the failed read left behind is collected at once, unreported (:mod:`.quiet`)."""
     directory = os.fspath(mngr.directory)
     try:
-        state, extra = _read_state(mngr, step, target, with_extra=with_extra)
+        state, extra = read_state(mngr, step, target, with_extra=with_extra)
         return state, extra, None
     except Exception as e:  # noqa: BLE001 - any read failure of a step that passed the checks
         if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
@@ -616,7 +618,7 @@ def _read_state_quietly(mngr, step: int, target: TrainState, with_extra: bool, f
     return None, None, problem
 
 
-def _named(tree, prefix: str = "") -> dict[str, Any]:
+def named_leaves(tree, prefix: str = "") -> dict[str, Any]:
     return {prefix + leaf_name(k): v for k, v in flat_leaves(tree).items()}
 
 
@@ -671,7 +673,7 @@ def _cast_to(x, want):
     return x
 
 
-def _read_state(
+def read_state(
     mngr: ocp.CheckpointManager, step: int, target: TrainState, *, with_extra: bool
 ) -> tuple[TrainState, Any]:
     """``(state, extra)``: ``step``'s state read straight into ``target``'s shardings, and its
@@ -761,7 +763,7 @@ FRESH_EMA = (
 )
 
 
-def _missing_parts(stored: dict, target: TrainState, *, step: int, directory) -> None:
+def missing_parts(stored: dict, target: TrainState, *, step: int, directory) -> None:
     """Raise ValueError when the checkpoint has a part of the state (model state, rng, EMA)
     that the restore call did not ask for, or lacks one it asked for: naming the part and
     the argument to pass or drop (instead of the first differing leaf)."""

@@ -206,8 +206,8 @@ def save(
         meta["ema"] = guards.ema_settings(None)
         meta["has_extra"] = extra is not None
         meta[ITEM] = {"leaves": rows, "total_bytes": sum(r["bytes"] for r in rows)}
-        extra = None if extra is None else io._host_tree(extra)
-        meta[integrity.KEY] = io._checksums(tree, extra)
+        extra = None if extra is None else io.host_tree(extra)
+        meta[integrity.KEY] = io.state_checksums(tree, extra)
         items = {
             STATE: ocp.args.StandardSave(tree),
             METADATA: ocp.args.JsonSave(meta),
@@ -222,7 +222,7 @@ def save(
         except Exception as e:  # noqa: BLE001 - a write error is re-raised with the step
             if not integrity.is_write_error(e):
                 raise
-            raise io._save_failed(mngr, step, e) from e
+            raise io.save_failed(mngr, step, e) from e
         return bool(started)
 
 
@@ -325,9 +325,9 @@ def restore(
                     )
             index = mngr.restore(step, args=ocp.args.Composite(**{ITEM: Restore()}))[ITEM]
             source = Groups(step_dir / ITEM, index, step, directory)
-            tree, extra = io._read_state(mngr, step, target, with_extra=with_extra)
+            tree, extra = io.read_state(mngr, step, target, with_extra=with_extra)
         else:  # a step of a state in memory: its disk leaves are read from its state item
-            io._missing_parts(stored, abstract, step=step, directory=directory)
+            io.missing_parts(stored, abstract, step=step, directory=directory)
             io.check_compatible(stored, abstract)
             source = StateItem(step_dir / STATE, abstract, sums, step, directory)
             tree = source.read_tree(target)
@@ -335,9 +335,9 @@ def restore(
             if with_extra and io.has_item(mngr, step, EXTRA):
                 args = ocp.args.Composite(**{EXTRA: ocp.args.StandardRestore()})
                 extra = mngr.restore(step, args=args)[EXTRA]
-        integrity.check(io._named(tree), sums, step=step, directory=directory)
+        integrity.check(io.named_leaves(tree), sums, step=step, directory=directory)
         if extra is not None and sums:
-            integrity.check(io._named(extra, "extra."), sums, step=step, directory=directory)
+            integrity.check(io.named_leaves(extra, "extra."), sums, step=step, directory=directory)
         state = _fill(plain, zero, shapes, tree, names, source, step, directory, on_disk)
         return (state, extra) if with_extra else state
 
@@ -369,7 +369,7 @@ def read_in_memory(mngr, step: int, target: TrainState, *, with_extra: bool):
     kept = jax.tree.unflatten(
         jax.tree.structure(target), [None if p in on_disk else x for p, x in flat.items()]
     )
-    io._missing_parts(stored, kept, step=step, directory=directory)
+    io.missing_parts(stored, kept, step=step, directory=directory)
     io.check_compatible(stored, kept)
     for p, x in on_disk.items():
         row = rows[leaf_name(p)]
@@ -382,11 +382,11 @@ def read_in_memory(mngr, step: int, target: TrainState, *, with_extra: bool):
         missing = sorted(set(rows) - {leaf_name(p) for p in on_disk})
         raise ValueError(f"{where} has disk leaves the target state lacks: {missing}")
     index = mngr.restore(step, args=ocp.args.Composite(**{ITEM: Restore()}))[ITEM]
-    state, extra = io._read_state(mngr, step, kept, with_extra=with_extra)
+    state, extra = io.read_state(mngr, step, kept, with_extra=with_extra)
     sums = meta.get(integrity.KEY)
-    integrity.check(io._named(state), sums, step=step, directory=directory)
+    integrity.check(io.named_leaves(state), sums, step=step, directory=directory)
     if extra is not None and sums:
-        integrity.check(io._named(extra, "extra."), sums, step=step, directory=directory)
+        integrity.check(io.named_leaves(extra, "extra."), sums, step=step, directory=directory)
     groups = Groups(epath.Path(directory) / str(step) / ITEM, index, step, directory)
     read = groups.read({leaf_name(p): x for p, x in on_disk.items()})
     got = flat_leaves(state)
