@@ -76,7 +76,7 @@ class TrainState(struct.PyTreeNode):
 
     @property
     def pending(self) -> Pending | None:
-        """The layer stacks' update the last step left undone: None here; a
+        """The layer stacks' update the last step left undone. None here; a
         :class:`PendingState` (``ZeRO(offload_update="deferred")``) carries one."""
         return None
 
