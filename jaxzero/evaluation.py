@@ -9,13 +9,18 @@ from jaxzero.distributed.host import gather as gather
 from jaxzero.distributed.host import gather_to_host as gather_to_host
 from jaxzero.distributed.host import mesh_of as mesh_of
 from jaxzero.distributed.host import replicator
+from jaxzero.train.nvme_step import NVMeState
 from jaxzero.train.state import TrainState
 from jaxzero.trees import check_not_donated
 
 
 def ema_params(state: TrainState, dtype=None):
     """The EMA weights as a replicated params tree (cast to the compute dtype), ready to be
-    passed to the model in place of ``state.params``; one extra full copy, nothing more."""
+    passed to the model in place of ``state.params``; one extra full copy, nothing more.
+    An NVMe tier's state (:class:`~jaxzero.train.nvme_step.NVMeState`) reads its EMA from its
+    file a group at a time."""
+    if isinstance(state, NVMeState):
+        return state.ema_params(dtype)
     if not isinstance(state, TrainState) or state.ema is None:
         raise ValueError(
             "ema_params needs a TrainState with an EMA; build the step with "

@@ -74,7 +74,6 @@ def test_zero_init_refuses_to_hold_the_disk_state_in_memory(tmp_path):
 @pytest.mark.parametrize(
     "option",
     [
-        {"ema": jz.ShardedEMA(0.99)},
         {"stateful": True},
         {"rng": True},
         {"donate": False},

@@ -155,7 +155,7 @@ def test_what_the_disk_checkpoint_does_not_take_is_refused_before_anything_is_wr
     step = jz.make_train_step(loss_fn, zero)
     state = step.init(params)
     ckpt = tmp_path / "ckpt"
-    with pytest.raises(ValueError, match="has no EMA"):
+    with pytest.raises(ValueError, match="does not carry the EMA yet"):
         checkpoint.save(ckpt, 0, state, zero=zero, ema=jz.ShardedEMA(0.9))
     assert not ckpt.exists()
     state.disk.broken = "the file was left part updated"
@@ -171,7 +171,9 @@ def test_what_the_disk_checkpoint_does_not_take_is_refused_before_anything_is_wr
     fresh.mkdir()
     with pytest.raises(ValueError, match="restores only into the precision policy"):
         checkpoint.restore(ckpt, _nvme_zero(fresh, precision=BF16), params)
-    for kw in ({"ema": jz.ShardedEMA(0.9)}, {"fallback": True}, {"check_dtypes": False}):
+    with pytest.raises(ValueError, match="does not carry the EMA yet"):
+        checkpoint.restore(ckpt, _nvme_zero(fresh), params, ema=jz.ShardedEMA(0.9))
+    for kw in ({"fallback": True}, {"check_dtypes": False}):
         with pytest.raises(ValueError, match="not supported by the NVMe tier"):
             checkpoint.restore(ckpt, _nvme_zero(fresh), params, **kw)
     assert os.listdir(fresh) == []

@@ -166,15 +166,17 @@ def save(
     an asynchronous manager (the next step updates the file in place).
 
     Raises:
-      ValueError: ``ema`` is given (the NVMe tier keeps no EMA); ``zero`` is not the ZeRO the
-        state was trained with (another optimizer or precision); the step exists already.
+      ValueError: the state keeps an EMA, or ``ema`` is given (the NVMe tier's checkpoint does
+        not carry the EMA yet); ``zero`` is not the ZeRO the state was trained with (another
+        optimizer or precision); the step exists already.
       RuntimeError: the state's file was left part updated by a failed step, or is closed.
       Nothing is written.
     """
-    if ema is not None:
+    if ema is not None or state.disk.ema is not None:
         raise ValueError(
-            f"ema={ema!r}: an NVMe state has no EMA (the NVMe tier does not keep one yet); "
-            "save it without ema="
+            "the NVMe tier's checkpoint does not carry the EMA yet: this state keeps an EMA "
+            "on disk (make_train_step(..., ema=...)), which a restored run would lose; read it "
+            "with jaxzero.ema_params(state), or train without ema= to checkpoint"
         )
     if zero is not None and not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO or None, got {type(zero).__name__}.")
@@ -252,13 +254,19 @@ def restore(
     the process that left it); a file another live state holds is refused (its lock).
 
     Raises:
-      ValueError: an option the NVMe tier does not take (``ema=``, ``model_state=``,
-        ``rng=``, ``fallback=True``, ``check_dtypes=False``), a step saved from a state in
+      ValueError: an option the NVMe tier does not take (``ema=``: its checkpoint does not
+        carry the EMA yet; ``model_state=``, ``rng=``, ``fallback=True``,
+        ``check_dtypes=False``), a step saved from a state in
         memory, or from another precision policy or model; nothing is written.
       CheckpointDamagedError: a leaf read back differs from its checksum (the new file is
         closed; the run restores from another step).
     """
-    for name, given in (("ema", ema), ("model_state", model_state), ("rng", rng)):
+    if ema is not None:
+        raise ValueError(
+            f"ema={ema!r}: the NVMe tier's checkpoint does not carry the EMA yet; restore "
+            "without ema="
+        )
+    for name, given in (("model_state", model_state), ("rng", rng)):
         if given is not None:
             raise ValueError(
                 f"{name}= is not supported by the NVMe tier's restore (its state has no "

@@ -16,6 +16,10 @@ as with the host offload; host memory holds the swapper's window::
     state, metrics = step(state, batch)
     opt_state, master = state.optimizer_state()  # read back from the file
 
+With ``ema=jz.ShardedEMA(decay)`` the EMA of the master is in the file too, each leaf in its
+master leaf's group, updated as the host offload updates it; ``jz.ema_params(state)`` reads it
+back a group at a time.
+
 A step updates the file in place. An error in the middle of a step's update (a failed write)
 leaves the file part updated: the step raises it, and the state refuses later steps and reads
 with a message naming it (restore from a checkpoint). A process killed in the middle of an
@@ -38,6 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.train import loss as user_loss
 from jaxzero.train.grads import local_gradients
 from jaxzero.train.optimizer import ZeRO
@@ -76,12 +81,37 @@ class NVMeState:
         at a time (``master`` None when the params are the master)."""
         return self.disk.read(self.resident)
 
+    def ema_state(self):
+        """The EMA state (an :class:`~jaxzero.EmaState` of global numpy arrays), read from the
+        file a group at a time; None when the step keeps no EMA."""
+        return self.disk.read_ema(self.resident)
+
+    def ema_params(self, dtype=None):
+        """What :func:`jaxzero.ema_params` gives for this state: the EMA weights as a params
+        tree replicated on the mesh, cast to ``dtype`` (by default the compute params'),
+        read from the file a group at a time.
+
+        Raises:
+          ValueError: the step keeps no EMA.
+        """
+        ema = self.ema_state()
+        if ema is None:
+            raise ValueError(
+                "ema_params needs a state with an EMA; build the step with "
+                "make_train_step(..., ema=jaxzero.ShardedEMA(decay)) and its state with "
+                "step.init(params)."
+            )
+        dtype = jnp.dtype(dtype or jax.tree.leaves(self.params)[0].dtype)
+        mesh = jax.tree.leaves(self.params)[0].sharding.mesh
+        replicated = NamedSharding(mesh, P())
+        return jax.tree.map(lambda x: jax.device_put(x.astype(dtype), replicated), ema.ema)
+
     def close(self) -> None:
         """Close the state's file (it stays on disk) and release its lock."""
         self.disk.close()
 
 
-def open_disk(zero: ZeRO, nvme: NVMe, params) -> DiskUpdate:
+def open_disk(zero: ZeRO, nvme: NVMe, params, ema: ShardedEMA | None = None) -> DiskUpdate:
     """The :class:`DiskUpdate` of ``zero``'s state of ``params`` (arrays or shapes) with its
     file under ``nvme.path``: made (every check of the swapper, the lock, the preallocation)
     before any state exists, to be filled with ``DiskUpdate.fill``.
@@ -90,8 +120,9 @@ def open_disk(zero: ZeRO, nvme: NVMe, params) -> DiskUpdate:
       zero: the host offload's ZeRO (``offload="optimizer"``, no ``nvme``).
       nvme: where and how the state is paged.
       params: the model params, or their ShapeDtypeStructs.
+      ema: the step's EMA (its leaves on disk beside their masters), or None.
     """
-    abstract = zero.abstract_state(params)
+    abstract = zero.abstract_state(params, ema=ema)
     on_device = abstract.master is None
     master = abstract.params if on_device else abstract.master
     aval = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
@@ -107,7 +138,18 @@ def open_disk(zero: ZeRO, nvme: NVMe, params) -> DiskUpdate:
         master_on_device=on_device,
         scaled=abstract.loss_scale is not None,
         nvme=nvme,
+        ema=ema,
+        ema_state=None if ema is None else aval(abstract.ema),
+        ema_shardings=None if ema is None else ema_shardings(zero, abstract.ema),
     )
+
+
+def ema_shardings(zero: ZeRO, ema_state: EmaState) -> EmaState:
+    """The NamedShardings of a per-leaf EMA state on ``zero``'s mesh: each leaf in its
+    master leaf's shards (where the host offload's streamed update reads it), the counter
+    replicated."""
+    tree = sh.named(zero.mesh, zero.ema_specs(ema_state.ema))
+    return EmaState(NamedSharding(zero.mesh, P()), tree)
 
 
 @dataclasses.dataclass
@@ -118,6 +160,7 @@ class NVMeTrainStep:
     zero: ZeRO
     nvme: NVMe
     accum_steps: int
+    ema: ShardedEMA | None
     _grads: Any
     _check: Any
     _finish: Any
@@ -134,7 +177,7 @@ class NVMeTrainStep:
           The :class:`NVMeState`; the file is ``nvme.path/optimizer_state.swp``.
         """
         zero = self.zero
-        disk = open_disk(zero, self.nvme, params)
+        disk = open_disk(zero, self.nvme, params, self.ema)
         on_device = disk.master_on_device
         if disk.found_torn:
             warnings.warn(f"{disk.found_torn} first values (init)", stacklevel=2)
@@ -142,9 +185,10 @@ class NVMeTrainStep:
         def leaves(indices):
             # zero.init under jit, its other outputs unused: XLA computes only these leaves
             def pick(p):
-                state = zero.init(p)
+                state = zero.init(p, ema=self.ema)
                 flat = jax.tree.leaves(state.opt_state)
                 flat += [None] * disk.n_m if on_device else jax.tree.leaves(state.master)
+                flat += jax.tree.leaves(state.ema)
                 return [flat[i] for i in indices]
 
             out = [disk.shardings[i] for i in indices]
@@ -180,7 +224,11 @@ class NVMeTrainStep:
         params, resident = state.params, state.resident
         if apply:
             resident, compute = state.disk.run(
-                state.resident, grads, master if state.disk.master_on_device else None, scale
+                state.resident,
+                grads,
+                master if state.disk.master_on_device else None,
+                scale,
+                None if self.ema is None else state.step,
             )
             params = self._gather(jax.tree.unflatten(jax.tree.structure(state.params), compute))
         del grads, master
@@ -197,7 +245,9 @@ class NVMeTrainStep:
         return new, metrics
 
 
-def make_nvme_train_step(loss_fn, zero: ZeRO, nvme: NVMe, *, accum_steps: int = 1):
+def make_nvme_train_step(
+    loss_fn, zero: ZeRO, nvme: NVMe, *, accum_steps: int = 1, ema: ShardedEMA | None = None
+):
     """A train step of ``zero`` (built with ``offload="optimizer"``: the gradient path of the
     host offload) whose optimizer state lives on disk under ``nvme.path``.
 
@@ -206,6 +256,10 @@ def make_nvme_train_step(loss_fn, zero: ZeRO, nvme: NVMe, *, accum_steps: int = 
       zero: ``jz.ZeRO(tx, mesh, stage=1|2|3, offload="optimizer", ...)``.
       nvme: where and how the state is paged.
       accum_steps: micro-batches per step.
+      ema: a :class:`~jaxzero.ShardedEMA` of the master, kept in the file beside each
+        leaf's master and optax state (in the same group) and updated from the new master
+        of that group, as the host offload's streamed update computes it (``ema_params``
+        reads it back); None: no EMA.
 
     Returns:
       An :class:`NVMeTrainStep`.
@@ -224,6 +278,8 @@ def make_nvme_train_step(loss_fn, zero: ZeRO, nvme: NVMe, *, accum_steps: int = 
     place = zero.placement
     if not isinstance(nvme, NVMe):
         raise TypeError(f"nvme must be a jaxzero NVMe(path, ...), got {type(nvme).__name__}.")
+    if ema is not None and not isinstance(ema, ShardedEMA):
+        raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
     if zero.offloaded() != ("optimizer",) or getattr(place, "fraction", 1.0) != 1.0:
         raise ValueError(
             f"the NVMe step takes ZeRO(offload='optimizer') (got offload={zero.offload!r}, "
@@ -278,6 +334,7 @@ def make_nvme_train_step(loss_fn, zero: ZeRO, nvme: NVMe, *, accum_steps: int = 
         zero,
         nvme,
         accum_steps,
+        ema,
         jax.jit(grads),
         jax.jit(check),
         jax.jit(finish),

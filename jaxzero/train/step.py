@@ -326,8 +326,9 @@ def make_train_step(
     (:class:`jaxzero.train.nvme_step.NVMeTrainStep`, decision 50): its ``init`` writes the
     fp32 master and the optimizer state into a file under ``path`` a group of leaves at a
     time, each step pages them through the window of host buffers, and
-    ``state.optimizer_state()`` reads them back; it takes no ``ema``, ``stateful``, ``rng``,
-    ``donate=False`` or ``allow_loss_collectives`` yet.
+    ``state.optimizer_state()`` reads them back; an ``ema`` is kept in the file beside each
+    leaf's master; it takes no ``stateful``, ``rng``, ``donate=False`` or
+    ``allow_loss_collectives`` yet.
 
     Returns:
       A :class:`TrainStep`; ``state, metrics = step(state, batch)`` with metrics ``loss``,
@@ -342,13 +343,12 @@ def make_train_step(
         raise TypeError(f"zero must be a jaxzero.ZeRO, got {type(zero).__name__}.")
     if zero.nvme is not None:
         given = dict(
-            ema=ema,
             stateful=stateful,
             rng=rng,
             donate=donate,
             allow_loss_collectives=allow_loss_collectives,
         )
-        return _on_disk(loss_fn, zero, accum_steps, given)
+        return _on_disk(loss_fn, zero, accum_steps, given, ema)
     if not isinstance(accum_steps, int) or isinstance(accum_steps, bool) or accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps!r} must be an int >= 1 (1: no accumulation).")
     if ema is not None and not isinstance(ema, ShardedEMA):
@@ -394,7 +394,6 @@ def make_train_step(
 
 #: make_train_step's options and their defaults, which the NVMe tier's step does not take yet
 _NOT_ON_DISK = {
-    "ema": None,
     "stateful": False,
     "rng": False,
     "donate": True,
@@ -402,9 +401,10 @@ _NOT_ON_DISK = {
 }
 
 
-def _on_disk(loss_fn, zero: ZeRO, accum_steps: int, options: dict):
+def _on_disk(loss_fn, zero: ZeRO, accum_steps: int, options: dict, ema):
     """The NVMe tier's step (``ZeRO(offload=jz.NVMe(...))``, decision 50), after refusing
-    the options it does not take yet (``options``: make_train_step's, by name)."""
+    the options it does not take yet (``options``: make_train_step's, by name); ``ema``: the
+    step's EMA, kept on disk."""
     given = [k for k, v in options.items() if v != _NOT_ON_DISK[k]]
     if given:
         raise ValueError(
@@ -413,7 +413,7 @@ def _on_disk(loss_fn, zero: ZeRO, accum_steps: int, options: dict):
             f"offload='optimizer' (the state in pinned host memory)."
         )
     return make_nvme_train_step(
-        loss_fn, dataclasses.replace(zero, nvme=None), zero.nvme, accum_steps=accum_steps
+        loss_fn, dataclasses.replace(zero, nvme=None), zero.nvme, accum_steps=accum_steps, ema=ema
     )
 
 

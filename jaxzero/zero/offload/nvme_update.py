@@ -1,14 +1,15 @@
 """The optimizer's update with its state on disk (the NVMe tier's second stage, decision 50):
-the fp32 master and the optax state live in one file of the :class:`~.nvme.Swapper`, and the
-update pages them through its bounded window of host buffers a group of leaves at a time.
+the fp32 master, the optax state and the EMA live in one file of the :class:`~.nvme.Swapper`,
+and the update pages them through its bounded window of host buffers a group of leaves at a
+time.
 
 The update is the host offload's (decision 32): the same function of ``(opt_state, master,
-grads, loss scale)`` traced once to a flat jaxpr and cut by :mod:`~.parts` into a prologue
+ema_state, grads, loss scale, step)`` traced once to a flat jaxpr and cut by :mod:`~.parts` into a prologue
 (the small values several leaves read: a global norm, a step count, the finite check) and
 independent parts, one per group of connected large leaves. Each state leaf then has a home:
 
-- *on disk*, a large leaf (more than :data:`~.parts.SMALL` elements) of the optimizer state or
-  of a separate master: its shards, one per distinct shard index among this process's devices
+- *on disk*, a large leaf (more than :data:`~.parts.SMALL` elements) of the optimizer state,
+  of a separate master or of the EMA (which the part of its master updates): its shards, one per distinct shard index among this process's devices
   (a replicated leaf once), in the group of the part that reads and replaces it;
 - *resident*, a small leaf (Adam's count, a bias's moments): kept on the device with its
   sharding, read and replaced by the prologue; its bytes are negligible;
@@ -91,14 +92,17 @@ def _cast(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype), tree)
 
 
-def update_fn(tx, precision, skip_nonfinite: bool):
-    """The update the disk state runs: ``fn(opt_state, master, grads, scale) -> (new_master,
-    new_opt_state, compute, finite, norm)``, the arithmetic of the host offload's update
-    (``jaxzero.train.update``) without an EMA: the gradients in ``output_dtype`` divided by
-    the loss ``scale`` (None: none), the finite check, optax, each leaf kept where a
-    non-finite step is skipped, the new compute shards, the gradients' norm."""
+def update_fn(tx, precision, skip_nonfinite: bool, ema=None):
+    """The update the disk state runs: ``fn(opt_state, master, ema_state, grads, scale, step)
+    -> (new_master, new_opt_state, compute, finite, norm, new_ema_state)``, the arithmetic of
+    the host offload's update (``jaxzero.train.update``): the gradients in ``output_dtype``
+    divided by the loss ``scale`` (None: none), the finite check, optax, each leaf kept where
+    a non-finite step is skipped, the new compute shards, the gradients' norm, and with
+    ``ema`` (a :class:`~jaxzero.ShardedEMA`) the EMA of the new master, leaf by leaf as the
+    host offload's streamed update computes it (``step``: the training step before this one;
+    ``ema_state`` and ``step`` None without an EMA)."""
 
-    def fn(opt_state, master, grads, scale):
+    def fn(opt_state, master, ema_state, grads, scale, step):
         grads = _cast(grads, precision.output_dtype)
         if scale is not None:
             factor = 1.0 / scale
@@ -112,7 +116,14 @@ def update_fn(tx, precision, skip_nonfinite: bool):
         if precision.compute_copy:
             compute = _cast(new_master, precision.param_dtype)
         norm = optax.tree.norm(grads)
-        return new_master, keep(new_opt, opt_state), compute, finite, norm
+        new_ema = None
+        if ema_state is not None:
+            # the host offload's (train/update.py): per leaf, gated on the new step
+            new_step = jnp.where(apply, step + 1, step)
+            new_ema = ema.update(ema_state, new_master, step=new_step, apply=apply)
+            if ema.every == 1 and ema.start_step == 0:
+                new_ema = new_ema._replace(updates=ema_state.updates + (new_step - step))
+        return new_master, keep(new_opt, opt_state), compute, finite, norm, new_ema
 
     return fn
 
@@ -266,6 +277,10 @@ class DiskUpdate:
       master_on_device: the master is the params, read from the device, never stored.
       scaled: the update divides by a loss scale.
       nvme: where and how the state is paged.
+      ema: the :class:`~jaxzero.ShardedEMA` the update applies to the new master, or None.
+      ema_state, ema_shardings: the EMA state's avals and NamedShardings (an
+        :class:`~jaxzero.EmaState`, per leaf): each large EMA leaf is on disk in its
+        master leaf's group, its counter resident.
 
     Raises:
       NotImplementedError: the prologue reads a large state leaf whole (an update that mixes
@@ -286,36 +301,52 @@ class DiskUpdate:
         master_on_device: bool,
         scaled: bool,
         nvme: NVMe,
+        ema=None,
+        ema_state=None,
+        ema_shardings=None,
     ):
         self.precision = precision
+        self.ema = ema
         grads = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, precision.output_dtype), master
         )
         scale = jax.ShapeDtypeStruct((), jnp.float32) if scaled else None
-        fn = update_fn(tx, precision, skip_nonfinite)
-        self.closed, self.out_tree = stream_parts.flat_jaxpr(fn, (opt_state, master, grads, scale))
+        if ema is None:
+            ema_state = ema_shardings = None
+        step = None if ema is None else jax.ShapeDtypeStruct((), jnp.int32)
+        fn = update_fn(tx, precision, skip_nonfinite, ema)
+        args = (opt_state, master, ema_state, grads, scale, step)
+        self.closed, self.out_tree = stream_parts.flat_jaxpr(fn, args)
         self.plan = stream_parts.plan(self.closed)
         jaxpr = self.closed.jaxpr
         self.opt_tree = jax.tree.structure(opt_state)
         self.master_tree = jax.tree.structure(master)
+        self.ema_tree = jax.tree.structure(ema_state)
         n_o, n_m = self.opt_tree.num_leaves, self.master_tree.num_leaves
-        self.n_o, self.n_m = n_o, n_m
+        n_e = self.ema_tree.num_leaves
+        self.n_o, self.n_m, self.n_e = n_o, n_m, n_e
         o_avals, m_avals = jax.tree.leaves(opt_state), jax.tree.leaves(master)
+        e_avals = jax.tree.leaves(ema_state)
         o_sh, m_sh = jax.tree.leaves(opt_shardings), jax.tree.leaves(master_shardings)
-        self.avals = [*o_avals, *m_avals]
-        self.shardings = [*o_sh, *m_sh]  # of the state inputs: opt_state, then master
+        e_sh = jax.tree.leaves(ema_shardings)
+        self.avals = [*o_avals, *m_avals, *e_avals]
+        # of the state inputs: opt_state, then master, then the EMA state
+        self.shardings = [*o_sh, *m_sh, *e_sh]
         # each input's spec, as the host offload's stream is given them: the state's, and the
         # master's for the gradients (and for the params as the master)
-        in_sh = [*o_sh, *m_sh, *m_sh]
+        in_sh = [*o_sh, *m_sh, *e_sh, *m_sh]
         self.in_specs = {v: s.spec for v, s in zip(jaxpr.invars, in_sh, strict=False)}
         # each flat input's home
         kinds = []
         for i, v in enumerate(jaxpr.invars):
-            state = i < n_o or (i < n_o + n_m and not master_on_device)
+            state = (
+                i < n_o or (i < n_o + n_m and not master_on_device) or n_o + n_m <= i < self.n_state
+            )
             kinds.append(DEVICE if not state else DISK if stream_parts.big(v) else RESIDENT)
         self.kinds = kinds
         self.master_on_device = master_on_device
-        # outputs: new_master (n_m), new_opt_state (n_o), compute (n_m), finite, norm
+        # outputs: new_master (n_m), new_opt_state (n_o), compute (n_m), finite, norm, new EMA
+        # state (n_e)
         outs = jaxpr.outvars
         self.state_out = {}  # state input -> the variable (or literal) of its new value
         for j in range(n_m):
@@ -323,6 +354,8 @@ class DiskUpdate:
                 self.state_out[n_o + j] = outs[j]
         for j in range(n_o):
             self.state_out[j] = outs[n_m + j]
+        for j in range(n_e):
+            self.state_out[n_o + n_m + j] = outs[2 * n_m + n_o + 2 + j]
         self.compute_out = list(outs[n_m + n_o : n_m + n_o + n_m])
         # the sharding each large output is constrained to: its state leaf's, or the master's
         self.out_sharding = {}
@@ -343,6 +376,11 @@ class DiskUpdate:
             for i, v in self.state_out.items()
             if i in self.leaves and isinstance(v, Var) and v not in others
         }
+
+    @property
+    def n_state(self) -> int:
+        """Flat state inputs: the optax state's, the master's, the EMA state's."""
+        return self.n_o + self.n_m + self.n_e
 
     # -- building ------------------------------------------------------------------------
 
@@ -533,7 +571,8 @@ class DiskUpdate:
 
         Args:
           make: ``make(indices) -> arrays``: the state leaves of those flat input indices
-            (the optax state's, then the separate master's), computed now, in any sharding.
+            (the optax state's, then the separate master's, then the EMA state's), computed
+            now, in any sharding.
 
         Returns:
           The resident leaves, ``{flat input index: array}`` in their shardings.
@@ -564,23 +603,49 @@ class DiskUpdate:
         Args:
           resident: the resident leaves (:meth:`store`'s, or a step's).
         """
+        flat = self._read_flat(resident, range(self.n_o + self.n_m))
+        opt = jax.tree.unflatten(self.opt_tree, flat[: self.n_o])
+        master = None
+        if not self.master_on_device:
+            master = jax.tree.unflatten(self.master_tree, flat[self.n_o : self.n_o + self.n_m])
+        return opt, master
+
+    def read_ema(self, resident: dict):
+        """The EMA state (an :class:`~jaxzero.EmaState` of global numpy arrays, None without
+        an EMA): its disk leaves read through the window a group at a time (only groups
+        holding an EMA leaf; each leaf copied out of its buffer alone), its counter from the
+        device.
+
+        Args:
+          resident: the resident leaves (a step's).
+        """
+        if self.ema is None:
+            return None
+        start = self.n_o + self.n_m
+        flat = self._read_flat(resident, range(start, self.n_state))
+        return jax.tree.unflatten(self.ema_tree, flat[start:])
+
+    def _read_flat(self, resident: dict, wanted) -> list:
+        """The flat state leaves of the indices ``wanted`` as global numpy arrays (None
+        elsewhere): the disk ones read from the groups that hold one."""
         self._check_whole()
-        flat: list = [None] * (self.n_o + self.n_m)
+        wanted = set(wanted)
+        flat: list = [None] * self.n_state
         for i, x in resident.items():
-            flat[i] = np.asarray(jax.device_get(x))
-        if self.swapper is not None:
-            for g, buffer in self.swapper.pipelined(write=False):
+            if i in wanted:
+                flat[i] = np.asarray(jax.device_get(x))
+        groups = [g for g, leaves in enumerate(self.group_leaves) if wanted.intersection(leaves)]
+        if self.swapper is not None and groups:
+            for g, buffer in self.swapper.pipelined(groups, write=False):
                 for i in self.group_leaves[g]:
+                    if i not in wanted:
+                        continue
                     leaf = self.leaves[i]
                     out = np.empty(leaf.shape, leaf.dtype)
                     for (_, index, _), view in zip(leaf.shards, leaf.views(buffer), strict=True):
                         out[index] = view
                     flat[i] = out
-        opt = jax.tree.unflatten(self.opt_tree, flat[: self.n_o])
-        master = None
-        if not self.master_on_device:
-            master = jax.tree.unflatten(self.master_tree, flat[self.n_o :])
-        return opt, master
+        return flat
 
     def leaf_array(self, i: int, buffer) -> jax.Array:
         """Disk leaf ``i`` (a flat input index) as a global array in its sharding on the
@@ -594,7 +659,7 @@ class DiskUpdate:
 
     # -- a step --------------------------------------------------------------------------
 
-    def run(self, resident: dict, grads, master, scale):
+    def run(self, resident: dict, grads, master, scale, step=None):
         """One update: the prologue, then every group through the window (its state updated on
         disk in place).
 
@@ -604,6 +669,8 @@ class DiskUpdate:
           master: the params as the master (``master_on_device``), in the master's shards;
             else None.
           scale: the loss scale (a scalar array) or None.
+          step: the training step before this update (an int32 scalar), which gates the EMA;
+            None without an EMA.
 
         Returns:
           ``(resident, compute)``: the new resident leaves and the new compute shards (a list
@@ -613,15 +680,17 @@ class DiskUpdate:
         jaxpr = self.closed.jaxpr
         invars = jaxpr.invars
         env: dict = {}
-        n_o, n_m = self.n_o, self.n_m
+        n_o, n_m, n_s = self.n_o, self.n_m, self.n_state
         flat_in = [None] * len(invars)
         for i, x in resident.items():
             flat_in[i] = x
         if self.master_on_device:
             flat_in[n_o : n_o + n_m] = jax.tree.leaves(master)
-        flat_in[n_o + n_m : n_o + 2 * n_m] = jax.tree.leaves(grads)
+        flat_in[n_s : n_s + n_m] = jax.tree.leaves(grads)
         if scale is not None:
-            flat_in[n_o + 2 * n_m] = scale
+            flat_in[n_s + n_m] = scale
+        if self.ema is not None:
+            flat_in[-1] = step
         for v, x in zip(invars, flat_in, strict=True):
             if x is not None:
                 env[v] = x
