@@ -102,21 +102,18 @@ def test_the_ema_on_disk_equals_the_host_offloads(stage, tmp_path):
     state.close()
 
 
-def test_the_disk_checkpoint_refuses_a_state_with_an_ema_before_anything_is_written(tmp_path):
-    """An NVMe state with an EMA is not saved (the tier's checkpoint does not carry the EMA
-    yet), and ``ema_params`` of a state without an EMA names the fix; no file is written."""
-    params, loss_fn, _ = _problem(1)
-    (tmp_path / "run").mkdir()
-    zero = jz.ZeRO(TX, jz.data_parallel_mesh(N), stage=2, offload=jz.NVMe(tmp_path / "run"))
-    state = jz.make_train_step(loss_fn, zero, ema=jz.ShardedEMA(0.9)).init(params)
+def test_an_ema_the_state_does_not_keep_is_refused(tmp_path):
+    """A state made without an EMA: ``ema_params`` names the fix, a step made with one and
+    ``checkpoint.save(..., ema=)`` are refused, and no checkpoint is written."""
+    params, loss_fn, batches = _problem(1)
+    zero = jz.ZeRO(TX, jz.data_parallel_mesh(N), stage=2, offload=jz.NVMe(tmp_path))
+    state = jz.make_train_step(loss_fn, zero).init(params)
+    with pytest.raises(ValueError, match="needs a state with an EMA"):
+        jz.ema_params(state)
+    with pytest.raises(ValueError, match="make the step with the ema= the state was made"):
+        jz.make_train_step(loss_fn, zero, ema=jz.ShardedEMA(0.9))(state, batches[0])
     ckpt = tmp_path / "ckpt"
-    with pytest.raises(ValueError, match="does not carry the EMA yet"):
-        checkpoint.save(ckpt, 0, state, zero=zero)
+    with pytest.raises(ValueError, match="keeps no EMA"):
+        checkpoint.save(ckpt, 0, state, zero=zero, ema=jz.ShardedEMA(0.9))
     assert not ckpt.exists()
     state.close()
-    (tmp_path / "plain").mkdir()
-    zero = jz.ZeRO(TX, jz.data_parallel_mesh(N), stage=2, offload=jz.NVMe(tmp_path / "plain"))
-    plain = jz.make_train_step(loss_fn, zero).init(params)
-    with pytest.raises(ValueError, match="needs a state with an EMA"):
-        jz.ema_params(plain)
-    plain.close()

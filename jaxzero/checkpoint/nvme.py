@@ -6,7 +6,8 @@ A step of such a checkpoint holds the items every jaxzero step holds, and one mo
 
 - ``state``: the :class:`~jaxzero.TrainState` of the run, as the host offload's checkpoint
   holds it (the same leaves, paths, shapes, dtypes and checksums in ``metadata``), except the
-  leaves kept on disk, which are absent (empty nodes);
+  leaves kept on disk, which are absent (empty nodes); an EMA kept on disk is there too, as
+  ``ema`` (its large leaves on disk like the master's);
 - ``nvme`` (:data:`ITEM`): the leaves kept on disk, one Orbax PyTree checkpoint per group of
   the state file (``group_<g>``, the leaves keyed by their dotted ``state`` names), and
   ``leaves.json``: each group's leaves and each leaf's checksum (``metadata``'s hash), taken
@@ -110,16 +111,27 @@ class Restore(ocp.args.CheckpointArgs):
 
 
 # --------------------------------------------------------------------------------- layout
-def _names(opt_tree, master_tree, master_on_device: bool) -> dict[int, str]:
+def _names(opt_tree, master_tree, master_on_device: bool, ema_tree=None) -> dict[int, str]:
     """Each optimizer-state input's dotted ``state`` name by the update's flat index (the
-    optax state's leaves, then the separate master's)."""
-    n_o = opt_tree.num_leaves
+    optax state's leaves, then the separate master's, then the EMA state's: ``ema_tree``,
+    None without an EMA)."""
+    n_o, n_m = opt_tree.num_leaves, master_tree.num_leaves
     opt = jax.tree.unflatten(opt_tree, list(range(n_o)))
     master = None
     if not master_on_device:
-        master = jax.tree.unflatten(master_tree, list(range(n_o, n_o + master_tree.num_leaves)))
-    skeleton = TrainState(step=None, params=None, master=master, opt_state=opt, skipped=None)
+        master = jax.tree.unflatten(master_tree, list(range(n_o, n_o + n_m)))
+    ema = None
+    if ema_tree is not None:
+        ema = jax.tree.unflatten(ema_tree, list(range(n_o + n_m, n_o + n_m + ema_tree.num_leaves)))
+    skeleton = TrainState(
+        step=None, params=None, master=master, opt_state=opt, skipped=None, ema=ema
+    )
     return {i: leaf_name(path) for path, i in flat_leaves(skeleton).items()}
+
+
+def _ema_tree(disk):
+    """The EMA state's tree structure of ``disk`` (a DiskUpdate), None without an EMA."""
+    return None if disk.ema is None else disk.ema_tree
 
 
 def _on_disk(x) -> bool:
@@ -130,14 +142,19 @@ def _on_disk(x) -> bool:
 def _state_tree(state: NVMeState) -> TrainState:
     """The ``state`` item of ``state``: the host offload's TrainState without its disk leaves."""
     disk = state.disk
-    flat: list = [None] * (disk.n_o + disk.n_m)
+    n_o, n_m = disk.n_o, disk.n_m
+    flat: list = [None] * disk.n_state
     for i, x in state.resident.items():
         flat[i] = x
-    opt = jax.tree.unflatten(disk.opt_tree, flat[: disk.n_o])
+    opt = jax.tree.unflatten(disk.opt_tree, flat[:n_o])
     master = (
-        None if disk.master_on_device else jax.tree.unflatten(disk.master_tree, flat[disk.n_o :])
+        None
+        if disk.master_on_device
+        else jax.tree.unflatten(disk.master_tree, flat[n_o : n_o + n_m])
     )
+    ema = None if disk.ema is None else jax.tree.unflatten(disk.ema_tree, flat[n_o + n_m :])
     return TrainState(
+        ema=ema,
         step=state.step,
         params=state.params,
         master=master,
@@ -166,17 +183,15 @@ def save(
     an asynchronous manager (the next step updates the file in place).
 
     Raises:
-      ValueError: the state keeps an EMA, or ``ema`` is given (the NVMe tier's checkpoint does
-        not carry the EMA yet); ``zero`` is not the ZeRO the state was trained with (another
-        optimizer or precision); the step exists already.
+      ValueError: ``ema`` is given for a state without an EMA; ``zero`` is not the ZeRO the
+        state was trained with (another optimizer or precision); the step exists already.
       RuntimeError: the state's file was left part updated by a failed step, or is closed.
       Nothing is written.
     """
-    if ema is not None or state.disk.ema is not None:
+    if ema is not None and state.disk.ema is None:
         raise ValueError(
-            "the NVMe tier's checkpoint does not carry the EMA yet: this state keeps an EMA "
-            "on disk (make_train_step(..., ema=...)), which a restored run would lose; read it "
-            "with jaxzero.ema_params(state), or train without ema= to checkpoint"
+            f"ema={ema!r}: this NVMe state keeps no EMA (its step was made without ema=); "
+            "save it without ema="
         )
     if zero is not None and not isinstance(zero, ZeRO):
         raise TypeError(f"zero must be a jaxzero.ZeRO or None, got {type(zero).__name__}.")
@@ -194,7 +209,7 @@ def save(
                 "zero= is not the ZeRO this NVMe state was trained with: its optimizer state's "
                 f"tree is {want}, the state's is {disk.opt_tree}"
             )
-    names = _names(disk.opt_tree, disk.master_tree, disk.master_on_device)
+    names = _names(disk.opt_tree, disk.master_tree, disk.master_on_device, _ema_tree(disk))
     rows = [
         leaf_row(tuple(names[i].split(".")), leaf.shape, leaf.dtype)
         for i, leaf in sorted(disk.leaves.items())
@@ -205,7 +220,7 @@ def save(
         guards.check_new_step(mngr, step)
         meta = describe(tree, zero=zero, optimizer=optimizer, metadata=metadata)
         meta["checkpoint_step"] = step
-        meta["ema"] = guards.ema_settings(None)
+        meta["ema"] = guards.ema_settings(disk.ema)  # the EMA the state's step updates
         meta["has_extra"] = extra is not None
         meta[ITEM] = {"leaves": rows, "total_bytes": sum(r["bytes"] for r in rows)}
         extra = None if extra is None else io.host_tree(extra)
@@ -254,18 +269,13 @@ def restore(
     the process that left it); a file another live state holds is refused (its lock).
 
     Raises:
-      ValueError: an option the NVMe tier does not take (``ema=``: its checkpoint does not
-        carry the EMA yet; ``model_state=``, ``rng=``, ``fallback=True``,
-        ``check_dtypes=False``), a step saved from a state in
+      ValueError: an option the NVMe tier does not take (``model_state=``, ``rng=``,
+        ``fallback=True``, ``check_dtypes=False``), ``ema=`` for a step saved without an EMA
+        or none for one with, a step saved from a state in
         memory, or from another precision policy or model; nothing is written.
       CheckpointDamagedError: a leaf read back differs from its checksum (the new file is
         closed; the run restores from another step).
     """
-    if ema is not None:
-        raise ValueError(
-            f"ema={ema!r}: the NVMe tier's checkpoint does not carry the EMA yet; restore "
-            "without ema="
-        )
     for name, given in (("model_state", model_state), ("rng", rng)):
         if given is not None:
             raise ValueError(
@@ -284,7 +294,7 @@ def restore(
         )
     plain = dataclasses.replace(zero, nvme=None)
     shapes = jax.tree.map(_aval, params)
-    abstract = plain.abstract_state(shapes)
+    abstract = plain.abstract_state(shapes, ema=ema)
     with io.opened(manager_or_dir) as mngr:
         step = io.resolve_step(mngr, step)
         directory = os.fspath(mngr.directory)
@@ -297,21 +307,38 @@ def restore(
                 f"{'keeps' if abstract.master is not None else 'has no'} separate master: the "
                 "NVMe tier restores only into the precision policy it was saved with"
             )
+        if bool(meta.get("has_ema")) != (ema is not None):
+            raise ValueError(
+                f"{where} was saved {'with' if meta.get('has_ema') else 'without'} an EMA, and "
+                f"this restore {'passes' if ema is not None else 'passes no'} ema=: "
+                + (
+                    "pass ema=jz.ShardedEMA(<the decay it was trained with>) to restore it"
+                    if meta.get("has_ema")
+                    else "restore without ema="
+                )
+            )
         # the state item's target: the host offload's abstract state without the disk leaves
         master_on_device = abstract.master is None
         opt_tree = jax.tree.structure(abstract.opt_state)
         master_tree = jax.tree.structure(abstract.params if master_on_device else abstract.master)
+        ema_tree = None if ema is None else jax.tree.structure(abstract.ema)
+        n_o, n_m = opt_tree.num_leaves, master_tree.num_leaves
         flat = jax.tree.leaves(abstract.opt_state)
         if not master_on_device:
             flat += jax.tree.leaves(abstract.master)
-        names = _names(opt_tree, master_tree, master_on_device)
-        on_disk = {i for i, x in enumerate(flat) if _on_disk(x)}
+        else:
+            flat += [None] * n_m  # the params: not an optimizer-state input
+        if ema is not None:
+            flat += jax.tree.leaves(abstract.ema)
+        names = _names(opt_tree, master_tree, master_on_device, ema_tree)
+        on_disk = {i for i, x in enumerate(flat) if x is not None and _on_disk(x)}
         kept = [None if i in on_disk else x for i, x in enumerate(flat)]
         target = abstract.replace(
-            opt_state=jax.tree.unflatten(opt_tree, kept[: opt_tree.num_leaves]),
+            opt_state=jax.tree.unflatten(opt_tree, kept[:n_o]),
             master=None
             if master_on_device
-            else jax.tree.unflatten(master_tree, kept[opt_tree.num_leaves :]),
+            else jax.tree.unflatten(master_tree, kept[n_o : n_o + n_m]),
+            ema=None if ema is None else jax.tree.unflatten(ema_tree, kept[n_o + n_m :]),
         )
         stored = io.stored_tree(mngr, step)
         step_dir = epath.Path(directory) / str(step)
@@ -346,7 +373,8 @@ def restore(
         integrity.check(io.named_leaves(tree), sums, step=step, directory=directory)
         if extra is not None and sums:
             integrity.check(io.named_leaves(extra, "extra."), sums, step=step, directory=directory)
-        state = _fill(plain, zero, shapes, tree, names, source, step, directory, on_disk)
+        guards.warn_ema_changed(meta, ema, step, directory)
+        state = _fill(plain, zero, shapes, tree, names, source, step, directory, on_disk, ema)
         return (state, extra) if with_extra else state
 
 
@@ -519,11 +547,12 @@ def _read(reader, path, target):
     )
 
 
-def _fill(plain, zero, shapes, tree, names, source, step, directory, on_disk) -> NVMeState:
+def _fill(plain, zero, shapes, tree, names, source, step, directory, on_disk, ema) -> NVMeState:
     """The restored :class:`NVMeState`: a fresh file filled from ``source``'s disk leaves (a
     :class:`Groups` or a :class:`StateItem`) a group of the new file at a time; ``tree`` is
-    the restored ``state`` item without the leaves ``on_disk`` (flat indices)."""
-    disk = open_disk(plain, zero.nvme, shapes)
+    the restored ``state`` item without the leaves ``on_disk`` (flat indices); ``ema``: the
+    step's ShardedEMA, or None."""
+    disk = open_disk(plain, zero.nvme, shapes, ema)
     torn = disk.found_torn
     try:
         if set(disk.leaves) != on_disk:  # the update's placement, against _on_disk's rule
@@ -531,13 +560,17 @@ def _fill(plain, zero, shapes, tree, names, source, step, directory, on_disk) ->
                 f"the NVMe update keeps leaves {sorted(disk.leaves)} on disk, the checkpoint's "
                 f"reader expected {sorted(on_disk)}"
             )
-        # the resident leaves by the update's flat index (the optax state's, then the master's)
+        # the resident leaves by the update's flat index (the optax state's, the master's,
+        # the EMA state's)
         values: dict[int, Any] = {}
         kept = [i for i in range(disk.n_o) if i not in disk.leaves]
         got = jax.tree.leaves(tree.opt_state)
         if not disk.master_on_device:
             kept += [i for i in range(disk.n_o, disk.n_o + disk.n_m) if i not in disk.leaves]
             got += jax.tree.leaves(tree.master)
+        if disk.ema is not None:
+            kept += [i for i in range(disk.n_o + disk.n_m, disk.n_state) if i not in disk.leaves]
+            got += jax.tree.leaves(tree.ema)
         values.update(zip(kept, got, strict=True))
 
         def make(indices):

@@ -215,6 +215,11 @@ class NVMeTrainStep:
                 f"global batch size {rows} is not divisible by devices "
                 f"({zero.num_batch_shards}) x accum_steps ({self.accum_steps}) = {need}"
             )
+        if state.disk.ema != self.ema:
+            raise ValueError(
+                f"this state's file keeps the EMA of {state.disk.ema!r} and the step updates "
+                f"{self.ema!r}: make the step with the ema= the state was made (or restored) with"
+            )
         sharding = NamedSharding(zero.mesh, zero.batch_spec())
         batch = jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
         scale = None if state.loss_scale is None else state.loss_scale.scale
