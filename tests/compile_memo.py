@@ -15,6 +15,8 @@ from jaxzero.gpu import report
 
 #: ``(devices, module digest, options) -> _compile's result``, for the process's lifetime
 _COMPILED: dict = {}
+#: ``devices`` of compile-only H100s at the part's own memory, of any count
+H100 = "h100 at its own memory"
 
 
 def reuse_gpu_compiles(monkeypatch, devices: str) -> None:

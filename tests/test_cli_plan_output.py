@@ -17,7 +17,7 @@ import types
 import jax
 import optax
 import pytest
-from compile_memo import reuse_gpu_compiles
+from compile_memo import H100, reuse_gpu_compiles
 
 import jaxzero as jz
 from jaxzero import cli, gpu
@@ -159,11 +159,15 @@ def test_plan_wide_has_every_column_and_verbose_prints_xlas_lines(capfd, monkeyp
     assert 'offload="optimizer")' in out and "offload_fraction" not in out.split("pick:")[1]
 
 
-def test_formula_note_explains_an_estimate_that_disagrees_with_the_verdict():
+def test_formula_note_explains_an_estimate_that_disagrees_with_the_verdict(monkeypatch):
     """A row that fits by its compiled peak while the formula estimate is over the GPU's
     memory (the 1.3B GPT's estimate beside "fits" on a 3.5 GB GPU), or the other way round,
-    gets a note saying the compiled peak decides; rows where both agree get none."""
+    gets a note saying the compiled peak decides; rows where both agree get none. The
+    compile is docs/guide/gpu-planning.md's stage 3 per layer too: one process compiles it
+    once."""
     from jaxzero.gpu.models import model_shape
+
+    reuse_gpu_compiles(monkeypatch, H100)
 
     shape = model_shape(layers=2, hidden=256, heads=2, vocab=512, seq=16)
     mesh = gpu.compile_only_mesh("h100", 8)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compile_memo import H100, reuse_gpu_compiles
 
 import jaxzero as jz
 from jaxzero.gpu.models import make_problem
@@ -87,6 +88,12 @@ EXTRA = {
 }
 
 
+# Pages whose GPU compiles other tests compile too, and the compile-only devices they are all
+# for (tests/compile_memo.py's key): guide/gpu-planning.md plans the tiny LLaMA at stage 3 per
+# layer on 8 H100s, as tests/test_cli_plan_output.py's formula-note test does.
+SHARED_COMPILES = {"guide/gpu-planning.md": H100}
+
+
 def _needs_torch(page: str) -> bool:
     """A page whose blocks use torch or DeepSpeed (the ``interop`` tests' dependencies)."""
     return any("torch" in block or "deepspeed" in block for block in PAGES[page])
@@ -98,6 +105,14 @@ def _needs_torch(page: str) -> bool:
 )
 def test_docs_page_python_blocks_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    if page in SHARED_COMPILES:
+        # another kind or memory on the page would share a key with this one's compiles
+        code = "".join(PAGES[page])
+        assert not re.search(r"memory_bytes|gpu_memory|a100|h200", code, re.I), (
+            f"docs/{page} compiles for other GPUs than {SHARED_COMPILES[page]}: "
+            "update SHARED_COMPILES"
+        )
+        reuse_gpu_compiles(monkeypatch, SHARED_COMPILES[page])
     namespace = _prelude()
     namespace.update({k: make() for k, make in EXTRA.get(page, {}).items()})
     for k, block in enumerate(PAGES[page]):
