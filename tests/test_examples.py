@@ -2,14 +2,17 @@
 the uninterrupted one.
 
 Each example runs as ``sys.executable examples/<name>.py --smoke --out-dir <tmp>`` with the
-test environment (8 simulated CPU devices). A shared JAX persistent compilation cache lets
-later processes reuse the train step's compilation.
+test environment (8 simulated CPU devices). A JAX persistent compilation cache shared by the
+module's runs (one per pytest process) lets later processes reuse every program an earlier
+one compiled, whichever test ran it.
 """
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 import jaxzero as jz
 from jaxzero.simulate import cpu_xla_flags
@@ -54,6 +57,12 @@ def finish(proc):
     return out
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """The compilation cache of the module's example runs in this pytest process."""
+    return tmp_path_factory.mktemp("jc")
+
+
 def check_outputs(run_dir):
     assert os.path.getsize(os.path.join(run_dir, "report.png")) > 10_000
     with open(os.path.join(run_dir, "summary.json")) as f:
@@ -65,20 +74,20 @@ def check_outputs(run_dir):
     return summary
 
 
-def test_gpt_zero3_offload_smoke(tmp_path):
+def test_gpt_zero3_offload_smoke(tmp_path, cache):
     """``--bf16 --offload optimizer,params``: the example trains with the fp32 master, Adam,
     the EMA and the bf16 params in pinned host memory, and evaluates and samples from the
     gathered params and EMA as it does without offload."""
     args = ("--run-name", "gpt", "--bf16", "--offload", "optimizer,params", "--no-progress")
-    out = finish(start("gpt_zero3.py", tmp_path, *args, cache_dir=tmp_path / "jc"))
+    out = finish(start("gpt_zero3.py", tmp_path, *args, cache_dir=cache))
     assert "ZeRO stage 3, bf16, offload optimizer,params |" in out
     s = check_outputs(tmp_path / "gpt")
     assert s["config"]["offload"] == "optimizer,params" and s["optimizer_steps"] == 6
     assert s["final"]["raw"] < 4.6 and s["final"]["ema"] < 4.6  # below uniform over ~90 chars
 
 
-def test_gpt_zero3_smoke(tmp_path):
-    out = finish(start("gpt_zero3.py", tmp_path, "--run-name", "gpt", cache_dir=tmp_path / "jc"))
+def test_gpt_zero3_smoke(tmp_path, cache):
+    out = finish(start("gpt_zero3.py", tmp_path, "--run-name", "gpt", cache_dir=cache))
     s = check_outputs(tmp_path / "gpt")
     assert s["stage"] == 3 and s["steps"] == 6 and s["optimizer_steps"] == 6
     assert s["final"]["raw"] < 4.6 and s["final"]["ema"] < 4.6  # below uniform over ~90 chars
@@ -89,11 +98,10 @@ def test_gpt_zero3_smoke(tmp_path):
     assert "validation loss" in out and "sample from the EMA weights" in out
 
 
-def test_digits_smoke_and_resume(tmp_path):
+def test_digits_smoke_and_resume(tmp_path, cache):
     """An uninterrupted run (3 epochs x 3 steps), then one stopped after epoch 1 that resumes
     from its checkpoint (step 3) and must end bit-identical. Run one after the other so the
     later processes find every compilation in the cache (less CPU than running side by side)."""
-    cache = tmp_path / "jc"
 
     def digits(name, *extra):
         args = ("--epochs", "3", "--run-name", name, *extra)
