@@ -248,6 +248,23 @@ def _aval(x):
 
 
 # --------------------------------------------------------------------------------- restore
+
+
+def _metadata_of_policy(mngr, step: int, has_master: bool, where: str) -> dict:
+    """The step's metadata, once its precision policy is checked to keep a separate master
+    exactly when the target does (``has_master``): the NVMe tier restores only into the
+    policy it was saved with."""
+    meta = io.read_metadata(mngr, step) or {}
+    if bool(meta.get("has_master")) != has_master:
+        raise ValueError(
+            f"{where} was written with precision {meta.get('precision')} (separate master: "
+            f"{meta.get('has_master')}), and the target's policy "
+            f"{'keeps' if has_master else 'has no'} separate master: the NVMe tier restores "
+            "only into the precision policy it was saved with"
+        )
+    return meta
+
+
 def restore(
     manager_or_dir,
     zero: ZeRO,
@@ -299,14 +316,7 @@ def restore(
         step = io.resolve_step(mngr, step)
         directory = os.fspath(mngr.directory)
         where = f"checkpoint step {step} in {directory}"
-        meta = io.read_metadata(mngr, step) or {}
-        if bool(meta.get("has_master")) != (abstract.master is not None):
-            raise ValueError(
-                f"{where} was written with precision {meta.get('precision')} (separate master: "
-                f"{meta.get('has_master')}), and this ZeRO's policy "
-                f"{'keeps' if abstract.master is not None else 'has no'} separate master: the "
-                "NVMe tier restores only into the precision policy it was saved with"
-            )
+        meta = _metadata_of_policy(mngr, step, abstract.master is not None, where)
         if bool(meta.get("has_ema")) != (ema is not None):
             raise ValueError(
                 f"{where} was saved {'with' if meta.get('has_ema') else 'without'} an EMA, and "
@@ -391,13 +401,7 @@ def read_in_memory(mngr, step: int, target: TrainState, *, with_extra: bool):
     """
     directory = os.fspath(mngr.directory)
     where = f"checkpoint step {step} in {directory}"
-    meta = io.read_metadata(mngr, step) or {}
-    if bool(meta.get("has_master")) != (target.master is not None):
-        raise ValueError(
-            f"{where} was saved by the NVMe tier with precision {meta.get('precision')} "
-            f"(separate master: {meta.get('has_master')}): it restores only into that "
-            "precision policy"
-        )
+    meta = _metadata_of_policy(mngr, step, target.master is not None, where)
     rows = {r["path"]: r for r in (meta.get(ITEM) or {}).get("leaves", [])}
     flat = flat_leaves(target)
     on_disk = {p: x for p, x in flat.items() if leaf_name(p) in rows}
