@@ -374,7 +374,7 @@ def make_train_step(
     donated = (0,) if donate else ()
     jitted = jax.jit(step_fn, donate_argnums=donated)
     flushing = None
-    if zero.offload_update is not None:
+    if zero.placement.defers:
         flush = lambda s: apply_pending(
             zero, s, plan=zero.plan(s.params, accum_steps=accum_steps), ema=ema
         )

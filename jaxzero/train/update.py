@@ -220,7 +220,7 @@ def apply_gradients(
     if state.model_state is not None and model_state is not None:
         # the loss's new model state, checked before the update (and its EMA) keeps it
         check_same_structure(state.model_state, model_state, "model_state")
-    deferred = zero.offload_update is not None
+    deferred = zero.placement.defers
     outs = zero.placement.run_update(
         zero,
         update,

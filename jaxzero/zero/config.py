@@ -233,7 +233,9 @@ class ZeROConfig(metaclass=_Canonical):
     def placement(self) -> offload.DeviceMemory:
         """Where the master, the optimizer state and the EMA live and are updated: device
         memory, or pinned host memory with ``offload`` (:mod:`jaxzero.zero.offload`)."""
-        return offload.placement(self.offload, self.stage, self.mesh, self.offload_fraction)
+        return offload.placement(
+            self.offload, self.stage, self.mesh, self.offload_fraction, self.offload_update
+        )
 
     def offloaded(self) -> tuple[str, ...]:
         """What the state's ``offload`` moves to pinned host memory, as names (``()``,

@@ -235,8 +235,11 @@ def remainder_master(offload) -> bool:
     return isinstance(offload, tuple) and REMAINDER in offload
 
 
-def placement(offload, stage: int, mesh: Mesh, fraction=1.0) -> DeviceMemory | HostMemory:
-    """The placement of ``ZeRO(offload=offload, offload_fraction=fraction)``:
+def placement(
+    offload, stage: int, mesh: Mesh, fraction=1.0, update=None
+) -> DeviceMemory | HostMemory:
+    """The placement of ``ZeRO(offload=offload, offload_fraction=fraction,
+    offload_update=update)`` (``update`` already checked by :func:`check_update`):
     :func:`check_offload` and :func:`~jaxzero.zero.offload.fraction.check_fraction`, then
     :func:`check_platform` when offloading."""
     offload = check_offload(offload, stage)
@@ -250,7 +253,12 @@ def placement(offload, stage: int, mesh: Mesh, fraction=1.0) -> DeviceMemory | H
         )
     if offload:
         check_platform(mesh)
-        return HostMemory(params=params_offloaded(offload), fraction=fraction, remainder=kept)
+        return HostMemory(
+            params=params_offloaded(offload),
+            fraction=fraction,
+            remainder=kept,
+            defers=update is not None,
+        )
     return DeviceMemory()
 
 
@@ -269,6 +277,9 @@ class DeviceMemory:
     update_is_local = False
     #: whether the host keeps the fp32 master as a remainder beside the bf16 params
     remainder = False
+    #: whether the layer stacks' update is left pending for the next step
+    #: (``offload_update="deferred"``, decision 51)
+    defers = False
 
     def stored_master(self, zero, master, params):
         """The state's ``master`` as the placement keeps it: the fp32 tree itself, or (with
@@ -358,11 +369,18 @@ class HostMemory(DeviceMemory):
     master_on_device = False
     update_is_local = True
 
-    def __init__(self, params: bool = False, fraction: float = 1.0, remainder: bool = False):
+    def __init__(
+        self,
+        params: bool = False,
+        fraction: float = 1.0,
+        remainder: bool = False,
+        defers: bool = False,
+    ):
         self.params_on_host = params
         #: the share of the master, optimizer state and EMA bytes kept on the host (decision 43)
         self.fraction = fraction
         self.remainder = remainder
+        self.defers = defers
 
     def stored_master(self, zero, master, params):
         if not self.remainder or master is None:
