@@ -84,9 +84,9 @@ def _losses(tx, params, loss_fn, batches):
     return np.array(out).T
 
 
-def _zero(tx, stage, **kw):
+def _zero(tx, stage, n=N, **kw):
     kw = {"precision": BF16, "layers": "layers", "offload": "optimizer", **kw}
-    return jz.ZeRO(tx, jz.data_parallel_mesh(N), stage=stage, **kw)
+    return jz.ZeRO(tx, jz.data_parallel_mesh(n), stage=stage, **kw)
 
 
 def _gathered(tree):
@@ -178,8 +178,16 @@ def test_readers_refuse_a_state_with_an_update_pending(tmp_path):
         state.fp32_master()
     with pytest.raises(ValueError, match=r"jaxzero\.ema_params reads this state.*" + flush):
         jz.ema_params(state)
+    # refused before anything is written: no directory, and no step (nor a partial one) in a
+    # manager's directory
     with pytest.raises(ValueError, match=r"jaxzero\.checkpoint\.save reads this state.*" + flush):
-        ck.save(str(tmp_path), 1, state, zero=zero, ema=ema)
+        ck.save(tmp_path / "dir", 1, state, zero=zero, ema=ema)
+    assert not (tmp_path / "dir").exists()
+    mngr = ck.manager(tmp_path / "mngr", async_save=False)
+    with pytest.raises(ValueError, match=r"jaxzero\.checkpoint\.save reads this state.*" + flush):
+        ck.save(mngr, 1, state, zero=zero, ema=ema, wait=True)
+    assert mngr.all_steps() == [] and not list((tmp_path / "mngr").iterdir())
+    mngr.close()
     plain = jz.make_train_step(loss_fn, _zero(TX["adamw"], 3), ema=ema)
     with pytest.raises(ValueError, match=r"does not defer it.*" + flush):
         plain(state, batches[0])
@@ -189,6 +197,44 @@ def test_readers_refuse_a_state_with_an_update_pending(tmp_path):
     master = _gathered(state.master)
     want = jax.tree.map(lambda p, m: 0.9 * np.asarray(p) + 0.1 * m, params, master)
     chex.assert_trees_all_close(_gathered(state.ema), want, atol=1e-6, rtol=0)
+
+
+def test_a_flushed_state_checkpoints_and_restores_onto_4_and_8_devices(tmp_path):
+    """Two deferred steps at stage 3 (clip + AdamW) on 8 devices, a flush and a save; the
+    checkpoint restores as saved into a deferred ``ZeRO`` on 4 devices and on 8, and two more
+    deferred steps and a flush on each give plain optax's four updates (the two after the
+    restore read the restored stacks: their losses are optax's)."""
+    tx = TX["clip_adamw"]
+    params, loss_fn, batches = _problem(steps=4)
+    zero = _zero(tx, 3, offload_update="deferred")
+    step = jz.make_train_step(loss_fn, zero)
+    state = step.init(params)
+    for b in batches[:2]:
+        state, _ = step(state, b)
+    assert state.pending is not None
+    state = step.flush(state)
+    saved = jax.tree.map(np.asarray, jz.gather((state.master, state.opt_state, state.params)))
+    assert ck.save(tmp_path / "ckpt", 2, state, zero=zero)
+    want, _ = _losses(tx, params, loss_fn, batches)
+    for n in (4, 8):
+        zero_n = _zero(tx, 3, n=n, offload_update="deferred")
+        restored = ck.restore(tmp_path / "ckpt", zero_n, params)
+        assert restored.pending is None and int(restored.step) == 2
+        assert {len(x.sharding.device_set) for x in jax.tree.leaves(restored)} == {n}
+        got = jax.tree.map(
+            np.asarray, jz.gather((restored.master, restored.opt_state, restored.params))
+        )
+        chex.assert_trees_all_equal(got, saved)  # restoring is an exact copy
+        step_n = jz.make_train_step(loss_fn, zero_n)
+        losses = []
+        for b in batches[2:]:
+            restored, metrics = step_n(restored, b)
+            assert restored.pending is not None and bool(metrics["finite"])
+            losses.append(float(metrics["loss"]))
+        np.testing.assert_allclose(losses, want[2:], rtol=1e-5, atol=1e-5)
+        restored = step_n.flush(restored)
+        assert restored.pending is None and int(restored.step) == len(batches)
+        _assert_is_optax(restored, tx, params, loss_fn, batches)
 
 
 @pytest.mark.parametrize(
