@@ -4,7 +4,8 @@ applies it before its forward; ``TrainStep.flush`` applies what is left (decisio
 second stage). On 8 simulated devices, several steps and a flush give plain single-device
 optax's master and optimizer state (tests/tolerance.py's rule, the loss on the bf16 cast of
 the master), at stages 1, 2 and 3; a non-finite step is skipped; the readers of a state
-refuse one with an update pending.
+refuse one with an update pending (a refused save writes nothing); a flushed state
+checkpoints, restores onto 4 and 8 devices and continues as plain optax.
 """
 
 from __future__ import annotations
