@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tolerance
 
 import jaxzero as jz
 from jaxzero import checkpoint as ck
@@ -269,11 +270,13 @@ def test_nnx_module_matches_linen_twin_stage3_with_ema():
         for b in batches:
             state, _ = step(state, b)
         results.append((jz.gather(state), jz.gather(state.ema)))
-    # stated: tests/tolerance.py derives 1.2e-6 here (its floor), looser than this 1e-6
+    # the two losses sum in their own orders: tests/tolerance.py's rule of the Linen run
+    # (the EMA is a convex combination of the params, within the same bound)
+    _, _, atol = tolerance.reference(optax.adam(1e-2), params, linen_loss, batches)
     for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol)
     trained = model_def.merge(results[0][0])
-    # a forward on weights 1e-6 apart (above): its matmuls carry the difference
+    # a forward on weights within that tolerance (1.2e-6 here): its matmuls carry the difference
     np.testing.assert_allclose(
         np.asarray(trained(batches[0]["x"])),
         np.asarray(linen.apply({"params": results[1][0]}, batches[0]["x"])),
