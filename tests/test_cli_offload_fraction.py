@@ -26,7 +26,8 @@ def _row(out):
 
 
 def _mb(cell) -> float:
-    return parse_bytes(cell.replace(" ", "")) / 1e6
+    """A bytes cell in MB, without the bytes per parameter a PCIe cell adds."""
+    return parse_bytes(cell.split(" (")[0].replace(" ", "")) / 1e6
 
 
 def test_gpu_plan_offload_auto_picks_the_smallest_fraction_that_fits(capsys, monkeypatch):

@@ -75,7 +75,8 @@ def _row(capsys, offload):
     cells = [c.strip() for c in row.split("  ") if c.strip()]
     table = dict(zip(names, cells, strict=False))
     keys = ("host", "host est.", "PCIe h2d", "PCIe d2h")
-    return out, {k: parse_bytes(table[k].replace(" ", "")) for k in keys}
+    # a PCIe cell: "2.95 MB (12.0 B/param)", the bytes before the bytes per parameter
+    return out, {k: parse_bytes(table[k].split(" (")[0].replace(" ", "")) for k in keys}
 
 
 def _stored_params() -> int:

@@ -147,7 +147,9 @@ def test_plan_state_dtype_compiles_the_narrow_state_and_says_how_to_build_it(cap
         names = [h.strip() for h in header.split("  ") if h.strip()]
         cells = [c.strip() for c in line.split("  ") if c.strip()]
         table = dict(zip(names, cells, strict=False))
-        return out, {k: parse_bytes(table[k].replace(" ", "")) for k in ("host", "PCIe h2d")}
+        # a PCIe cell: "2.95 MB (12.0 B/param)", the bytes before the bytes per parameter
+        bytes_of = lambda cell: parse_bytes(cell.split(" (")[0].replace(" ", ""))
+        return out, {k: bytes_of(table[k]) for k in ("host", "PCIe h2d")}
 
     _, wide = row(PLAN)
     out, narrow = row([*PLAN, "--state-dtype", "bf16"])

@@ -581,7 +581,12 @@ def _print_tables(rows, args) -> None:
     from jaxzero.gpu.plan import prefetch_advice
 
     fractions = args.offload == "auto" or args.offload_fraction != 1
-    print(table(rows, fractions) if args.wide else compact_table(rows, fractions))
+    shards = args.devices // args.replicas  # the devices each row's state is sharded over
+    if args.wide:
+        text = table(rows, fractions, shards=shards)
+    else:
+        text = compact_table(rows, fractions, shards=shards)
+    print(text)
     if args.network_gbps or args.hpz:
         print(network(rows, args))
     if args.nvme_gbps:
@@ -590,7 +595,7 @@ def _print_tables(rows, args) -> None:
     if args.wide:
         notes += [offload_note(rows), fraction_note(rows), formula_note(rows), WIDE_LEGEND]
     else:
-        notes += [tries_note(rows), legend(rows)]
+        notes += [tries_note(rows), legend(rows, shards=shards, in_cells="B/param" in text)]
     for note in notes:
         if note:
             print(note)
@@ -646,17 +651,26 @@ def _time(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 1 else _ms(seconds)
 
 
-def _cost_cells(cost) -> list[str]:
-    """The offload columns of one row: host->device and device->host bytes per step, their
-    hidden share, the predicted step (compute + exposed transfer), its ratio to the compute
-    alone, and ZeRO-Infinity's efficiency (:mod:`jaxzero.gpu.offload_cost`)."""
+def per_param(nbytes: int, params: float) -> str:
+    """``nbytes`` per GPU and the same over ``params``, the model's parameters per GPU:
+    ``"10.11 GB (12.0 B/param)"``; just the bytes where there are none."""
     from jaxzero.memory import format_bytes
 
+    if not nbytes:
+        return format_bytes(nbytes)
+    return f"{format_bytes(nbytes)} ({nbytes / params:.1f} B/param)"
+
+
+def _cost_cells(cost, params: float) -> list[str]:
+    """The offload columns of one row: host->device and device->host bytes per step (each
+    with its bytes per parameter, over the model's ``params`` per GPU), their hidden share,
+    the predicted step (compute + exposed transfer), its ratio to the compute alone, and
+    ZeRO-Infinity's efficiency (:mod:`jaxzero.gpu.offload_cost`)."""
     if cost is None:
         return ["-"] * 6
     return [
-        format_bytes(cost.h2d_bytes),
-        format_bytes(cost.d2h_bytes),
+        per_param(cost.h2d_bytes, params),
+        per_param(cost.d2h_bytes, params),
         f"{cost.hidden_share:.0%}",
         _ms(cost.step_seconds),
         f"{cost.slowdown:.2f}x",
@@ -674,7 +688,9 @@ def offload_note(rows) -> str | None:
     return (
         f"PCIe: host->device (h2d) and device->host (d2h) bytes per GPU per step read from "
         f"the compiled HLO (copy-start/done and async slices to or from host memory, loop trip "
-        f"counts applied; jaxzero.gpu.transfers); hidden: the share a compute kernel overlaps "
+        f"counts applied; jaxzero.gpu.transfers), and B/param: those bytes over the model's "
+        f"parameters per GPU (params / the devices the state is sharded over; 12 for the fp32 "
+        f"master and Adam's two moments, each way); hidden: the share a compute kernel overlaps "
         f"in the schedule; step: compute ({cost.flops:.3g} FLOP = 8 x params x tokens per GPU "
         f"at {MFU:.0%} of the bf16 peak: {_ms(cost.compute_seconds)}) + the exposed "
         f"bytes at {cost.gbps:g} GB/s (--pcie-gbps); x compute: step over the compute alone, "
@@ -716,8 +732,10 @@ def _step(cost) -> str:
     return "-" if cost is None else f"{_ms(cost.step_seconds)}, {cost.slowdown:.2f}x"
 
 
-def _columns(rows, fractions: bool) -> list[tuple[str, list[str]]]:
-    """The compact table's columns, ``(header, cells)``, most important first."""
+def _columns(rows, fractions: bool, shards: int | None) -> list[tuple[str, list[str]]]:
+    """The compact table's columns, ``(header, cells)``, most important first; ``shards``:
+    the devices each row's state is sharded over, for the host cell's bytes per parameter
+    (None: the bytes alone)."""
     from jaxzero.memory import format_bytes
 
     cols = [("stage", [r.label for r in rows])]
@@ -730,26 +748,40 @@ def _columns(rows, fractions: bool) -> list[tuple[str, list[str]]]:
     if cost:
         cols.append((f"step @{cost[0].gbps:g} GB/s", [_step(r.cost) for r in rows]))
     if any(r.report.host_bytes for r in rows):
-        cols.append(("host", [format_bytes(r.report.host_bytes) for r in rows]))
+        if shards is None:
+            host = [format_bytes(r.report.host_bytes) for r in rows]
+        else:
+            host = [per_param(r.report.host_bytes, r.num_params / shards) for r in rows]
+        cols.append(("host", host))
     cols.append(("hidden AG+RS", [hidden(r.report) for r in rows]))
     return cols
 
 
-def compact_table(rows, fractions: bool = False, width: int = WIDTH) -> str:
+def compact_table(rows, fractions: bool = False, width: int = WIDTH, *, shards: int) -> str:
     """The default table: stage, offloaded share (``fractions``), the compiled peak, the
-    verdict, with offload the predicted step and the host bytes, and the hidden AG+RS share;
-    the last columns dropped while a line would be wider than ``width``."""
-    cols = _columns(rows, fractions)
-    while True:
-        body = [[cells[i] for _, cells in cols] for i in range(len(rows))]
-        text = _format([h for h, _ in cols], body, False)
-        if len(cols) <= 3 or max(map(len, text.splitlines())) <= width:
+    verdict, with offload the predicted step and the host bytes (with their bytes per
+    parameter, over the model's parameters per each of the ``shards`` devices the state is
+    sharded over), and the hidden AG+RS share. Where a line would be wider than ``width``
+    the host cell gives up its bytes per parameter (:func:`legend` says them then), and
+    then the last columns are dropped while it still is."""
+    for per in (shards, None):
+        cols = _columns(rows, fractions, per)
+        count = len(cols)
+        while True:
+            body = [[cells[i] for _, cells in cols] for i in range(len(rows))]
+            text = _format([h for h, _ in cols], body, False)
+            if len(cols) <= 3 or max(map(len, text.splitlines())) <= width:
+                break
+            cols.pop()
+        if len(cols) == count:
             return text
-        cols.pop()
+    return text
 
 
-def legend(rows, wrap: int = WIDTH) -> str:
-    """What the compact table's columns are, wrapped to ``wrap`` columns."""
+def legend(rows, wrap: int = WIDTH, *, shards: int, in_cells: bool = True) -> str:
+    """What the compact table's columns are, wrapped to ``wrap`` columns; ``shards``: the
+    devices each row's state is sharded over; ``in_cells``: the host cells carry their bytes
+    per parameter (else the legend says them, row by row)."""
     from jaxzero.memory import format_bytes
 
     memory = rows[0].report.hbm_bytes
@@ -762,8 +794,19 @@ def legend(rows, wrap: int = WIDTH) -> str:
     if cost is not None:
         text += (
             f" step: the compute plus the PCIe transfers left exposed at {cost.gbps:g} GB/s, and "
-            "its ratio to the compute alone. host: pinned host bytes per GPU."
+            "its ratio to the compute alone. host: pinned host bytes per GPU"
         )
+        per_gpu = "the model's parameters per GPU (params / the devices the state is sharded "
+        per_gpu += "over; 12 for the fp32 master and Adam's two moments)"
+        if in_cells:
+            text += f", and B/param: those bytes over {per_gpu}."
+        else:
+            said = [
+                f"{r.label} {r.report.host_bytes / (r.num_params / shards):.1f} B/param"
+                for r in rows
+                if r.report.host_bytes
+            ]
+            text += f"; over {per_gpu}: {', '.join(said)}."
     text += (
         " hidden AG+RS: the share of all-gather + reduce-scatter bytes the schedule hides "
         "behind compute, of the most any schedule could. --wide: every column (the formula "
@@ -772,9 +815,10 @@ def legend(rows, wrap: int = WIDTH) -> str:
     return textwrap.fill(text, wrap, break_on_hyphens=False)
 
 
-def table(rows, fractions: bool = False) -> str:
+def table(rows, fractions: bool = False, *, shards: int) -> str:
     """The ``--wide`` table, every column; ``fractions``: a column of each row's offload
-    fraction (``--offload auto`` or ``--offload-fraction``)."""
+    fraction (``--offload auto`` or ``--offload-fraction``); ``shards``: the devices each
+    row's state is sharded over (the PCIe cells' bytes per parameter)."""
     from jaxzero.memory import format_bytes
 
     header = ["stage", "GPU-compiled", "formula est.", "state", "verdict", "hidden AG+RS"]
@@ -804,7 +848,7 @@ def table(rows, fractions: bool = False) -> str:
             r.verdict,
             hidden(r.report),
             str(r.report.kernels_per_step),
-            *(_cost_cells(r.cost) if cost else []),
+            *(_cost_cells(r.cost, r.num_params / shards) if cost else []),
             f"{r.report.collective_summary()} ({r.report.overlap_summary()})",
         ]
         for r in rows

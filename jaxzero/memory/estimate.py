@@ -37,7 +37,7 @@ import re
 
 from jaxzero.memory.offloaded import offloaded, sums_bytes
 from jaxzero.trees import check_int, format_bytes
-from jaxzero.zero.offload import check_offload
+from jaxzero.zero.offload import check_offload, params_offloaded
 from jaxzero.zero.offload.placement import remainder_master
 
 OPTIMIZERS = ("adam", "sgd", "adafactor")
@@ -66,7 +66,31 @@ class MemoryEstimate:
     ``optimizer`` includes the fp32 master weights under mixed precision;
     ``activations`` is 0 when no activation shape was given; ``total`` is the sum, in device
     memory. ``host`` is what ``offload="optimizer"`` keeps in host memory instead (then
-    ``optimizer`` and ``ema`` are 0); it is not part of ``total``.
+    ``optimizer`` and ``ema`` are 0); it is not part of ``total``. ``offload`` is the
+    setting the estimate was made with, as :func:`~jaxzero.zero.offload.check_offload`
+    normalises it (None, ``"optimizer"``, ``("optimizer", "params")`` or ``("optimizer",
+    "remainder")``).
+
+    Per parameter, what an offload setting costs (floats, bytes per parameter):
+
+    - ``params_held``: the parameters whose state one device holds, the int the bytes per
+      parameter divide by: ``ceil(num_params / world_size)`` (the padded flat shard the
+      sharded state is counted in) at stages 1-3, ``num_params`` at stage 0.
+    - ``host_per_param``: ``host / params_held``; 12 with bf16 Adam and ``"optimizer"`` (fp32
+      master 4 + Adam's two moments 8), 16 with the EMA, 8 with moments in bf16
+      (``state_dtype="bf16"``), 10.125 with the remainder master (2.125 for the master), 14
+      with the params offloaded too; 0 without offload.
+    - ``h2d_per_param``, ``d2h_per_param``: the bytes per parameter each step moves over PCIe
+      host -> device and device -> host. With the optimizer side offloaded the streamed
+      update fetches the host state once and writes it back once, so each is
+      ``host_per_param``: this covers ``"optimizer"``, the remainder master, a 16-bit state
+      dtype, the EMA, any ``accum_steps`` (the update runs once per step) and a fraction
+      of the state offloaded (an estimate whose ``host`` is that fraction's, as
+      :func:`jaxzero.gpu.offload_fraction.fraction_estimate` makes it). 0.0 without
+      offload. None with the params offloaded (``("optimizer", "params")``): the layer
+      fetches of the forward and the backward, the gradients and, with micro-batches, the
+      host accumulator add bytes that depend on which leaves the layer stacks hold, so the
+      compiled step's figures (``jaxzero plan --wide``) are the ones to read there.
     """
 
     stage: int
@@ -81,6 +105,7 @@ class MemoryEstimate:
     activations: int
     gathered: int = 0
     host: int = 0
+    offload: str | tuple[str, str] | None = None
     total: int = dataclasses.field(init=False)
 
     def __post_init__(self):
@@ -88,6 +113,34 @@ class MemoryEstimate:
             self.params + self.grads + self.optimizer + self.ema + self.activations + self.gathered
         )
         object.__setattr__(self, "total", total)
+
+    @property
+    def params_held(self) -> int:
+        """Parameters whose state one device holds (see the class docstring)."""
+        if self.stage == 0:
+            return self.num_params
+        return -(-self.num_params // self.world_size)
+
+    @property
+    def host_per_param(self) -> float:
+        """``host`` bytes per parameter the device holds the state of."""
+        return self.host / self.params_held
+
+    @property
+    def h2d_per_param(self) -> float | None:
+        """Bytes per parameter fetched from host memory per step (None: not covered)."""
+        return self._pcie_per_param()
+
+    @property
+    def d2h_per_param(self) -> float | None:
+        """Bytes per parameter written back to host memory per step (None: not covered)."""
+        return self._pcie_per_param()
+
+    def _pcie_per_param(self) -> float | None:
+        # the streamed update reads the host state once and writes it back once per step
+        if params_offloaded(self.offload):
+            return None
+        return self.host_per_param if self.offload else 0.0
 
     def fits(self, gpu_memory: int) -> bool:
         """Return True when ``total`` <= ``gpu_memory`` bytes."""
@@ -238,7 +291,11 @@ def estimate_memory(
     sums = sums_bytes(phi, n, layer_params, layers, _whole(accum_steps, "accum_steps"))
     kept = _check_remainder(offload, stage, precision, compute_copy)
     host = _stored_master if kept else lambda e: e
-    one = lambda s: host(offloaded(_one_stage(s, *sizes), offload, compute_copy, sums))
+
+    def one(s):
+        e = host(offloaded(_one_stage(s, *sizes), offload, compute_copy, sums))
+        return dataclasses.replace(e, offload=check_offload(offload, s))
+
     return one(stage) if stage is not None else [one(s) for s in range(4)]
 
 
