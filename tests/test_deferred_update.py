@@ -37,13 +37,14 @@ TX = {
 L, D, W = 4, 64, 128  # the stack's (L, D, W) kernel is streamed (> 4096 elements a leaf)
 
 
-def _problem(steps=3):
+def _problem(steps=3, gathered=False):
     """``(params, loss_fn, batches)``: ``jz.scan_layers`` over a stack of 4 linear layers,
     each adding ``x @ w + g`` to the carry, a kernel and a bias outside the stack that make
     the carry's start, and a loss linear in the output with batches of -1, 0 and 1. Every gradient is then a mean of small integers, exact
     in bf16 however the rows are split and summed, so the bf16 cast's rounding never reaches
     AdamW's updates (its reruns in other summation orders agree to the last bit), while the
-    loss itself reads the params (a forward on stale stacks is seen in the losses)."""
+    loss itself reads the params (a forward on stale stacks is seen in the losses).
+    ``gathered``: the stack runs in a ``jax.lax.scan`` with ``jz.gather_layer`` instead."""
     ks = jax.random.split(jax.random.key(0), 4)
     params = {
         "layers": {
@@ -57,7 +58,11 @@ def _problem(steps=3):
     def loss_fn(p, batch):
         layer = lambda w, c: (c[0], c[1] + c[0] @ w["w"] + w["g"])
         h0 = batch["x"] @ p["k"] + p["b"]
-        _, h = jz.scan_layers(layer, p["layers"], (batch["x"], h0))
+        if gathered:  # a jax.lax.scan gathering each layer with jz.gather_layer
+            body = lambda c, w: (layer(jz.gather_layer(w), c), None)
+            (_, h), _ = jax.lax.scan(body, (batch["x"], h0), p["layers"])
+        else:
+            _, h = jz.scan_layers(layer, p["layers"], (batch["x"], h0))
         return jnp.mean(jnp.sum(h * batch["y"], axis=-1))
 
     rng = np.random.default_rng(0)
@@ -148,13 +153,92 @@ def test_deferred_steps_then_flush_give_plain_optax(stage, name, accum):
     assert step.flush(state) is state  # nothing pending: as it is
 
 
-def test_a_nonfinite_step_is_skipped_with_its_rows():
+def _forward_loop_updates(step, state, batch) -> bool:
+    """Whether the compiled step's layer loop that all-gathers the weights (the stage-3
+    forward) also runs Adam's update (its square root): the rows inside the forward."""
+    from jaxzero.memory.hlo_reader import parse_hlo
+
+    hlo = parse_hlo(step.jitted.lower(state, step.place_batch(batch)).compile().as_text())
+
+    def reached(name, seen):
+        if name not in seen:
+            seen.add(name)
+            for inst in hlo.computation(name):
+                for callee in inst.called():
+                    reached(callee, seen)
+        return seen
+
+    loops = []
+    for inst in hlo.instructions:
+        if inst.opcode == "while":
+            names = set().union(*(reached(b, set()) for b in inst.called("body")))
+            loops.append({i.opcode for n in names for i in hlo.computation(n)})
+    forward = [ops for ops in loops if "all-gather" in ops and "reduce-scatter" not in ops]
+    assert len(forward) == 1, loops
+    return "sqrt" in forward[0] or "rsqrt" in forward[0]
+
+
+def test_at_stage_3_the_rows_run_inside_the_forward_layer_loop():
+    """Stage 3 per layer, one micro-batch: the step after a deferred one runs the rows inside
+    the forward's layer loop, beside the layer gathers (decision 51's third stage); the first
+    step, with nothing pending, updates nothing there. (The numbers: the stage-3 cases of
+    test_deferred_steps_then_flush_give_plain_optax.)"""
+    params, loss_fn, batches = _problem(2)
+    zero = _zero(TX["adamw"], 3, offload_update="deferred")
+    step = jz.make_train_step(loss_fn, zero)
+    state = step.init(params)
+    assert not _forward_loop_updates(step, state, batches[0])
+    state, _ = step(state, batches[0])
+    assert state.pending is not None
+    assert _forward_loop_updates(step, state, batches[1])
+
+
+def test_at_stage_3_a_stack_gathered_by_gather_layer_runs_its_rows_before_the_forward():
+    """A stack gathered by ``jz.gather_layer`` in the model's own loop (no ``scan_layers``
+    loop to run the rows in): the step runs them before its forward, as at stages 1 and 2,
+    and three steps and a flush are plain optax's."""
+    tx = TX["adamw"]
+    params, loss_fn, batches = _problem(gathered=True)
+    step = jz.make_train_step(loss_fn, _zero(tx, 3, offload_update="deferred"))
+    state = step.init(params)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+    want, _ = _losses(tx, params, loss_fn, batches)
+    np.testing.assert_allclose(losses, want, rtol=1e-5, atol=1e-5)
+    _assert_is_optax(step.flush(state), tx, params, loss_fn, batches)
+
+
+def test_at_stage_3_the_ema_stacks_follow_the_rows_run_in_the_forward():
+    """With a constant-decay EMA, three deferred stage-3 steps (the rows of the last two run
+    in the next forward's loop) and a flush: the EMA is 0.9 x the previous one + 0.1 x each
+    step's new master, with plain optax's masters after one, two and three batches."""
+    tx = TX["adamw"]
+    params, loss_fn, batches = _problem()
+    ema = jz.ShardedEMA(0.9, schedule="constant")
+    step = jz.make_train_step(loss_fn, _zero(tx, 3, offload_update="deferred"), ema=ema)
+    state = step.init(params)
+    for b in batches:
+        state, _ = step(state, b)
+    state = step.flush(state)
+    atol = _assert_is_optax(state, tx, params, loss_fn, batches)
+    want = jax.tree.map(np.asarray, params)
+    for k in range(1, len(batches) + 1):
+        ref = tolerance.reference_cast(tx, params, loss_fn, batches[:k], jnp.bfloat16)[0]
+        want = jax.tree.map(lambda e, m: 0.9 * e + 0.1 * np.asarray(m), want, ref)
+    chex.assert_trees_all_close(_gathered(state.ema), want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_nonfinite_step_is_skipped_with_its_rows(stage):
     """A NaN batch between two finite ones: the step is skipped, its deferred rows leave the
-    stacks as they are, and the flushed state is optax's two finite updates."""
+    stacks as they are (at stage 3 in the next forward's loop), and the flushed state is
+    optax's two finite updates."""
     tx = TX["adamw"]
     params, loss_fn, batches = _problem()
     bad = dict(batches[1], x=np.full_like(batches[1]["x"], np.nan))
-    step = jz.make_train_step(loss_fn, _zero(tx, 2, offload_update="deferred"))
+    step = jz.make_train_step(loss_fn, _zero(tx, stage, offload_update="deferred"))
     state = step.init(params)
     for b in (batches[0], bad, batches[2]):
         state, metrics = step(state, b)

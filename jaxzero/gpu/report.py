@@ -22,7 +22,7 @@ from jaxzero.gpu.targets import gpu_spec
 from jaxzero.gpu.topology import gpu_kind_of
 from jaxzero.gpu.transfers import HostTransfers, host_transfers_per_step
 from jaxzero.memory import format_bytes
-from jaxzero.train.state import TrainState
+from jaxzero.train.state import TrainState, with_pending
 from jaxzero.zero.offload import placement as host_memory
 
 __all__ = ["TRITON_GEMM_OFF", "CompileReport", "compile_report"]
@@ -191,10 +191,18 @@ def _abstract_state(step, state_or_shapes, model_state, rng):
         state = state_or_shapes
     else:
         return zero.abstract_state(state_or_shapes, ema=step.ema, model_state=model_state, rng=rng)
-    shardings = zero.state_shardings(state)
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    # a state with an update pending (offload_update="deferred"): the state's own
+    # shardings, and what the update left as the step that made it placed it
+    pending = state.pending
+    plain = with_pending(state, None) if pending is not None else state
+    shardings = zero.state_shardings(plain)
+    out = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), plain, shardings
     )
+    if pending is None:
+        return out
+    kept = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return with_pending(out, pending.replace(values=tuple(kept(x) for x in pending.values)))
 
 
 def _abstract_batch(step, batch_shapes):

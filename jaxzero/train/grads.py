@@ -66,10 +66,10 @@ def local_gradients(
 
     checked = []
 
-    def micro(path, params, specs, model_state, batch, rng, scale, sums=None):
+    def micro(path, params, specs, model_state, batch, rng, scale, sums=None, rows=None):
         full = path.params_for_loss(params, specs)
         # layers=, vocab_parallel=, units=
-        hooks = path.loss_hooks(params, specs, sums, accumulate=on_host_sums)
+        hooks = path.loss_hooks(params, specs, sums, accumulate=on_host_sums, rows=rows)
         scaled = loss_hooks.wrap(hooks, user_loss.scaled_loss(loss_fn, stateful))
         if not checked:  # once per trace: what the loss's jaxpr says
             checked.append(True)
@@ -83,10 +83,10 @@ def local_gradients(
             )
             weights = len(jax.tree.leaves(full))
             warn_wide_compute(traced and traced.jaxpr, weights, zero.precision)
-        grad_fn = jax.value_and_grad(scaled, has_aux=True)
+        grad_fn = jax.value_and_grad(loss_hooks.emitting(hooks, scaled), has_aux=True)
         with loss_hooks.scope(hooks), jax.named_scope("forward_backward"):
             try:
-                (_, (loss, count, aux, new_state)), g = grad_fn(
+                (_, ((loss, count, aux, new_state), emitted)), g = grad_fn(
                     full, model_state, batch, rng, scale
                 )
             except (AssertionError, NameError) as e:
@@ -107,13 +107,25 @@ def local_gradients(
         else:
             # stages 0/1 accumulate the local gradient in output_dtype, reduce once at the end
             g = jax.tree.map(lambda x: x.astype(zero.precision.output_dtype), g)
+        if rows is not None:  # the new stacks and host state the forward's rows wrote
+            out_rows.append(next(e for e in emitted if e is not None))
         return (loss, count), aux, g, new_state
 
-    def fn(params, model_state, batch, rng, scale, specs, plan):
+    out_rows = []
+
+    def fn(params, model_state, batch, rng, scale, specs, plan, rows=None):
+        """The step's gradients; ``rows``: the update the last step left pending, run inside
+        the forward (:class:`~jaxzero.zero.layers.rows.LayerRows`, one micro-batch), which
+        adds a fifth value: the new host state leaves and stacks it wrote."""
         path = dataclasses.replace(reducing, plan=plan)  # each leaf's fate: the plan's rows
         if model_state is not None:
             model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
-        run = lambda ms, b, key, sums=None: micro(path, params, specs, ms, b, key, scale, sums)
+        run = lambda ms, b, key, sums=None: micro(
+            path, params, specs, ms, b, key, scale, sums, rows
+        )
+        if rows is not None and accum_steps != 1:
+            raise ValueError("the rows inside the forward run with one micro-batch")
+        out_rows.clear()
         if accum_steps == 1:
             (losses, counts), auxes, g, model_state = run(model_state, batch, rng)
         else:
@@ -135,6 +147,8 @@ def local_gradients(
         aux = jax.tree.map(lambda x: _mean_over(x, axes), auxes)
         if model_state is not None:
             model_state = jax.tree.map(lambda x: _mean_over(x, axes), model_state)
+        if rows is not None:
+            return loss, aux, g, model_state, out_rows[-1]
         return loss, aux, g, model_state
 
     return fn

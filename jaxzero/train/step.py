@@ -24,9 +24,16 @@ from jaxzero.train.grads import local_gradients
 from jaxzero.train.nvme_step import make_nvme_train_step
 from jaxzero.train.optimizer import ZeRO
 from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh
-from jaxzero.train.update import apply_gradients, apply_pending
+from jaxzero.train.update import (
+    apply_gradients,
+    apply_pending,
+    pending_rows,
+    rows_in_forward,
+    with_rows,
+)
 from jaxzero.trees import batch_rows
 from jaxzero.zero.config import ZeROConfig
+from jaxzero.zero.layers.rows import LayerRows, RowsNotRun
 from jaxzero.zero.path import GradientPath
 
 
@@ -448,36 +455,67 @@ def _step_fn(
     :meth:`ZeRO.apply_gradients` under jit."""
     axes = zero.batch_axes
 
-    def sharded(params, model_state, batch, rng, step, scale, specs, plan):
+    def sharded(params, model_state, batch, rng, step, scale, specs, plan, rows=None):
         key = None if rng is None else device_key(rng, step, axes)
-        return grads_fn(params, model_state, batch, key, scale, specs, plan)
+        if rows is None:
+            return grads_fn(params, model_state, batch, key, scale, specs, plan)
+        forward, held, pending = rows
+        rows = LayerRows(forward, held, pending, zero.layers)
+        return grads_fn(params, model_state, batch, key, scale, specs, plan, rows)
 
     def step_fn(state: TrainState, batch):
         # each leaf's fate, decided once per trace from the params' shapes
         plan = zero.plan(state.params, accum_steps=accum_steps)
-        # the layer stacks' update the last step left (offload_update="deferred"), before the
-        # forward: every micro-batch reads the updated params
-        state = apply_pending(zero, state, plan=plan, ema=ema)
+        # the layer stacks' update the last step left (offload_update="deferred"): inside the
+        # forward's layer loop at stage 3 per layer (one micro-batch), else before the forward
+        # (every micro-batch reads the updated params)
+        if rows_in_forward(zero, state, accum_steps):
+            forward, plain = pending_rows(zero, state, plan=plan, ema=ema)
+            try:
+                return step_with(plain, batch, plan, forward)
+            except RowsNotRun:  # the stack never ran through one scan_layers call
+                pass
+        return step_with(apply_pending(zero, state, plan=plan, ema=ema), batch, plan)
+
+    def step_with(state, batch, plan, forward=None):
         shards = loss_shards(zero, state)
         specs, batch_spec = zero.param_specs(state.params), zero.batch_spec()
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale.scale
         replicated = lambda t: jax.tree.map(lambda _: P(), t)
-        sm = jax.shard_map(
-            lambda p, m, b, r, t, s: sharded(p, m, b, r, t, s, specs, plan),
-            mesh=zero.mesh,
-            in_specs=(
-                specs,
-                replicated(state.model_state),
-                jax.tree.map(lambda _: batch_spec, batch),
-                replicated(state.rng),
-                P(),
-                P(),
-            ),
-            out_specs=(P(), P(), reducing.grad_specs(state.params), replicated(state.model_state)),
+        in_specs = (
+            specs,
+            replicated(state.model_state),
+            jax.tree.map(lambda _: batch_spec, batch),
+            replicated(state.rng),
+            P(),
+            P(),
         )
-        loss, aux, grads, model_state = sm(
-            shards, state.model_state, batch, state.rng, state.step, scale
-        )
+        out_specs = (P(), P(), reducing.grad_specs(state.params), replicated(state.model_state))
+        args = (shards, state.model_state, batch, state.rng, state.step, scale)
+        if forward is None:
+            sm = jax.shard_map(
+                lambda p, m, b, r, t, s: sharded(p, m, b, r, t, s, specs, plan),
+                mesh=zero.mesh,
+                in_specs=in_specs,
+                out_specs=out_specs,
+            )
+            loss, aux, grads, model_state = sm(*args)
+        else:
+            flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+            stack_specs = [flat_specs[j] for j in forward.rows]
+            held_specs = forward.held_specs()
+            sm = jax.shard_map(
+                lambda p, m, b, r, t, s, h, q: sharded(
+                    p, m, b, r, t, s, specs, plan, (forward, h, q)
+                ),
+                mesh=zero.mesh,
+                in_specs=(*in_specs, held_specs, forward.pending_specs),
+                out_specs=(*out_specs, (held_specs, stack_specs)),
+            )
+            loss, aux, grads, model_state, (held, stacks) = sm(
+                *args, forward.held_values(), forward.pending
+            )
+            state = with_rows(zero, state, forward, held, stacks)
         grad_scale = None
         if isinstance(loss, tuple):  # a GlobalMean: (its value, the gradient's factor)
             loss, grad_scale = loss

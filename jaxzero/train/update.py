@@ -329,3 +329,55 @@ def apply_pending(zero: ZeROConfig, state: TrainState, *, plan, ema: ShardedEMA 
         ema=args.ema,
     )
     return zero.placement.constrain(state, layout.shardings)
+
+
+def rows_in_forward(zero: ZeROConfig, state: TrainState, accum_steps: int) -> bool:
+    """Whether the step runs the update its state has pending inside the forward's layer loop
+    (decision 51's third stage): stage 3 per layer, one micro-batch. Otherwise
+    :func:`apply_pending` runs it before the forward."""
+    return state.pending is not None and zero.per_layer and accum_steps == 1
+
+
+def pending_rows(zero: ZeROConfig, state: TrainState, *, plan, ema: ShardedEMA | None = None):
+    """``(rows, state)``: the placement's
+    :class:`~jaxzero.zero.offload.placement.ForwardRows` of the update ``state`` has pending
+    (for the forward's layer loop to run, :mod:`jaxzero.zero.layers.rows`), and ``state``
+    with nothing pending. ``plan`` and ``ema``: the step's."""
+    pending = state.pending
+    state = with_pending(state, None)
+    tree, shapes = pending.avals
+    grads, model_state, grad_scale = jax.tree.unflatten(tree, shapes)
+    update, master, specs, layout, sums = _streamed(zero, state, plan, ema, model_state, grad_scale)
+    rows = zero.placement.forward_rows(
+        zero,
+        update,
+        state,
+        master,
+        grads,
+        model_state,
+        grad_scale,
+        pending=pending.values,
+        rows=pending.rows,
+        specs=specs,
+        host=layout.host,
+        grads_in_params=not sums,
+    )
+    return rows, state
+
+
+def with_rows(zero: ZeROConfig, state: TrainState, rows, held, stacks):
+    """``state`` with what the forward's layer loop wrote (:func:`pending_rows`): the host
+    state leaves ``held`` in the master, optimizer state and EMA, and the new compute
+    ``stacks`` (in the order of ``rows.rows``) in the params: a step without deferral's state
+    after the last update."""
+    args, new_master = rows.finish(held)
+    flat, params_tree = jax.tree.flatten(state.params)
+    for j, x in zip(rows.rows, stacks, strict=True):
+        flat[j] = x.astype(flat[j].dtype)  # the loop's stack may be the loss's wider copy
+    state = state.replace(
+        params=jax.tree.unflatten(params_tree, flat),
+        master=new_master if state.master is not None else None,
+        opt_state=args.opt_state,
+        ema=args.ema,
+    )
+    return zero.placement.constrain(state, state_layout(zero, state).shardings)

@@ -17,7 +17,7 @@ import contextvars
 
 
 class LossHook:
-    """The four questions the gradient step asks each feature; the defaults do nothing."""
+    """The questions the gradient step asks each feature; the defaults do nothing."""
 
     def scope(self):
         """A context manager inside which the loss is traced."""
@@ -33,6 +33,11 @@ class LossHook:
 
     def finish(self) -> None:
         """After the loss was traced: raise (or warn) when the model did not use the feature."""
+
+    def emitted(self):
+        """What the feature's code produced inside the loss for the step to read after it
+        (it leaves the differentiated loss in its aux: :func:`emitting`); None for nothing."""
+        return None
 
 
 class CalledHook(LossHook):
@@ -67,6 +72,17 @@ def wrap(hooks, fn):
     for hook in hooks:
         fn = hook.wrap(fn)
     return fn
+
+
+def emitting(hooks, fn):
+    """The loss ``fn`` (``(value, aux)``) returning ``(value, (aux, emitted))``: each hook's
+    :meth:`LossHook.emitted` once ``fn`` was traced, out through ``value_and_grad``'s aux."""
+
+    def run(*args):
+        value, aux = fn(*args)
+        return value, (aux, tuple(hook.emitted() for hook in hooks))
+
+    return run
 
 
 @contextlib.contextmanager

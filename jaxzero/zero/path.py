@@ -140,7 +140,7 @@ class GradientPath:
         units' gradients into host accumulators (the params in host memory: decision 42)."""
         return accum_steps > 1 and self.zero.placement.params_on_host
 
-    def _layer_plan(self, local_params, specs, sums) -> layers.LayerPlan | None:
+    def _layer_plan(self, local_params, specs, sums, rows=None) -> layers.LayerPlan | None:
         """The plan of a per-layer stage-3 step (gather), or of a stage 2/0 step that reduces in
         the backward (:meth:`reduces_in_backward`); None otherwise."""
         z = self.zero
@@ -158,21 +158,23 @@ class GradientPath:
             activations=z.activations,
             placement=z.placement,
             sums=sums,
+            rows=rows,
         )
 
     def loss_hooks(
-        self, local_params, specs, grad_sums=None, accumulate: bool = False
+        self, local_params, specs, grad_sums=None, accumulate: bool = False, rows=None
     ) -> list[LossHook]:
         """The features that hook into this step's loss (:mod:`jaxzero.zero.hooks`):
         ``vocab_parallel=``, ``layers=`` and ``units=``, each where it acts. ``accumulate``
         (:meth:`accumulates_on_host`): the stacks' or the units' gradients are added into host
         accumulators, those of ``grad_sums`` (the earlier micro-batches' gradients; None at
-        the first)."""
+        the first). ``rows``: the update the last step left pending, which the per-layer
+        stage-3 forward runs (:class:`~jaxzero.zero.layers.rows.LayerRows`), or None."""
         z = self.zero
         sums = HostSums(z.layers, grad_sums) if accumulate else NoSums()
         hooks = (
             vocab.build_plan(z.comm, z.vocab_parallel, local_params, specs),
-            self._layer_plan(local_params, specs, sums),
+            self._layer_plan(local_params, specs, sums, rows),
             units.build_plan(
                 z.comm, z.units, local_params, specs, z.prefetch, z.vocab_parallel, sums
             ),

@@ -116,10 +116,17 @@ class LayerPlan(CalledHook):
     #: the stacks' gradient sums over micro-batches: host accumulators with the params
     #: offloaded (:mod:`jaxzero.zero.offload.sums`), else none
     sums: Any = dataclasses.field(kw_only=True)
+    #: the update the last step left pending, run inside the forward's layer loop
+    #: (:class:`~jaxzero.zero.layers.rows.LayerRows`), or None
+    rows: Any = dataclasses.field(default=None, kw_only=True)
     var = _PLAN
 
     def wrap(self, fn):
-        return self.sums.wrap(fn)
+        fn = self.sums.wrap(fn)
+        return fn if self.rows is None else self.rows.wrap(fn)
+
+    def emitted(self):
+        return None if self.rows is None else self.rows.emitted()
 
     def lookup(self, path, x):
         keys = path_keys(path)
@@ -167,6 +174,7 @@ def build_plan(
     activations,
     placement,
     sums,
+    rows=None,
 ) -> LayerPlan:
     """The :class:`LayerPlan` of a per-layer step: for each leaf of one layer (a leaf of a
     ``layers`` stack without its layer axis), the dimension it is (stage 3: ``specs`` of the
@@ -182,7 +190,7 @@ def build_plan(
             continue
         d = spec_dim(flat_specs[path])
         dims[_layer_key(path, x.shape, layers)] = None if d is None else d - 1
-    where = {"activations": activations, "placement": placement, "sums": sums}
+    where = {"activations": activations, "placement": placement, "sums": sums, "rows": rows}
     return LayerPlan(comm, layers, dims, gather=gather, invariant=invariant, **where)
 
 

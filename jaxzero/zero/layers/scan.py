@@ -187,8 +187,15 @@ def scan_layers(fn: Callable, stack, carry, xs=None, *, with_ys: bool = False):
 
     closed, consts = jax.closure_convert(layer_fn, gather(leaves, 0), carry, at(xs, 0))
     accs = plan.sums.of(leaves)  # None, or each leaf's host gradient sum (None: the first)
-    run = _prefetching(plan, closed, gather, dims, length)
-    out, ys = run(leaves, carry, xs, consts, accs)
+    # the update the last step left pending, a layer at a time beside the forward (or None)
+    owners = None if plan.rows is None else plan.rows.owners(leaves)
+    run = _prefetching(plan, closed, gather, dims, length, owners)
+    if owners is None:
+        out, ys = run(leaves, carry, xs, consts, accs)
+    else:
+        rows = plan.rows
+        (out, ys), (stacks, held) = run(leaves, carry, xs, consts, accs, rows.held, rows.pending)
+        rows.record(stacks, held, owners)
     return (out, ys) if with_ys else out
 
 
@@ -202,9 +209,13 @@ def _pair(result):
     return result
 
 
-def _prefetching(plan: LayerPlan, fn, gather, dims, length):
+def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
     """The custom-vjp double-buffered loop over ``length`` layers of
-    ``fn(w, carry, x, *consts)``."""
+    ``fn(w, carry, x, *consts)``. With ``owners`` (the flat params index of each stack leaf
+    whose rows the last step's update left pending, :class:`~jaxzero.zero.layers.rows.LayerRows`)
+    the forward runs layer ``i + 1``'s rows beside layer ``i``'s compute before its gather,
+    takes the host state and what the update left as two more arguments, returns the new
+    stacks and host state beside its output, and the backward gathers from the new stacks."""
     comm, saved = plan.comm, plan.activations
 
     def keep(w):  # hpZ: each leaf's within-node slice, for the backward's gather (or None)
@@ -226,11 +237,34 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
         kept = put(kept, keep(w), length - 1)
         return (out, ys), (leaves, kept, inputs, c, xs, consts, accs)
 
+    def forward_rows(leaves, carry, xs, consts, accs, held, pending):
+        rows = plan.rows
+
+        def body(state, i):
+            c, w, kept, ls, hs = state
+            ls, hs = rows.at(
+                i + 1, ls, hs, pending, owners
+            )  # layer i + 1's update, then its gather
+            nxt = gather(ls, i + 1, c)  # in flight while layer i computes
+            out, y = fn(w, c, at(xs, i), *consts)
+            return (out, nxt, put(kept, keep(w), i), ls, hs), (saved.store(c), y)
+
+        leaves, held = rows.at(0, leaves, held, pending, owners)
+        w = gather(leaves, 0)
+        first = (carry, w, _buffer(keep(w), length), leaves, held)
+        (c, w, kept, leaves, held), (inputs, ys) = jax.lax.scan(body, first, jnp.arange(length - 1))
+        out, y = fn(w, c, at(xs, length - 1), *consts)
+        ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y)
+        kept = put(kept, keep(w), length - 1)
+        return ((out, ys), (leaves, held)), (leaves, kept, inputs, c, xs, consts, accs)
+
     def backward(res, cts):
         leaves, kept, inputs, c_last, xs, consts, accs = res
         stack, kept = kept, None  # hpZ: the gathers below read the slices the forward kept
         if any(k is not None for k in stack):
             kept = lambda i: at(stack, i)
+        if owners is not None:  # the new stacks and host state are not differentiated
+            cts = cts[0]
         ct, ct_ys = cts
 
         def layer(state, i, src=leaves, split=False):
@@ -273,10 +307,13 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length):
             steps = jnp.arange(length)
             (ct, _, _, dk), grads = jax.lax.scan(body, state, steps, reverse=True)
         no_grad = jax.tree.map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), xs)
+        if owners is not None:  # nor are the host state and what the update left
+            return grads, ct, no_grad, dk, None, None, None
         return grads, ct, no_grad, dk, None  # the accumulators are not differentiated
 
-    run = jax.custom_vjp(lambda *args: forward(*args)[0])
-    run.defvjp(forward, backward)
+    fwd = forward if owners is None else forward_rows
+    run = jax.custom_vjp(lambda *args: fwd(*args)[0])
+    run.defvjp(fwd, backward)
     return run
 
 

@@ -24,7 +24,9 @@ as :func:`jaxzero.gpu.compile_report` does), and every host sharding is checked 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -560,6 +562,54 @@ class HostMemory(DeviceMemory):
         done = jax.tree.unflatten(tree, flat)
         return done[0], done[1], dict(zip(rows, stacks, strict=True))
 
+    def forward_rows(
+        self,
+        zero,
+        update,
+        state,
+        master,
+        grads,
+        *rest,
+        pending,
+        rows,
+        specs,
+        host,
+        grads_in_params=True,
+    ) -> ForwardRows:
+        """The layer stacks' rows that :meth:`run_update` with ``defer=True`` left undone, to
+        run a layer at a time inside the next forward's layer loop (``jaxzero.scan_layers``
+        in the step's ``shard_map``, decision 51's third stage) instead of :meth:`run_pending`'s
+        loop before it. The arguments are :meth:`run_pending`'s."""
+        fn, args, kw = self._streamed(
+            zero,
+            update,
+            state,
+            master,
+            grads,
+            *rest,
+            specs=specs,
+            host=host,
+            grads_in_params=grads_in_params,
+        )
+        defer = _stacked(zero, args, kw["host"])
+        flat, tree = jax.tree.flatten(args, is_leaf=remainder.is_stored)
+        if any(remainder.is_stored(x) for x in flat):
+            raise ValueError("the rows inside the forward do not take a remainder master")
+        first = len(jax.tree.leaves(state.params))
+        first += len(jax.tree.leaves((state.opt_state, state.ema)))
+        return ForwardRows(
+            fn=fn,
+            tree=tree,
+            flat=flat,
+            defer=defer,
+            kw=kw,
+            pending=tuple(pending),
+            pending_specs=stream.pending_specs(fn, args, defer=defer, **kw),
+            rows=tuple(rows),
+            first=first,
+            traced=stream.trace_rows(fn, args, **kw),
+        )
+
     def _streamed(
         self, zero, update, state, master, grads, *rest, specs, host, grads_in_params=True
     ):
@@ -634,6 +684,73 @@ class HostMemory(DeviceMemory):
 
     def new_params(self, compute, params, keep):
         return compute  # already the kept master's cast: the device params are not read
+
+
+@dataclasses.dataclass
+class ForwardRows:
+    """The pending update's rows as the forward's layer loop runs them (decision 51's third
+    stage), from :meth:`HostMemory.forward_rows`: the streamed update's function and
+    arguments, which of its flat arguments are the host state leaves the rows rewrite
+    (``held``), what ``pending`` carries and the ``shard_map`` specs of both, and the flat
+    params leaves whose new compute rows they give (``rows``; ``first``: the first compute
+    output's flat index)."""
+
+    fn: Any
+    tree: Any
+    flat: list
+    defer: list
+    kw: dict
+    pending: tuple
+    pending_specs: tuple
+    rows: tuple
+    first: int
+    traced: Any = None
+
+    @property
+    def held(self) -> list[int]:
+        """The flat argument indices of the host state leaves the rows rewrite."""
+        return [i for i, d in enumerate(self.defer) if d]
+
+    def held_values(self) -> list:
+        return [self.flat[i] for i in self.held]
+
+    def held_specs(self) -> list:
+        return [self.kw["specs"][i] for i in self.held]
+
+    def run(self, i, held, pending):
+        """Layer ``i``'s rows on this device's shards (inside the step's ``shard_map``):
+        ``held`` (the host state leaves' shards, as they are now) with the row written, and
+        ``{flat params index: its new compute row}``."""
+        mesh, specs = self.kw["mesh"], self.kw["specs"]
+        local = lambda x, s: jax.ShapeDtypeStruct(
+            NamedSharding(mesh, s).shard_shape(x.shape), x.dtype
+        )
+        now = [local(x, s) for x, s in zip(self.flat, specs, strict=True)]
+        for k, v in zip(self.held, held, strict=True):
+            now[k] = v
+        args = jax.tree.unflatten(self.tree, now)
+        new_args, new = stream.run_rows(
+            self.fn,
+            args,
+            pending,
+            i,
+            1,
+            defer=self.defer,
+            local=True,
+            traced=self.traced,
+            **self.kw,
+        )
+        out = jax.tree.leaves(new_args)
+        return [out[k] for k in self.held], {j: new[self.first + j] for j in self.rows}
+
+    def finish(self, held):
+        """``(state, master)``: the streamed update's first two arguments with the new host
+        state leaves ``held`` (what the forward's loop wrote)."""
+        flat = list(self.flat)
+        for k, v in zip(self.held, held, strict=True):
+            flat[k] = v
+        done = jax.tree.unflatten(self.tree, flat)
+        return done[0], done[1]
 
 
 def _stacked(zero, args, host) -> list[bool]:

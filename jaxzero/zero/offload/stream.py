@@ -533,6 +533,32 @@ def run(
     return outs if defer is None else (outs, tuple(env[v] for v in pending))
 
 
+def trace_rows(fn, args, *, mesh, specs, host, device_outputs, alias, stored=None):
+    """``fn`` traced on ``args``' (global) avals for :func:`run_rows`' ``traced=``: call it
+    outside the ``shard_map`` whose layer loop runs the rows. The arguments are :func:`run`'s."""
+    where = dict(mesh=mesh, specs=specs, host=host, device_outputs=device_outputs, alias=alias)
+    r, env, _, _, tree = _traced(fn, args, stored=stored, **where)
+    closed = r.plan.jaxpr
+    return r, {v: env[v] for v in closed.jaxpr.constvars}, tree
+
+
+def pending_specs(fn, args, *, defer, mesh, specs, host, device_outputs, alias, stored=None):
+    """The PartitionSpec of each value that :func:`run` with ``defer=`` returns as ``pending``,
+    as a ``shard_map`` that calls :func:`run_rows` with ``local=True`` takes them: a large
+    value in its deferred part's one spec (the rows cut it there), a small one replicated.
+    The arguments are :func:`run`'s."""
+    where = dict(mesh=mesh, specs=specs, host=host, device_outputs=device_outputs, alias=alias)
+    r, _, _, _, _ = _traced(fn, args, stored=stored, **where)
+    later, reads = _deferred(r, defer)
+
+    def spec(v):
+        if not stream_parts.big(v):
+            return P()
+        return next(r.streamable(part) for part in later if v in part.inputs)
+
+    return tuple(spec(v) for v in reads)
+
+
 def run_rows(
     fn,
     args,
@@ -548,6 +574,7 @@ def run_rows(
     defer,
     stored=None,
     local: bool = False,
+    traced=None,
 ):
     """Rows ``[start, start + rows)`` of the first (layer) dimension of the update that
     :func:`run` with ``defer=`` left undone: each deferred part's host state rows fetched from
@@ -564,6 +591,9 @@ def run_rows(
       local: ``args`` and ``pending`` are each device's shards, inside a ``shard_map`` over
         ``mesh`` whose in_specs are ``specs`` (and the specs ``pending``'s values had): the
         rows are the shards' rows (a layer loop inside the step's ``shard_map``).
+      traced: :func:`trace_rows`' result for these arguments, made outside the ``shard_map``
+        (traced inside it, ``fn`` may read differently: a replicated scalar mixed with the
+        shards is marked varying there, one more value than ``run`` carried).
 
     Returns:
       ``(args, new)``: ``args`` with those rows written into the deferred state leaves, and
@@ -571,7 +601,13 @@ def run_rows(
       (the new compute params' rows).
     """
     where = dict(mesh=mesh, specs=specs, host=host, device_outputs=device_outputs, alias=alias)
-    r, env, _, _, tree = _traced(fn, args, stored=stored, local=local, **where)
+    if traced is None:
+        r, env, _, _, tree = _traced(fn, args, stored=stored, local=local, **where)
+    else:
+        r, consts, tree = traced
+        env = dict(consts)
+        flat = jax.tree.leaves(args, is_leaf=remainder.is_stored)
+        env.update(zip(r.plan.jaxpr.jaxpr.invars, flat, strict=True))
     later, reads = _deferred(r, defer)
     if len(reads) != len(pending):
         raise ValueError(
