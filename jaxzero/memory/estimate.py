@@ -128,12 +128,14 @@ class MemoryEstimate:
 
     @property
     def h2d_per_param(self) -> float | None:
-        """Bytes per parameter fetched from host memory per step (None: not covered)."""
+        """Bytes per parameter fetched from host memory per step; None where the estimate does
+        not cover the setting."""
         return self._pcie_per_param()
 
     @property
     def d2h_per_param(self) -> float | None:
-        """Bytes per parameter written back to host memory per step (None: not covered)."""
+        """Bytes per parameter written back to host memory per step; None where the estimate does
+        not cover the setting."""
         return self._pcie_per_param()
 
     def _pcie_per_param(self) -> float | None:
