@@ -286,27 +286,11 @@ def apply_pending(zero: ZeROConfig, state: TrainState, *, plan, ema: ShardedEMA 
     memory, and their new compute params into ``params``: a plain
     :class:`~jaxzero.train.state.TrainState`. A state with nothing pending comes back as it
     is. ``plan`` and ``ema``: the step's, as the update that left the rows was given them."""
-    pending = state.pending
-    if pending is None:
+    if state.pending is None:
         return state
-    state = with_pending(state, None)
-    tree, shapes = pending.avals
-    grads, model_state, grad_scale = jax.tree.unflatten(tree, shapes)
-    update, master, specs, layout, sums = _streamed(zero, state, plan, ema, model_state, grad_scale)
-    args, new_master, stacks = zero.placement.run_pending(
-        zero,
-        update,
-        state,
-        master,
-        grads,
-        model_state,
-        grad_scale,
-        pending=pending.values,
-        rows=pending.rows,
-        specs=specs,
-        host=layout.host,
-        grads_in_params=not sums,
-    )
+    pending = state.pending
+    state, call, kw, specs, layout = _pending_call(zero, state, plan, ema)
+    args, new_master, stacks = zero.placement.run_pending(*call, **kw)
     flat, params_tree = jax.tree.flatten(state.params)
     new = [stacks.get(i) for i in range(len(flat))]
     if zero.stage in (1, 2):
@@ -319,16 +303,24 @@ def apply_pending(zero: ZeROConfig, state: TrainState, *, plan, ema: ShardedEMA 
         )
         for i, x in zip(pending.rows, gathered, strict=True):
             new[i] = x
-    params = jax.tree.unflatten(
-        params_tree, [x if y is None else y for x, y in zip(flat, new, strict=True)]
-    )
+    new = {i: x for i, x in enumerate(new) if x is not None}
+    return _written(zero, state, args, new_master, new, layout.shardings)
+
+
+def _written(zero: ZeROConfig, state: TrainState, args, master, new, shardings) -> TrainState:
+    """``state`` with the pending rows written: ``args`` (the streamed update's first
+    argument: its optimizer state and EMA) and ``master`` as the rows left them, and the new
+    compute params ``new`` (``{flat params index: leaf}``), placed by ``shardings``."""
+    flat, params_tree = jax.tree.flatten(state.params)
+    for i, x in new.items():
+        flat[i] = x.astype(flat[i].dtype)  # a forward loop's stack may be the loss's wider copy
     state = state.replace(
-        params=params,
-        master=new_master if state.master is not None else None,
+        params=jax.tree.unflatten(params_tree, flat),
+        master=master if state.master is not None else None,
         opt_state=args.opt_state,
         ema=args.ema,
     )
-    return zero.placement.constrain(state, layout.shardings)
+    return zero.placement.constrain(state, shardings)
 
 
 def rows_in_forward(zero: ZeROConfig, state: TrainState, accum_steps: int) -> bool:
@@ -340,29 +332,31 @@ def rows_in_forward(zero: ZeROConfig, state: TrainState, accum_steps: int) -> bo
 
 def pending_rows(zero: ZeROConfig, state: TrainState, *, plan, ema: ShardedEMA | None = None):
     """``(rows, state)``: the placement's
-    :class:`~jaxzero.zero.offload.placement.ForwardRows` of the update ``state`` has pending
+    :class:`~jaxzero.zero.offload.placement.DeferredRows` of the update ``state`` has pending
     (for the forward's layer loop to run, :mod:`jaxzero.zero.layers.rows`), and ``state``
     with nothing pending. ``plan`` and ``ema``: the step's."""
+    state, call, kw, _, _ = _pending_call(zero, state, plan, ema)
+    return zero.placement.forward_rows(*call, **kw), state
+
+
+def _pending_call(zero: ZeROConfig, state: TrainState, plan, ema):
+    """What the placement's pending rows are called with, for the update ``state`` has
+    pending: ``(state with nothing pending, positional arguments, keywords, the update's
+    specs, the state's layout)``."""
     pending = state.pending
     state = with_pending(state, None)
     tree, shapes = pending.avals
     grads, model_state, grad_scale = jax.tree.unflatten(tree, shapes)
     update, master, specs, layout, sums = _streamed(zero, state, plan, ema, model_state, grad_scale)
-    rows = zero.placement.forward_rows(
-        zero,
-        update,
-        state,
-        master,
-        grads,
-        model_state,
-        grad_scale,
+    call = (zero, update, state, master, grads, model_state, grad_scale)
+    kw = dict(
         pending=pending.values,
         rows=pending.rows,
         specs=specs,
         host=layout.host,
         grads_in_params=not sums,
     )
-    return rows, state
+    return state, call, kw, specs, layout
 
 
 def with_rows(zero: ZeROConfig, state: TrainState, rows, held, stacks):
@@ -370,14 +364,6 @@ def with_rows(zero: ZeROConfig, state: TrainState, rows, held, stacks):
     state leaves ``held`` in the master, optimizer state and EMA, and the new compute
     ``stacks`` (in the order of ``rows.rows``) in the params: a step without deferral's state
     after the last update."""
-    args, new_master = rows.finish(held)
-    flat, params_tree = jax.tree.flatten(state.params)
-    for j, x in zip(rows.rows, stacks, strict=True):
-        flat[j] = x.astype(flat[j].dtype)  # the loop's stack may be the loss's wider copy
-    state = state.replace(
-        params=jax.tree.unflatten(params_tree, flat),
-        master=new_master if state.master is not None else None,
-        opt_state=args.opt_state,
-        ema=args.ema,
-    )
-    return zero.placement.constrain(state, state_layout(zero, state).shardings)
+    args, master = rows.finish(held)
+    new = dict(zip(rows.rows, stacks, strict=True))
+    return _written(zero, state, args, master, new, state_layout(zero, state).shardings)

@@ -32,7 +32,7 @@ class LayerRows:
     """The pending rows of one trace of the loss (inside the step's ``shard_map``).
 
     Args:
-      forward: the placement's :class:`~jaxzero.zero.offload.placement.ForwardRows`.
+      forward: the placement's :class:`~jaxzero.zero.offload.placement.DeferredRows`.
       held: this device's shards of the host state leaves the rows rewrite.
       pending: this device's shards of what the last update left for them.
       layers: the config's ``layers=`` (for the error).

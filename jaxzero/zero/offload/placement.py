@@ -518,51 +518,53 @@ class HostMemory(DeviceMemory):
           ``master`` with the rows written into their host leaves, and the new compute
           params of the flat params leaves ``rows``, each a stack in the master's shards.
         """
-        leaf = remainder.is_stored
-        fn, args, kw = self._streamed(
+        r = self._rows(
             zero,
             update,
             state,
             master,
             grads,
             *rest,
+            pending=pending,
+            rows=rows,
             specs=specs,
             host=host,
             grads_in_params=grads_in_params,
         )
-        defer = _stacked(zero, args, kw["host"])
-        flat, tree = jax.tree.flatten(args, is_leaf=leaf)
-        held = [i for i, d in enumerate(defer) if d]
-        layers = {flat[i].shape[0] for i in held}
         params = jax.tree.leaves(state.params)
         shards = jax.tree.leaves(sh.named(zero.mesh, zero.shard_specs(state.params)))
-        # the flat output of the first compute leaf: after the master, optimizer state and EMA
-        first = len(params) + len(jax.tree.leaves((state.opt_state, state.ema)))
 
         def body(i, carry):
             vals, stacks = carry
-            now = list(flat)
-            for k, v in zip(held, vals, strict=True):
-                now[k] = v
-            new_args, new = stream.run_rows(
-                fn, jax.tree.unflatten(tree, now), pending, i, 1, defer=defer, **kw
-            )
-            out = jax.tree.leaves(new_args, is_leaf=leaf)
-            put = lambda s, j: jax.lax.dynamic_update_slice_in_dim(s, new[first + j], i, 0)
-            return [out[k] for k in held], [put(s, j) for s, j in zip(stacks, rows, strict=True)]
+            vals, new = r.run(i, vals, pending, local=False)
+            put = lambda s, j: jax.lax.dynamic_update_slice_in_dim(s, new[j], i, 0)
+            return vals, [put(s, j) for s, j in zip(stacks, rows, strict=True)]
 
         stacks = [
             jax.lax.with_sharding_constraint(jnp.zeros_like(params[j]), shards[j]) for j in rows
         ]
-        if held:
-            (count,) = layers
-            vals, stacks = jax.lax.fori_loop(0, count, body, ([flat[i] for i in held], stacks))
-            for k, v in zip(held, vals, strict=True):
-                flat[k] = v
-        done = jax.tree.unflatten(tree, flat)
+        vals = r.held_values()
+        if vals:
+            (count,) = {x.shape[0] for x in vals}
+            vals, stacks = jax.lax.fori_loop(0, count, body, (vals, stacks))
+        done = r.finish(vals)
         return done[0], done[1], dict(zip(rows, stacks, strict=True))
 
-    def forward_rows(
+    def forward_rows(self, zero, update, state, master, grads, *rest, **kw) -> DeferredRows:
+        """The layer stacks' rows that :meth:`run_update` with ``defer=True`` left undone, to
+        run a layer at a time inside the next forward's layer loop (``jaxzero.scan_layers``
+        in the step's ``shard_map``, decision 51's third stage) instead of :meth:`run_pending`'s
+        loop before it: the rows with their ``shard_map`` specs and the update traced outside
+        it. The arguments are :meth:`run_pending`'s."""
+        r = self._rows(zero, update, state, master, grads, *rest, **kw)
+        args = jax.tree.unflatten(r.tree, r.flat)
+        return dataclasses.replace(
+            r,
+            pending_specs=stream.pending_specs(r.fn, args, defer=r.defer, **r.kw),
+            traced=stream.trace_rows(r.fn, args, **r.kw),
+        )
+
+    def _rows(
         self,
         zero,
         update,
@@ -575,11 +577,8 @@ class HostMemory(DeviceMemory):
         specs,
         host,
         grads_in_params=True,
-    ) -> ForwardRows:
-        """The layer stacks' rows that :meth:`run_update` with ``defer=True`` left undone, to
-        run a layer at a time inside the next forward's layer loop (``jaxzero.scan_layers``
-        in the step's ``shard_map``, decision 51's third stage) instead of :meth:`run_pending`'s
-        loop before it. The arguments are :meth:`run_pending`'s."""
+    ) -> DeferredRows:
+        """The :class:`DeferredRows` of :meth:`run_pending`'s arguments."""
         fn, args, kw = self._streamed(
             zero,
             update,
@@ -591,23 +590,19 @@ class HostMemory(DeviceMemory):
             host=host,
             grads_in_params=grads_in_params,
         )
-        defer = _stacked(zero, args, kw["host"])
         flat, tree = jax.tree.flatten(args, is_leaf=remainder.is_stored)
-        if any(remainder.is_stored(x) for x in flat):
-            raise ValueError("the rows inside the forward do not take a remainder master")
+        # the flat output of the first compute leaf: after the master, optimizer state and EMA
         first = len(jax.tree.leaves(state.params))
         first += len(jax.tree.leaves((state.opt_state, state.ema)))
-        return ForwardRows(
+        return DeferredRows(
             fn=fn,
             tree=tree,
             flat=flat,
-            defer=defer,
+            defer=_stacked(zero, args, kw["host"]),
             kw=kw,
             pending=tuple(pending),
-            pending_specs=stream.pending_specs(fn, args, defer=defer, **kw),
             rows=tuple(rows),
             first=first,
-            traced=stream.trace_rows(fn, args, **kw),
         )
 
     def _streamed(
@@ -687,13 +682,13 @@ class HostMemory(DeviceMemory):
 
 
 @dataclasses.dataclass
-class ForwardRows:
-    """The pending update's rows as the forward's layer loop runs them (decision 51's third
-    stage), from :meth:`HostMemory.forward_rows`: the streamed update's function and
-    arguments, which of its flat arguments are the host state leaves the rows rewrite
-    (``held``), what ``pending`` carries and the ``shard_map`` specs of both, and the flat
+class DeferredRows:
+    """The layer rows a deferred update left (decision 51), as
+    :meth:`HostMemory.run_pending` runs them: the streamed update's function and flat
+    arguments, which of them are the host state leaves the rows rewrite (``defer``, :attr:`held`), what ``pending`` carries, and the flat
     params leaves whose new compute rows they give (``rows``; ``first``: the first compute
-    output's flat index)."""
+    output's flat index). For the forward's loop (:meth:`HostMemory.forward_rows`) also the
+    ``shard_map`` specs of ``pending`` and the update traced outside that ``shard_map``."""
 
     fn: Any
     tree: Any
@@ -701,9 +696,9 @@ class ForwardRows:
     defer: list
     kw: dict
     pending: tuple
-    pending_specs: tuple
     rows: tuple
     first: int
+    pending_specs: tuple | None = None
     traced: Any = None
 
     @property
@@ -717,35 +712,36 @@ class ForwardRows:
     def held_specs(self) -> list:
         return [self.kw["specs"][i] for i in self.held]
 
-    def run(self, i, held, pending):
-        """Layer ``i``'s rows on this device's shards (inside the step's ``shard_map``):
-        ``held`` (the host state leaves' shards, as they are now) with the row written, and
+    def run(self, i, held, pending, local: bool = True):
+        """Layer ``i``'s rows: ``held`` (the host state leaves as they are now; ``local``: this
+        device's shards, inside the step's ``shard_map``) with the row written, and
         ``{flat params index: its new compute row}``."""
-        mesh, specs = self.kw["mesh"], self.kw["specs"]
-        local = lambda x, s: jax.ShapeDtypeStruct(
-            NamedSharding(mesh, s).shard_shape(x.shape), x.dtype
-        )
-        now = [local(x, s) for x, s in zip(self.flat, specs, strict=True)]
+        if local:
+            mesh, specs = self.kw["mesh"], self.kw["specs"]
+            shard = lambda x, s: NamedSharding(mesh, s).shard_shape(x.shape)
+            pairs = zip(self.flat, specs, strict=True)
+            now = [jax.ShapeDtypeStruct(shard(x, s), x.dtype) for x, s in pairs]
+        else:
+            now = list(self.flat)
         for k, v in zip(self.held, held, strict=True):
             now[k] = v
-        args = jax.tree.unflatten(self.tree, now)
         new_args, new = stream.run_rows(
             self.fn,
-            args,
+            jax.tree.unflatten(self.tree, now),
             pending,
             i,
             1,
             defer=self.defer,
-            local=True,
-            traced=self.traced,
+            local=local,
+            traced=self.traced if local else None,
             **self.kw,
         )
-        out = jax.tree.leaves(new_args)
+        out = jax.tree.leaves(new_args, is_leaf=remainder.is_stored)
         return [out[k] for k in self.held], {j: new[self.first + j] for j in self.rows}
 
     def finish(self, held):
-        """``(state, master)``: the streamed update's first two arguments with the new host
-        state leaves ``held`` (what the forward's loop wrote)."""
+        """``(state, master)``: the streamed update's first two arguments with the host state
+        leaves ``held`` (what the rows wrote)."""
         flat = list(self.flat)
         for k, v in zip(self.held, held, strict=True):
             flat[k] = v
