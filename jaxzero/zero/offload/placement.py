@@ -494,43 +494,22 @@ class HostMemory(DeviceMemory):
         compute = jax.tree.leaves(outs[3], is_leaf=lambda x: x is None)
         return outs, pending, tuple(j for j, x in enumerate(compute) if x is None)
 
-    def run_pending(
-        self,
-        zero,
-        update,
-        state,
-        master,
-        grads,
-        *rest,
-        pending,
-        rows,
-        specs,
-        host,
-        grads_in_params=True,
-    ):
+    def run_pending(self, zero, update, state, *args, **kw):
         """The layer stacks' rows that :meth:`run_update` with ``defer=True`` left undone,
         applied a layer at a time (``stream.run_rows`` in a loop over the layers): the same
-        arguments as that call (``grads`` and ``rest`` may be ShapeDtypeStructs: what
-        ``pending`` carries is read instead), with ``state`` and ``master`` as they are now.
+        arguments as that call (``master``, ``grads`` and the rest positional, ``specs``,
+        ``host`` and ``grads_in_params`` by keyword; ``grads`` and the rest may be
+        ShapeDtypeStructs: what ``pending`` carries is read instead), with ``state`` and
+        ``master`` as they are now, and the keywords ``pending`` (what that call left) and
+        ``rows`` (the flat params leaves whose compute rows it gives).
 
         Returns:
           ``(state, master, compute)``: ``state`` (the update's first argument) and
           ``master`` with the rows written into their host leaves, and the new compute
           params of the flat params leaves ``rows``, each a stack in the master's shards.
         """
-        r = self._rows(
-            zero,
-            update,
-            state,
-            master,
-            grads,
-            *rest,
-            pending=pending,
-            rows=rows,
-            specs=specs,
-            host=host,
-            grads_in_params=grads_in_params,
-        )
+        r = self._rows(zero, update, state, *args, **kw)
+        pending, rows = r.pending, r.rows
         params = jax.tree.leaves(state.params)
         shards = jax.tree.leaves(sh.named(zero.mesh, zero.shard_specs(state.params)))
 
@@ -564,32 +543,11 @@ class HostMemory(DeviceMemory):
             traced=stream.trace_rows(r.fn, args, **r.kw),
         )
 
-    def _rows(
-        self,
-        zero,
-        update,
-        state,
-        master,
-        grads,
-        *rest,
-        pending,
-        rows,
-        specs,
-        host,
-        grads_in_params=True,
-    ) -> DeferredRows:
-        """The :class:`DeferredRows` of :meth:`run_pending`'s arguments."""
-        fn, args, kw = self._streamed(
-            zero,
-            update,
-            state,
-            master,
-            grads,
-            *rest,
-            specs=specs,
-            host=host,
-            grads_in_params=grads_in_params,
-        )
+    def _rows(self, zero, update, state, *args, pending, rows, **kw) -> DeferredRows:
+        """The :class:`DeferredRows` of :meth:`run_pending`'s arguments: those of
+        :meth:`run_update` (``specs``, ``host`` and ``grads_in_params`` among ``kw``) with
+        what ``pending`` carries and the params leaves ``rows`` it gives."""
+        fn, args, kw = self._streamed(zero, update, state, *args, **kw)
         flat, tree = jax.tree.flatten(args, is_leaf=remainder.is_stored)
         # the flat output of the first compute leaf: after the master, optimizer state and EMA
         first = len(jax.tree.leaves(state.params))
