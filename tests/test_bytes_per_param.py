@@ -135,7 +135,13 @@ def _local_elements(small=False):
 
 @pytest.mark.parametrize(
     "offload,state_dtype,kept_fp32",
-    [("optimizer", None, 0), ("optimizer", "bf16", 0), (REMAINDER, None, MASTER - LO - CARRY)],
+    [
+        ("optimizer", None, 0),
+        # slow: the bf16 state's and the remainder's compiles (the Adam compile stays, and
+        # test_optimizer_offload_moves_its_host_state_once_each_way checks their formulas)
+        pytest.param("optimizer", "bf16", 0, marks=pytest.mark.slow),
+        pytest.param(REMAINDER, None, MASTER - LO - CARRY, marks=pytest.mark.slow),
+    ],
     ids=["adam", "bf16_state", "remainder"],
 )
 def test_gpu_compiled_pcie_bytes_per_param_equal_the_estimates(offload, state_dtype, kept_fp32):
