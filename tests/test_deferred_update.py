@@ -34,10 +34,12 @@ TX = {
 }
 
 
-L, D, W = 4, 64, 128  # the stack's (L, D, W) kernel is streamed (> 4096 elements a leaf)
+# the stack's (L, D, W) kernel is streamed (> 4096 elements a leaf); the forward's loop runs
+# layers 1-4's rows in two trips of two (the even and odd layers' packed rows)
+L, D, W = 5, 64, 128
 
 
-def _problem(steps=3, gathered=False):
+def _problem(steps=3, gathered=False, layers=L):
     """``(params, loss_fn, batches)``: ``jz.scan_layers`` over a stack of 4 linear layers,
     each adding ``x @ w + g`` to the carry, a kernel and a bias outside the stack that make
     the carry's start, and a loss linear in the output with batches of -1, 0 and 1. Every gradient is then a mean of small integers, exact
@@ -48,8 +50,8 @@ def _problem(steps=3, gathered=False):
     ks = jax.random.split(jax.random.key(0), 4)
     params = {
         "layers": {
-            "w": 0.05 * jax.random.normal(ks[0], (L, D, W)),
-            "g": 0.05 * jax.random.normal(ks[1], (L, W)),
+            "w": 0.05 * jax.random.normal(ks[0], (layers, D, W)),
+            "g": 0.05 * jax.random.normal(ks[1], (layers, W)),
         },
         "b": 0.05 * jax.random.normal(ks[2], (W,)),
         "k": 0.05 * jax.random.normal(ks[3], (D, W)),
@@ -126,8 +128,20 @@ def test_deferred_steps_then_flush_give_plain_optax(stage, name, accum):
     """Three steps, each applying the stacks' rows the step before left (with micro-batches,
     before the first), then a flush: plain optax's three updates. Before the flush the
     stacks' master is a step behind (farther from optax than the tolerance)."""
+    _deferred_steps_are_optax(stage, name, accum, L)
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_at_stage_3_the_row_a_pair_of_layers_leaves_runs_after_the_forward_loop(layers):
+    """The forward's loop runs two layers' rows a trip (from the even and the odd layers'
+    packed buffers); with 4 layers the last row runs after its one trip, with 2 the loop has
+    none. Three steps and a flush are plain optax's all the same."""
+    _deferred_steps_are_optax(3, "clip_adamw", 1, layers)
+
+
+def _deferred_steps_are_optax(stage, name, accum, layers):
     tx = TX[name]
-    params, loss_fn, batches = _problem()
+    params, loss_fn, batches = _problem(layers=layers)
     step = jz.make_train_step(
         loss_fn, _zero(tx, stage, offload_update="deferred"), accum_steps=accum
     )

@@ -202,7 +202,11 @@ def _abstract_state(step, state_or_shapes, model_state, rng):
     if pending is None:
         return out
     kept = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-    return with_pending(out, pending.replace(values=tuple(kept(x) for x in pending.values)))
+    values = tuple(kept(x) for x in pending.values)
+    packed = pending.packed  # in pinned host memory, which an abstract shape may not say
+    if packed is not None:
+        packed = pending.packing.avals(host_memory.host_sharding(zero.mesh, pending.packing.spec))
+    return with_pending(out, pending.replace(values=values, packed=packed))
 
 
 def _abstract_batch(step, batch_shapes):

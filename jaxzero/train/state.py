@@ -33,11 +33,19 @@ class Pending(struct.PyTreeNode):
       avals: ``(tree, ShapeDtypeStructs)`` of the update's ``(grads, model_state,
         grad_scale)`` arguments, which the rows trace it with again.
       rows: the flat params leaves whose new compute params the rows give.
+      packed: the host state leaves the rows rewrite, packed one row per layer
+        (:class:`~jaxzero.zero.offload.packed.PackedRows`, at stage 3 per layer with one
+        micro-batch, where the next forward runs the rows): the truth while the update is
+        pending, and the tree's leaves are stale. None: the tree's leaves.
+      packing: how ``packed`` holds them (a
+        :class:`~jaxzero.zero.offload.packed.PackedRows`), or None.
     """
 
     values: tuple
     avals: tuple = struct.field(pytree_node=False)
     rows: tuple = struct.field(pytree_node=False)
+    packed: tuple | None = None
+    packing: Any = struct.field(pytree_node=False, default=None)
 
 
 class TrainState(struct.PyTreeNode):

@@ -492,6 +492,7 @@ def _step_fn(
         )
         out_specs = (P(), P(), reducing.grad_specs(state.params), replicated(state.model_state))
         args = (shards, state.model_state, batch, state.rng, state.step, scale)
+        packed = None  # the forward's packed rows of the stacks' state (or None)
         if forward is None:
             sm = jax.shard_map(
                 lambda p, m, b, r, t, s: sharded(p, m, b, r, t, s, specs, plan),
@@ -516,6 +517,7 @@ def _step_fn(
                 *args, forward.held_values(), forward.pending
             )
             state = with_rows(zero, state, forward, held, stacks)
+            packed = forward.buffers(held)
         grad_scale = None
         if isinstance(loss, tuple):  # a GlobalMean: (its value, the gradient's factor)
             loss, grad_scale = loss
@@ -527,6 +529,7 @@ def _step_fn(
             model_state=model_state,
             grad_scale=grad_scale,
             plan=plan,
+            packed=packed,
         )
         metrics = {"loss": loss, **metrics}
         if aux is not None:

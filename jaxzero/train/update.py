@@ -199,6 +199,7 @@ def apply_gradients(
     ema: ShardedEMA | None = None,
     model_state=None,
     grad_scale=None,
+    packed=None,
 ):
     """:meth:`jaxzero.ZeRO.apply_gradients` (see there). ``plan``: the step's per-leaf plan
     (:mod:`jaxzero.zero.plan`), which says which gradients sit in host memory and which are
@@ -209,7 +210,10 @@ def apply_gradients(
     shardings) is decided once here: the new state has the old one's structure. With
     ``offload_update="deferred"`` the new state is a
     :class:`~jaxzero.train.state.PendingState`: the layer stacks' update is left in its
-    ``pending`` (:func:`apply_pending` applies it), and their params are the old ones."""
+    ``pending`` (:func:`apply_pending` applies it), and their params are the old ones.
+    ``packed``: the host state leaves of those stacks as packed rows, which the forward's
+    layer loop wrote (:func:`with_rows`); where the next forward runs the rows and none are
+    given, the leaves are packed here."""
     state.check_flushed("the update (apply_gradients)")
     host = plan.mask(grads, leaf_plan.grads_on_host)
     update, master, specs, layout, sums = _streamed(zero, state, plan, ema, model_state, grad_scale)
@@ -232,15 +236,15 @@ def apply_gradients(
         specs=specs,
         host=layout.host,
         grads_in_params=not sums,
-        defer=deferred,
+        **(dict(defer=True, packed=packed, pack=forward_runs(zero, plan)) if deferred else {}),
     )
     pending = None
     if deferred:
-        outs, values, rows = outs
+        outs, values, rows, packed = outs
         # the arguments the rows trace the update with again: only their shapes are read
         leaves, tree = jax.tree.flatten((pinned, model_state, grad_scale))
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
-        pending = Pending(values, (tree, shapes), rows)
+        pending = Pending(values, (tree, shapes), rows, *packed)
     new_master, opt_state, new_ema, compute, finite, norm = outs
     if deferred:  # the stacks' compute params: the old ones until the rows run
         compute = _with_rows(compute, state.params, rows)
@@ -330,6 +334,12 @@ def rows_in_forward(zero: ZeROConfig, state: TrainState, accum_steps: int) -> bo
     return state.pending is not None and zero.per_layer and accum_steps == 1
 
 
+def forward_runs(zero: ZeROConfig, plan) -> bool:
+    """Whether the next step of ``plan`` (its micro-batches) runs a pending update in its
+    forward's layer loop (:func:`rows_in_forward`), where the state is kept in packed rows."""
+    return zero.per_layer and plan.accum_steps == 1
+
+
 def pending_rows(zero: ZeROConfig, state: TrainState, *, plan, ema: ShardedEMA | None = None):
     """``(rows, state)``: the placement's
     :class:`~jaxzero.zero.offload.placement.DeferredRows` of the update ``state`` has pending
@@ -352,6 +362,7 @@ def _pending_call(zero: ZeROConfig, state: TrainState, plan, ema):
     kw = dict(
         pending=pending.values,
         rows=pending.rows,
+        packed=pending.packed,
         specs=specs,
         host=layout.host,
         grads_in_params=not sums,

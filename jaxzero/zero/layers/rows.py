@@ -65,11 +65,17 @@ class LayerRows:
         owners = [self._row_of.get(id(x)) for x in leaves]
         return owners if any(j is not None for j in owners) else None
 
-    def at(self, i, leaves, held, pending, owners):
+    @property
+    def stacks(self) -> int:
+        """How many stacks the state's rows are packed in: with 2, layer ``i``'s rows are in
+        the buffers of parity ``i % 2``, and :meth:`at` must be told it while tracing."""
+        return self.forward.stacks
+
+    def at(self, i, leaves, held, pending, owners, parity: int = 0):
         """Layer ``i``'s rows: ``(leaves, held)`` with the new compute row written into each
-        owned stack leaf and the new state rows into the host state leaves (``pending``: what
-        the update left, as the loop has it)."""
-        held, new = self.forward.run(i, held, pending)
+        owned stack leaf and the new state rows into the host state (``pending``: what the
+        update left, as the loop has it; ``parity``: ``i % stacks``)."""
+        held, new = self.forward.run(i, held, pending, parity=parity)
         leaves = [
             x if j is None else jax.lax.dynamic_update_slice_in_dim(x, new[j].astype(x.dtype), i, 0)
             for x, j in zip(leaves, owners, strict=True)

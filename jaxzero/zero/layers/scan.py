@@ -239,20 +239,38 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
 
     def forward_rows(leaves, carry, xs, consts, accs, held, pending):
         rows = plan.rows
+        stacks = rows.stacks
 
-        def body(state, i):
+        def one(state, i, parity):
             c, w, kept, ls, hs = state
-            ls, hs = rows.at(
-                i + 1, ls, hs, pending, owners
-            )  # layer i + 1's update, then its gather
+            # layer i + 1's update, then its gather
+            ls, hs = rows.at(i + 1, ls, hs, pending, owners, parity)
             nxt = gather(ls, i + 1, c)  # in flight while layer i computes
             out, y = fn(w, c, at(xs, i), *consts)
             return (out, nxt, put(kept, keep(w), i), ls, hs), (saved.store(c), y)
 
+        def body(state, j):
+            # layers j * stacks + 1, ... : each parity's rows from its own packed buffers, an
+            # optimization barrier between them (else the second row's fetch is scheduled at
+            # the top, beside nothing: decision 44)
+            outs = []
+            for p in range(stacks):
+                if p:
+                    state = jax.lax.optimization_barrier(state)
+                state, o = one(state, j * stacks + p, (p + 1) % stacks)
+                outs.append(o)
+            return state, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
         leaves, held = rows.at(0, leaves, held, pending, owners)
         w = gather(leaves, 0)
-        first = (carry, w, _buffer(keep(w), length), leaves, held)
-        (c, w, kept, leaves, held), (inputs, ys) = jax.lax.scan(body, first, jnp.arange(length - 1))
+        state = (carry, w, _buffer(keep(w), length), leaves, held)
+        trips = (length - 1) // stacks
+        state, outs = jax.lax.scan(body, state, jnp.arange(trips))
+        outs = jax.tree.map(lambda a: a.reshape((trips * stacks, *a.shape[2:])), outs)
+        for i in range(trips * stacks, length - 1):  # the layers a whole trip leaves
+            state, o = one(state, i, (i + 1) % stacks)
+            outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), outs, o)
+        (c, w, kept, leaves, held), (inputs, ys) = state, outs
         out, y = fn(w, c, at(xs, length - 1), *consts)
         ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y)
         kept = put(kept, keep(w), length - 1)

@@ -103,6 +103,11 @@ def big(v) -> bool:
     return isinstance(v, Var) and _size(v) > SMALL
 
 
+def large(shape) -> bool:
+    """Whether a value of ``shape`` is :func:`big` (streamed in rows or chunks)."""
+    return math.prod(shape) > SMALL
+
+
 class _Groups:
     """Union-find over jaxpr variables."""
 

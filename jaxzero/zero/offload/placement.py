@@ -39,6 +39,7 @@ import jaxzero.zero.offload.stream as stream
 from jaxzero.mesh import in_host_memory
 from jaxzero.zero import specs as sh
 from jaxzero.zero.offload.fraction import check_fraction, host_leaves
+from jaxzero.zero.offload.packed import PackedRows
 
 OPTIMIZER, PARAMS = "optimizer", "params"
 #: with ``"optimizer"``: the host keeps the fp32 master as a 16-bit remainder and a carry bit
@@ -459,6 +460,8 @@ class HostMemory(DeviceMemory):
         host,
         grads_in_params=True,
         defer=False,
+        packed=None,
+        pack=False,
     ):
         """``update`` streamed through the device (:mod:`jaxzero.zero.offload.stream`): the state is
         fetched from host memory a chunk at a time and each chunk's result written back into
@@ -474,9 +477,13 @@ class HostMemory(DeviceMemory):
         (micro-batches: decision 42), and the new params go back into the params' own
         buffers. ``defer=True`` (``ZeRO(offload_update="deferred")``, decision 51): the
         parts of the layer stacks' state are left undone (``stream.run(..., defer=)``), and
-        the call returns ``(outputs, pending, rows)``: the outputs with those state leaves
-        unchanged and their compute leaves None, what :meth:`run_pending` reads, and the
-        flat params leaves whose compute rows it gives."""
+        the call returns ``(outputs, pending, rows, packed)``: the outputs with those state
+        leaves unchanged and their compute leaves None, what :meth:`run_pending` reads, the
+        flat params leaves whose compute rows it gives, and ``(buffers, layout)``: those state
+        leaves' :class:`~jaxzero.zero.offload.packed.PackedRows` buffers and layout, the
+        buffers ``packed`` when given (the forward's loop wrote the rows there, and the leaves
+        are stale), else packed from the leaves with ``pack=True`` (``(None, None)`` without,
+        or when they cannot be packed)."""
         fn, args, kw = self._streamed(
             zero,
             update,
@@ -490,9 +497,25 @@ class HostMemory(DeviceMemory):
         )
         if not defer:
             return stream.run(fn, args, **kw)
-        outs, pending = stream.run(fn, args, defer=_stacked(zero, args, kw["host"]), **kw)
+        defer = _stacked(zero, args, kw["host"])
+        outs, pending = stream.run(fn, args, defer=defer, **kw)
         compute = jax.tree.leaves(outs[3], is_leaf=lambda x: x is None)
-        return outs, pending, tuple(j for j, x in enumerate(compute) if x is None)
+        rows = tuple(j for j, x in enumerate(compute) if x is None)
+        if packed is None and not pack:
+            return outs, pending, rows, (None, None)
+        flat = jax.tree.leaves(args, is_leaf=remainder.is_stored)
+        r = DeferredRows(fn, None, flat, defer, kw, (), rows, 0)
+        held, specs = r.leaves(), r.leaf_specs()
+        layout = PackedRows.of(zero.mesh, held, specs)
+        if layout is None:
+            return outs, pending, rows, (None, None)
+        if packed is None:
+            packed = layout.packed(held, specs)
+        # in pinned host memory, as the next step reads them (whatever a shard_map's output
+        # reports as its memory kind)
+        where = host_sharding(zero.mesh, layout.spec)
+        packed = tuple(jax.device_put(x, where) for x in packed)
+        return outs, pending, rows, (packed, layout)
 
     def run_pending(self, zero, update, state, *args, **kw):
         """The layer stacks' rows that :meth:`run_update` with ``defer=True`` left undone,
@@ -509,6 +532,12 @@ class HostMemory(DeviceMemory):
           params of the flat params leaves ``rows``, each a stack in the master's shards.
         """
         r = self._rows(zero, update, state, *args, **kw)
+        if r.layout is not None:  # the rows in optax's tree first, then as unpacked
+            leaves = r.layout.unpacked(r.packed, r.leaves(), r.leaf_specs())
+            flat = list(r.flat)
+            for k, x in zip(r.packs, leaves, strict=True):
+                flat[k] = x
+            r = dataclasses.replace(r, flat=flat, layout=None, packed=None)
         pending, rows = r.pending, r.rows
         params = jax.tree.leaves(state.params)
         shards = jax.tree.leaves(sh.named(zero.mesh, zero.shard_specs(state.params)))
@@ -543,16 +572,18 @@ class HostMemory(DeviceMemory):
             traced=stream.trace_rows(r.fn, args, **r.kw),
         )
 
-    def _rows(self, zero, update, state, *args, pending, rows, **kw) -> DeferredRows:
+    def _rows(self, zero, update, state, *args, pending, rows, packed=None, **kw) -> DeferredRows:
         """The :class:`DeferredRows` of :meth:`run_pending`'s arguments: those of
         :meth:`run_update` (``specs``, ``host`` and ``grads_in_params`` among ``kw``) with
-        what ``pending`` carries and the params leaves ``rows`` it gives."""
+        what ``pending`` carries, the params leaves ``rows`` it gives and, where the state
+        leaves the rows rewrite are ``packed`` (:meth:`run_update`'s last value), those
+        buffers."""
         fn, args, kw = self._streamed(zero, update, state, *args, **kw)
         flat, tree = jax.tree.flatten(args, is_leaf=remainder.is_stored)
         # the flat output of the first compute leaf: after the master, optimizer state and EMA
         first = len(jax.tree.leaves(state.params))
         first += len(jax.tree.leaves((state.opt_state, state.ema)))
-        return DeferredRows(
+        r = DeferredRows(
             fn=fn,
             tree=tree,
             flat=flat,
@@ -562,6 +593,10 @@ class HostMemory(DeviceMemory):
             rows=tuple(rows),
             first=first,
         )
+        if packed is None:
+            return r
+        layout = PackedRows.of(zero.mesh, r.leaves(), r.leaf_specs())
+        return dataclasses.replace(r, layout=layout, packed=tuple(packed))
 
     def _streamed(
         self, zero, update, state, master, grads, *rest, specs, host, grads_in_params=True
@@ -658,22 +693,72 @@ class DeferredRows:
     first: int
     pending_specs: tuple | None = None
     traced: Any = None
+    #: the :class:`~jaxzero.zero.offload.packed.PackedRows` of the held leaves and their
+    #: buffers, where the rows are read and written packed (else None: the leaves themselves)
+    layout: Any = None
+    packed: tuple | None = None
 
     @property
     def held(self) -> list[int]:
         """The flat argument indices of the host state leaves the rows rewrite."""
         return [i for i, d in enumerate(self.defer) if d]
 
+    @property
+    def stacks(self) -> int:
+        """How many stacks of packed rows (:attr:`PackedRows.stacks`; 1 without a layout):
+        the forward's loop runs layers of each parity in turn."""
+        return 1 if self.layout is None else self.layout.stacks
+
+    @property
+    def packs(self) -> list[int]:
+        """Those of :attr:`held` whose rows are fetched row by row (large leaves): the ones
+        packed rows hold. A small one (a stack's norm scale) is read and written whole."""
+        return [i for i in self.held if stream_parts.large(self.flat[i].shape)]
+
+    def leaves(self) -> list:
+        """The host state leaves of :attr:`packs`, as the tree holds them."""
+        return [self.flat[i] for i in self.packs]
+
+    def leaf_specs(self) -> list:
+        return [self.kw["specs"][i] for i in self.packs]
+
+    def _loose(self) -> list[int]:
+        """The held leaves that are not packed (all of them without a layout)."""
+        packs = set(self.packs) if self.layout is not None else set()
+        return [i for i in self.held if i not in packs]
+
     def held_values(self) -> list:
-        return [self.flat[i] for i in self.held]
+        """What the rows read and write: the packed buffers (where there is a layout), then
+        the host state leaves not packed."""
+        packed = [] if self.layout is None else list(self.packed)
+        return packed + [self.flat[i] for i in self._loose()]
 
     def held_specs(self) -> list:
-        return [self.kw["specs"][i] for i in self.held]
+        """The PartitionSpecs of :meth:`held_values`."""
+        packed = [] if self.layout is None else [self.layout.spec] * len(self.packed)
+        return packed + [self.kw["specs"][i] for i in self._loose()]
 
-    def run(self, i, held, pending, local: bool = True):
-        """Layer ``i``'s rows: ``held`` (the host state leaves as they are now; ``local``: this
+    def _split(self, held):
+        """``held`` (:meth:`held_values`' order) as ``(buffers, loose leaves)``."""
+        n = 0 if self.layout is None else len(self.packed)
+        return list(held[:n]), list(held[n:])
+
+    def buffers(self, held) -> tuple | None:
+        """The packed buffers among ``held`` (what the rows wrote), None without a layout."""
+        return None if self.layout is None else tuple(self._split(held)[0])
+
+    def with_held(self, held) -> list:
+        """The flat arguments with the loose leaves of ``held`` put in."""
+        flat = list(self.flat)
+        for k, v in zip(self._loose(), self._split(held)[1], strict=True):
+            flat[k] = v
+        return flat
+
+    def run(self, i, held, pending, local: bool = True, parity: int = 0):
+        """Layer ``i``'s rows: ``held`` (:meth:`held_values` as they are now; ``local``: this
         device's shards, inside the step's ``shard_map``) with the row written, and
-        ``{flat params index: its new compute row}``."""
+        ``{flat params index: its new compute row}``. ``parity``: ``i % stacks``, known
+        while tracing (which packed buffers hold the row)."""
         if local:
             mesh, specs = self.kw["mesh"], self.kw["specs"]
             shard = lambda x, s: NamedSharding(mesh, s).shard_shape(x.shape)
@@ -681,9 +766,13 @@ class DeferredRows:
             now = [jax.ShapeDtypeStruct(shard(x, s), x.dtype) for x, s in pairs]
         else:
             now = list(self.flat)
-        for k, v in zip(self.held, held, strict=True):
+        packed, loose = self._split(held)
+        for k, v in zip(self._loose(), loose, strict=True):
             now[k] = v
-        new_args, new = stream.run_rows(
+        given = None
+        if self.layout is not None:  # one fetch and one write-back per buffer
+            given = dict(zip(self.packs, self.layout.row(packed, i, parity), strict=True))
+        new_args, new, *written = stream.run_rows(
             self.fn,
             jax.tree.unflatten(self.tree, now),
             pending,
@@ -692,18 +781,20 @@ class DeferredRows:
             defer=self.defer,
             local=local,
             traced=self.traced if local else None,
+            given=given,
             **self.kw,
         )
         out = jax.tree.leaves(new_args, is_leaf=remainder.is_stored)
-        return [out[k] for k in self.held], {j: new[self.first + j] for j in self.rows}
+        if given is not None:
+            packed = self.layout.put(packed, i, [written[0][k] for k in self.packs], parity)
+        rows = {j: new[self.first + j] for j in self.rows}
+        return packed + [out[k] for k in self._loose()], rows
 
     def finish(self, held):
         """``(state, master)``: the streamed update's first two arguments with the host state
-        leaves ``held`` (what the rows wrote)."""
-        flat = list(self.flat)
-        for k, v in zip(self.held, held, strict=True):
-            flat[k] = v
-        done = jax.tree.unflatten(self.tree, flat)
+        leaves ``held`` (what the rows wrote); packed, the leaves as they were (the rows are
+        in ``held``'s buffers, which the next update carries)."""
+        done = jax.tree.unflatten(self.tree, self.with_held(held))
         return done[0], done[1]
 
 

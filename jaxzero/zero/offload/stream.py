@@ -104,6 +104,7 @@ class _Run:
         self.protected = {v for v in jaxpr.outvars if v in set(jaxpr.invars)}
         self.chain = None
         self.written = set()  # outputs already written to host memory
+        self.given = {}  # a deferred state input -> its rows, on the device (run_rows' given=)
 
     def chained(self, vals):
         if self.chain is not None:
@@ -128,6 +129,8 @@ class _Run:
         """Rows ``[start, start + c)`` along ``k`` of ``src``, the value of ``v``, in device
         memory; a stored master's joined with its compute copy's rows, read from ``loop``
         (``{input: buffer}``, the inputs a loop writes chunk by chunk) or ``env``."""
+        if v in self.given:  # fetched by the caller (packed rows)
+            return self.given[v]
         cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, c, k, allow_negative_indices=False)
         if v not in self.stored:
             return jax.device_put(cut(src), DEVICE) if v in self.host else cut(src)
@@ -575,6 +578,7 @@ def run_rows(
     stored=None,
     local: bool = False,
     traced=None,
+    given=None,
 ):
     """Rows ``[start, start + rows)`` of the first (layer) dimension of the update that
     :func:`run` with ``defer=`` left undone: each deferred part's host state rows fetched from
@@ -595,10 +599,17 @@ def run_rows(
         (traced inside it, ``fn`` may read differently: a replicated scalar mixed with the
         shards is marked varying there, one more value than ``run`` carried).
 
+      given: ``{flat input index: its rows}``: the rows of deferred state leaves already on
+        the device (:class:`~jaxzero.zero.offload.packed.PackedRows` fetches a layer's state
+        in one copy), read instead of ``args``' leaves; their new rows are returned instead
+        of written.
+
     Returns:
       ``(args, new)``: ``args`` with those rows written into the deferred state leaves, and
       ``{flat output index: its rows}`` for each deferred output that stays on the device
-      (the new compute params' rows).
+      (the new compute params' rows). With ``given``: ``(args, new, written)``, ``written``
+      the new rows of each leaf of ``given`` (``{flat input index: its rows}``, on the
+      device), which ``args`` leaves as they were.
     """
     where = dict(mesh=mesh, specs=specs, host=host, device_outputs=device_outputs, alias=alias)
     if traced is None:
@@ -614,7 +625,9 @@ def run_rows(
             f"pending holds {len(pending)} values and the deferred parts read {len(reads)}: "
             f"pass run_rows the function and arguments run(..., defer=) was given."
         )
-    given = [env[v] for v in r.plan.jaxpr.jaxpr.invars]
+    invars = r.plan.jaxpr.jaxpr.invars
+    values = [env[v] for v in invars]
+    r.given = {invars[k]: x for k, x in (given or {}).items()}
     env.update(zip(reads, pending, strict=True))
     bufs = {}  # a deferred state leaf -> its buffer with the rows written so far
     rows_of = {}
@@ -632,8 +645,13 @@ def run_rows(
                 rows_of[v] = envl[v]
                 continue
             u = r.alias[v]
+            if u in r.given:  # a later part reads the new rows, as it would the buffer
+                r.given[u] = envl[v]
+                continue
             bufs[u] = r.put(bufs.get(u, env[u]), v, envl[v], start, 0)
     jaxpr = r.plan.jaxpr.jaxpr
-    flat = [bufs.get(v, x) for v, x in zip(jaxpr.invars, given, strict=True)]
     new = {o: rows_of[v] for o, v in enumerate(jaxpr.outvars) if v in rows_of}
+    flat = [bufs.get(v, x) for v, x in zip(invars, values, strict=True)]
+    if given is not None:
+        return jax.tree.unflatten(tree, flat), new, {k: r.given[invars[k]] for k in given}
     return jax.tree.unflatten(tree, flat), new
