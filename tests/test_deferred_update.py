@@ -35,8 +35,8 @@ TX = {
 
 
 # the stack's (L, D, W) kernel is streamed (> 4096 elements a leaf); the forward's loop runs
-# layers 1-4's rows in two trips of two (the even and odd layers' packed rows)
-L, D, W = 5, 64, 128
+# layers 1-4's rows in two trips of two (the even and odd layers' packed rows), layer 5's after
+L, D, W = 6, 64, 128
 
 
 def _problem(steps=3, gathered=False, layers=L):
@@ -134,8 +134,9 @@ def test_deferred_steps_then_flush_give_plain_optax(stage, name, accum):
 @pytest.mark.parametrize("layers", [2, 4])
 def test_at_stage_3_the_row_a_pair_of_layers_leaves_runs_after_the_forward_loop(layers):
     """The forward's loop runs two layers' rows a trip (from the even and the odd layers'
-    packed buffers); with 4 layers the last row runs after its one trip, with 2 the loop has
-    none. Three steps and a flush are plain optax's all the same."""
+    packed buffers), each trip fetching the next trip's first rows; with 4 layers the last
+    row runs after its one trip, with 2 the loop has none. Three steps and a flush are plain
+    optax's all the same."""
     _deferred_steps_are_optax(3, "clip_adamw", 1, layers)
 
 

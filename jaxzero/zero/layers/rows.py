@@ -71,11 +71,17 @@ class LayerRows:
         the buffers of parity ``i % 2``, and :meth:`at` must be told it while tracing."""
         return self.forward.stacks
 
-    def at(self, i, leaves, held, pending, owners, parity: int = 0):
+    def fetch(self, held, i, parity: int):
+        """Layer ``i``'s packed state rows, fetched to the device (for :meth:`at`'s
+        ``fetched``: the loop fetches a layer ahead)."""
+        return self.forward.fetch(held, i, parity)
+
+    def at(self, i, leaves, held, pending, owners, parity: int = 0, fetched=None):
         """Layer ``i``'s rows: ``(leaves, held)`` with the new compute row written into each
         owned stack leaf and the new state rows into the host state (``pending``: what the
-        update left, as the loop has it; ``parity``: ``i % stacks``)."""
-        held, new = self.forward.run(i, held, pending, parity=parity)
+        update left, as the loop has it; ``parity``: ``i % stacks``; ``fetched``: its state
+        rows as :meth:`fetch` gave them, else fetched here)."""
+        held, new = self.forward.run(i, held, pending, parity=parity, fetched=fetched)
         leaves = [
             x if j is None else jax.lax.dynamic_update_slice_in_dim(x, new[j].astype(x.dtype), i, 0)
             for x, j in zip(leaves, owners, strict=True)

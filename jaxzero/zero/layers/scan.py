@@ -239,38 +239,60 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
 
     def forward_rows(leaves, carry, xs, consts, accs, held, pending):
         rows = plan.rows
-        stacks = rows.stacks
+        if rows.stacks == 1:
+            return forward_one_stack(leaves, carry, xs, consts, accs, held, pending)
 
-        def one(state, i, parity):
+        def half(state, i, odd, fetch):
+            # layer i + 2's state rows fetched (under layer i's compute, for the next half),
+            # layer i + 1's update from the rows the half before fetched, then its gather
+            # (odd: whether i is, known while tracing: which packed buffers hold the rows)
+            c, w, kept, ls, hs, ahead = state
+            nxt_ahead = rows.fetch(hs, i + 2, int(odd)) if fetch else None
+            ls, hs = rows.at(i + 1, ls, hs, pending, owners, int(not odd), ahead)
+            nxt = gather(ls, i + 1, c)  # in flight while layer i computes
+            out, y = fn(w, c, at(xs, i), *consts)
+            return (out, nxt, put(kept, keep(w), i), ls, hs, nxt_ahead), (saved.store(c), y)
+
+        def body(state, j):
+            # layers 2j and 2j + 1, the even and the odd layers' rows from their own packed
+            # buffers, an optimization barrier between them (else the second half's transfers
+            # are scheduled at the top, beside nothing: decision 44)
+            state, a = half(state, 2 * j, False, True)
+            state, b = half(jax.lax.optimization_barrier(state), 2 * j + 1, True, True)
+            return state, jax.tree.map(lambda *x: jnp.stack(x), a, b)
+
+        leaves, held = rows.at(0, leaves, held, pending, owners)
+        ahead = rows.fetch(held, 1, 1)
+        w = gather(leaves, 0)
+        state = (carry, w, _buffer(keep(w), length), leaves, held, ahead)
+        trips = max(0, (length - 2) // 2)  # the loop's last fetch is layer 2 * trips + 1's
+        state, outs = jax.lax.scan(body, state, jnp.arange(trips))
+        outs = jax.tree.map(lambda a: a.reshape((2 * trips, *a.shape[2:])), outs)
+        for i in range(2 * trips, length - 1):  # the halves the loop leaves
+            state, o = half(state, i, i % 2 == 1, i + 2 < length)
+            outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), outs, o)
+        (c, w, kept, leaves, held, _), (inputs, ys) = state, outs
+        return last(c, w, kept, inputs, ys, xs, consts, accs, leaves, held)
+
+    def forward_one_stack(leaves, carry, xs, consts, accs, held, pending):
+        """The rows of the layers one after another (unpacked, or one stack)."""
+        rows = plan.rows
+
+        def body(state, i):
             c, w, kept, ls, hs = state
-            # layer i + 1's update, then its gather
-            ls, hs = rows.at(i + 1, ls, hs, pending, owners, parity)
+            ls, hs = rows.at(i + 1, ls, hs, pending, owners)  # layer i + 1's, then its gather
             nxt = gather(ls, i + 1, c)  # in flight while layer i computes
             out, y = fn(w, c, at(xs, i), *consts)
             return (out, nxt, put(kept, keep(w), i), ls, hs), (saved.store(c), y)
 
-        def body(state, j):
-            # layers j * stacks + 1, ... : each parity's rows from its own packed buffers, an
-            # optimization barrier between them (else the second row's fetch is scheduled at
-            # the top, beside nothing: decision 44)
-            outs = []
-            for p in range(stacks):
-                if p:
-                    state = jax.lax.optimization_barrier(state)
-                state, o = one(state, j * stacks + p, (p + 1) % stacks)
-                outs.append(o)
-            return state, jax.tree.map(lambda *a: jnp.stack(a), *outs)
-
         leaves, held = rows.at(0, leaves, held, pending, owners)
         w = gather(leaves, 0)
-        state = (carry, w, _buffer(keep(w), length), leaves, held)
-        trips = (length - 1) // stacks
-        state, outs = jax.lax.scan(body, state, jnp.arange(trips))
-        outs = jax.tree.map(lambda a: a.reshape((trips * stacks, *a.shape[2:])), outs)
-        for i in range(trips * stacks, length - 1):  # the layers a whole trip leaves
-            state, o = one(state, i, (i + 1) % stacks)
-            outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), outs, o)
-        (c, w, kept, leaves, held), (inputs, ys) = state, outs
+        first = (carry, w, _buffer(keep(w), length), leaves, held)
+        (c, w, kept, leaves, held), (inputs, ys) = jax.lax.scan(body, first, jnp.arange(length - 1))
+        return last(c, w, kept, inputs, ys, xs, consts, accs, leaves, held)
+
+    def last(c, w, kept, inputs, ys, xs, consts, accs, leaves, held):
+        """The last layer after a forward loop that ran the rows, and the forward's result."""
         out, y = fn(w, c, at(xs, length - 1), *consts)
         ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y)
         kept = put(kept, keep(w), length - 1)

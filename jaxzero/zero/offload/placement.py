@@ -754,11 +754,17 @@ class DeferredRows:
             flat[k] = v
         return flat
 
-    def run(self, i, held, pending, local: bool = True, parity: int = 0):
+    def fetch(self, held, i, parity: int = 0):
+        """Layer ``i``'s packed rows of :meth:`held_values` ``held``, on the device (one copy
+        per buffer), for :meth:`run`'s ``fetched`` (a forward loop fetches a layer ahead)."""
+        return self.layout.row(self._split(held)[0], i, parity)
+
+    def run(self, i, held, pending, local: bool = True, parity: int = 0, fetched=None):
         """Layer ``i``'s rows: ``held`` (:meth:`held_values` as they are now; ``local``: this
         device's shards, inside the step's ``shard_map``) with the row written, and
         ``{flat params index: its new compute row}``. ``parity``: ``i % stacks``, known
-        while tracing (which packed buffers hold the row)."""
+        while tracing (which packed buffers hold the row); ``fetched``: the row as
+        :meth:`fetch` gave it (None: fetched here)."""
         if local:
             mesh, specs = self.kw["mesh"], self.kw["specs"]
             shard = lambda x, s: NamedSharding(mesh, s).shard_shape(x.shape)
@@ -771,7 +777,9 @@ class DeferredRows:
             now[k] = v
         given = None
         if self.layout is not None:  # one fetch and one write-back per buffer
-            given = dict(zip(self.packs, self.layout.row(packed, i, parity), strict=True))
+            if fetched is None:
+                fetched = self.layout.row(packed, i, parity)
+            given = dict(zip(self.packs, fetched, strict=True))
         new_args, new, *written = stream.run_rows(
             self.fn,
             jax.tree.unflatten(self.tree, now),
