@@ -282,6 +282,16 @@ def add_state_layout(group) -> None:
         "DeepSpeed's offload_optimizer.ratio) (default: 1)",
     )
     group.add_argument(
+        "--offload-update",
+        choices=["exact", "deferred"],
+        default="exact",
+        help="with --offload optimizer at --stage3 per-layer: deferred runs each layer's "
+        "update inside the next step's forward, beside the layer before's compute, from the "
+        "state packed one row per layer (jaxzero.ZeRO(offload_update='deferred'), the same "
+        "numbers); the row is compiled as a step with an update pending (default: exact, the "
+        "update after the backward)",
+    )
+    group.add_argument(
         "--gpu-memory",
         type=memory_size,
         metavar="SIZE",
@@ -399,6 +409,21 @@ def check_offload_args(args: argparse.Namespace, parser):
             "memory only where stage 3 fetches them a layer (or unit) at a time; the whole "
             "stage-3 row gathers every param at once. Add --stage3 per-layer"
         )
+    if args.offload_update == "deferred" and (
+        args.offload != "optimizer"
+        or args.offload_fraction != 1
+        or args.stage3 == "whole"
+        or args.loop != "scan"
+        or args.precision == "fp32"
+        or not args.compute_copy
+    ):
+        parser.error(
+            "--offload-update deferred runs the update of the fp32 master inside the forward's "
+            "layer loop: it needs --offload optimizer (the whole state, no --offload-fraction), "
+            "a scanned stack (--loop scan), its per-layer stage-3 row (--stage3 per-layer or "
+            "both) and a master apart from the params (--precision bf16 or fp16, without "
+            "--no-compute-copy)"
+        )
     if args.offload == "auto" and args.gpu_memory is None:
         print(
             f"note: --offload auto fits the {args.gpu.upper()}'s own memory; pass --gpu-memory "
@@ -504,6 +529,7 @@ def plan_zero(args: argparse.Namespace):
         offload_fraction=args.offload_fraction,
         quantize=_quantize(args),
         hpz_partition_size=args.hpz,
+        offload_update="deferred" if args.offload_update == "deferred" else None,
     )
 
 

@@ -62,7 +62,9 @@ class PlanRow:
     ``per``: what ``per_layer`` goes by, ``"layer"`` (a scanned stack, ``ZeRO(layers=)``) or
     ``"unit"`` (a Python loop of blocks, ``ZeRO(units=)``); ``prefetch``: a per-unit row's
     ``ZeRO(prefetch=...)`` (None on the other rows); ``hpz``: the per-layer stage-3 row's
-    ``ZeRO(hpz_partition_size=...)`` (None on the other rows). ``cost``: with offload, the
+    ``ZeRO(hpz_partition_size=...)`` (None on the other rows); ``update``: its
+    ``ZeRO(offload_update=...)`` (``"deferred"``: compiled as a step with an update pending,
+    the rows inside the forward's layer loop). ``cost``: with offload, the
     host <-> device bytes of the compiled step and the step time they predict
     (:func:`jaxzero.gpu.offload_cost.offload_cost`; None without offload). ``fraction``: the
     row's ``ZeRO(offload_fraction=...)``, the plan's or the one ``fit_offload`` picked (None:
@@ -80,6 +82,7 @@ class PlanRow:
     per: str = "layer"
     prefetch: bool | None = None
     hpz: int | None = None
+    update: str | None = None
     cost: OffloadCost | None = None
     fraction: float | None = 1.0
     tries: tuple = ()  # fit_offload: every (fraction, compiled peak bytes) it compiled
@@ -90,6 +93,7 @@ class PlanRow:
     def label(self) -> str:
         label = f"{self.stage} per {self.per}" if self.per_layer else str(self.stage)
         label += f", hpZ {self.hpz}" if self.hpz else ""
+        label += ", deferred update" if self.update else ""
         return label + (", prefetch=False" if self.prefetch is False else "")
 
     @property
@@ -264,12 +268,14 @@ def zero_options(
     layers="layers",
     units=UNITS,
     vocab_parallel=None,
+    update=None,
 ) -> dict:
     """The keyword arguments of the plan's ``ZeRO(tx, mesh, ...)`` for one case; ``per``: False
     (whole), ``"layer"`` (the scanned stack, ``layers=``, with ``hpz``) or ``"unit"`` (the
     Python loop's blocks, ``units=``, with ``prefetch``); ``precision``: a name or a
     ``Precision``, with ``compute_copy=copy``; ``f``: the offload fraction (None: not
-    offloaded); ``vocab_parallel``: the stage-3 cases' embedding names (None: none)."""
+    offloaded); ``vocab_parallel``: the stage-3 cases' embedding names (None: none);
+    ``update``: the case's ``ZeRO(offload_update=...)``."""
     if isinstance(precision, str):
         precision = Precision.create(precision, compute_copy=copy)
     return dict(
@@ -283,6 +289,7 @@ def zero_options(
         prefetch=prefetch if per == "unit" else None,
         quantize=stage_quantize(quantize, stage),
         hpz_partition_size=hpz,
+        offload_update=update,
     )
 
 
@@ -377,10 +384,14 @@ def _compiler(
     loss_fn, params = make_loss(shape), abstract_params(shape)
 
     def compile_case(case, fraction):
-        step = make_train_step(
-            loss_fn, _zero(zero, case, fraction, names), ema=sema, accum_steps=accum
-        )
-        report = compile_report(step, params, batch, kind=gpu, compiler_options=compiler_options)
+        case_zero = _zero(zero, case, fraction, names)
+        step = make_train_step(loss_fn, case_zero, ema=sema, accum_steps=accum)
+        state = params
+        if case.get("update") == "deferred":  # the steady state: a step with an update pending
+            state = case_zero.abstract_state(params, ema=sema)
+            with jax.set_mesh(case_zero.mesh):
+                state = jax.eval_shape(step.jitted, state, batch)[0]
+        report = compile_report(step, state, batch, kind=gpu, compiler_options=compiler_options)
         return limited(report, gpu_memory)
 
     return compile_case
@@ -560,6 +571,14 @@ def plan(
         "vocab_parallel": _one(zero.vocab_parallel),
     }
     cases = _cases(zero, cases, per, names)
+    update = zero.offload_update
+    if update == "deferred" and ((3, True) not in cases or per != "layer" or fit_offload):
+        raise ValueError(
+            "offload_update='deferred' runs the update inside the next forward's layer loop at "
+            "stage 3 per layer of a scanned stack, which the plan compiles in the case (3, True) "
+            "with layers= (loop='scan'), without fit_offload (it needs the whole optimizer "
+            "offloaded): include that case, or plan the exact update."
+        )
     hpz = zero.hpz_partition_size
     if hpz and (3, True) not in cases:
         raise ValueError(
@@ -608,6 +627,8 @@ def plan(
             quantize=quantize,
             prefetch=pf,
             hpz=g,
+            # deferred: the stage-3 per-layer row (the other rows' exact update)
+            update=update if stage == 3 and per_layer else None,
         )
         # the case compiled at the ZeRO's fraction, or with fit_offload at the smallest that
         # fits (None: without offload), the params too where nothing less fits and the case
@@ -648,6 +669,7 @@ def plan(
                 per=per,
                 prefetch=pf,
                 hpz=g,
+                update=case["update"],
                 cost=off and _cost(report, shape, accum, gpu, pcie_gbps),
                 fraction=f,
                 tries=tries,

@@ -1,0 +1,78 @@
+"""``jaxzero plan --offload optimizer --offload-update deferred``: the stage-3 per-layer row
+compiled as a step with an update pending (decision 51), its label and the ``ZeRO`` to paste,
+the same PCIe bytes as the exact update with more of them hidden, and the flags it refuses."""
+
+from __future__ import annotations
+
+import re
+
+import optax
+import pytest
+
+import jaxzero as jz
+from jaxzero import cli, gpu
+from jaxzero.gpu.models import model_shape
+
+ARGV = ["plan", "--devices", "8", "--layers", "8", "--hidden", "256", "--heads", "2"]
+ARGV += ["--vocab", "256", "--seq", "64", "--batch", "1", "--stage", "3"]
+ARGV += ["--stage3", "per-layer", "--offload", "optimizer", "--wide"]
+
+
+def _row(out: str) -> dict[str, str]:
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("stage "))
+    header = re.split(r"\s{2,}", lines[at].strip())
+    cells = re.split(r"\s{2,}", lines[at + 2].strip())
+    return dict(zip(header, cells, strict=True))
+
+
+def test_the_deferred_row_moves_the_same_bytes_and_hides_them(capsys):
+    """The exact row hides none of its PCIe bytes; the deferred row moves the same bytes each
+    way and hides most of them (decision 51's figures: all but layers 0 and 1's and the
+    leaves outside the stack), and pastes the ZeRO it compiled."""
+    assert cli.main(ARGV) == 0
+    exact = _row(capsys.readouterr().out)
+    assert cli.main([*ARGV, "--offload-update", "deferred"]) == 0
+    out = capsys.readouterr().out
+    deferred = _row(out)
+    assert exact["stage"] == "3 per layer"
+    assert deferred["stage"] == "3 per layer, deferred update"
+    assert deferred["PCIe h2d"] == exact["PCIe h2d"] and deferred["PCIe d2h"] == exact["PCIe d2h"]
+    assert exact["PCIe hidden"] == "0%"
+    assert int(deferred["PCIe hidden"].rstrip("%")) >= 60
+    paste = out[out.index("zero = jz.ZeRO(") :]
+    assert 'offload_update="deferred"' in paste
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--offload-fraction", "0.5"], "no --offload-fraction"),
+        (["--stage3", "whole"], "--stage3 per-layer or both"),
+        (["--loop", "python"], "--loop scan"),
+        (["--precision", "fp32"], "--precision bf16 or fp16"),
+    ],
+)
+def test_plan_refuses_a_deferred_update_where_it_cannot_run(extra, match, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([*ARGV, "--offload-update", "deferred", *extra])
+    assert match in capsys.readouterr().err
+
+
+def test_gpu_plan_refuses_a_deferred_update_without_its_case():
+    """``jaxzero.gpu.plan`` of a deferred ZeRO without the (3, True) case, or with
+    ``fit_offload``, is refused before anything compiles."""
+    shape = model_shape(layers=2, hidden=256, heads=2, vocab=256, seq=64, batch=1)
+    mesh = gpu.compile_only_mesh("h100", 8)
+    zero = jz.ZeRO(
+        optax.adam(1e-3),
+        mesh,
+        stage=3,
+        precision="bf16",
+        layers="layers",
+        offload="optimizer",
+        offload_update="deferred",
+    )
+    for kw in ({"cases": [(3, False)]}, {"fit_offload": True}):
+        with pytest.raises(ValueError, match="offload_update='deferred'"):
+            gpu.plan(zero, shape, **kw)

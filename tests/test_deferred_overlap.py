@@ -1,0 +1,90 @@
+"""Where the PCIe bytes of ``ZeRO(offload="optimizer", offload_update="deferred")`` go, read
+from the compiled 8 x H100 step (deviceless: ``jaxzero.gpu.transfers``), stage 3 per layer
+(decision 51).
+
+With an update pending, the forward's layer loop runs layer ``i + 1``'s update beside layer
+``i``'s compute from the stacks' state packed one row per layer in two host stacks (even and
+odd layers), each half of a trip fetching the row of the layer after next. What nothing can
+hide, exactly, is restated from the leaf shapes: layer 0's rows (fetched and written back
+before the first layer's compute, which needs their weights), layer 1's fetch (before the
+loop) and the leaves outside the stacks (updated after the backward, as without deferral).
+Everything else is hidden: on a 24-layer decoder that is at least 90% of the bytes, and the
+exact step (the update after the backward) hides none of the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import optax
+import pytest
+
+import jaxzero as jz
+from jaxzero import gpu
+from jaxzero.gpu.models import abstract_params, batch_shapes, make_loss, model_shape
+from jaxzero.zero.offload.parts import SMALL
+
+N = 8
+SCALARS = 1024  # bytes: the scalars a step moves beside the state (its step count)
+
+
+def _shape(layers):
+    return model_shape(layers=layers, hidden=256, heads=2, vocab=512, seq=64, batch=1)
+
+
+def _transfers(layers, deferred):
+    """The compiled step's host transfers: the exact step, or (``deferred``) a step with an
+    update pending (the state the first deferred step returns)."""
+    shape = _shape(layers)
+    mesh = gpu.compile_only_mesh("h100", N)
+    params, batch = abstract_params(shape), batch_shapes(shape, N)
+    kw = {"offload_update": "deferred"} if deferred else {}
+    zero = jz.ZeRO(
+        optax.adam(1e-3),
+        mesh,
+        stage=3,
+        precision="bf16",
+        layers="layers",
+        offload="optimizer",
+        **kw,
+    )
+    step = jz.make_train_step(make_loss(shape), zero)
+    state = params
+    if deferred:
+        with jax.set_mesh(mesh):
+            state = jax.eval_shape(step.jitted, zero.abstract_state(params), batch)[0]
+    return gpu.compile_report(step, state, batch).host_transfers
+
+
+def _state_bytes(layers):
+    """``(per layer of the stack, outside it or read whole)``: the fp32 master, mu and nu
+    bytes per device (12 a local element), by the sharding rule (a leaf split 8 ways on its
+    largest divisible dimension, the stack's layer axis skipped). A stacked leaf of at most
+    ``SMALL`` elements (a norm's scale) is read and written whole by the streamed update, as
+    the leaves outside the stack are: its bytes count with theirs."""
+    layer = outside = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(abstract_params(_shape(layers)))[0]:
+        stack = path[0].key == "layers" and math.prod(x.shape) > SMALL
+        dims = x.shape[1:] if path[0].key == "layers" else x.shape
+        n = math.prod(dims) // (N if any(d % N == 0 for d in dims) else 1)
+        if stack:
+            layer += 12 * n
+        else:
+            outside += 12 * n * (layers if path[0].key == "layers" else 1)
+    return layer, outside
+
+
+@pytest.mark.parametrize("layers", [24])
+def test_the_deferred_update_hides_what_only_layer_0_and_1_leave_exposed(layers):
+    """A step with an update pending moves the exact step's bytes, and hides all but layer
+    0's rows both ways, layer 1's fetch and the leaves outside the stacks (and the stack's
+    small ones) both ways: at 24 layers 90% or more, where the exact step hides nothing."""
+    exact, deferred = _transfers(layers, False), _transfers(layers, True)
+    layer, outside = _state_bytes(layers)
+    state = layers * layer + outside
+    for t in (exact, deferred):  # the state each way, and a few scalars (the step count)
+        assert 0 <= t.h2d_bytes - state <= SCALARS and 0 <= t.d2h_bytes - state <= SCALARS
+    assert exact.hidden_bytes <= SCALARS
+    assert deferred.exposed_bytes <= 3 * layer + 2 * (outside + SCALARS)
+    assert deferred.share >= 0.9
