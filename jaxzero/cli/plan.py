@@ -1057,6 +1057,7 @@ _DEFAULTS = {
     "prefetch": None,
     "quantize": None,
     "hpz_partition_size": None,
+    "offload_update": None,
 }
 _KINDS = ("all-gather", "reduce-scatter", "all-to-all")
 
