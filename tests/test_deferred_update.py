@@ -127,7 +127,9 @@ def _assert_is_optax(state, tx, params, loss_fn, batches):
 def test_deferred_steps_then_flush_give_plain_optax(stage, name, accum):
     """Three steps, each applying the stacks' rows the step before left (with micro-batches,
     before the first), then a flush: plain optax's three updates. Before the flush the
-    stacks' master is a step behind (farther from optax than the tolerance)."""
+    stacks' master is a step behind (farther from optax than the tolerance); where the next
+    forward runs the rows (stage 3, one micro-batch), the stacks' kernel state is in the
+    packed rows alone, and the tree holds empty placeholders."""
     _deferred_steps_are_optax(stage, name, accum, L)
 
 
@@ -160,12 +162,32 @@ def _deferred_steps_are_optax(stage, name, accum, layers):
     assert np.abs(stale[1:] - want[1:]).min() > 1e-2
     if name == "clip_adamw":
         assert float(metrics["grad_norm"]) > 0.05
-    behind = _gathered(state.master)["layers"]
+    packed = stage == 3 and accum == 1  # the next forward runs the rows: the state packed
+    assert (state.pending.packed is not None) == packed
+    if packed:  # the stacks' kernel state lives in the packed rows alone, none in the tree
+        kernels = [state.master["layers"]["w"], *_moments(state.opt_state, "w")]
+        assert all(x.shape[0] == 0 and x.nbytes == 0 for x in kernels)
+        want_bytes = 3 * 4 * layers * D * W  # master, mu, nu: fp32 each
+        assert sum(x.nbytes for x in state.pending.packed) == want_bytes
+    else:
+        behind = _gathered(state.master)["layers"]
     state = step.flush(state)
     assert state.pending is None and int(state.step) == len(batches)
     atol = _assert_is_optax(state, tx, params, loss_fn, batches)
-    assert tolerance.max_distance(behind, _gathered(state.master)["layers"]) > 20 * atol
+    if not packed:
+        assert tolerance.max_distance(behind, _gathered(state.master)["layers"]) > 20 * atol
     assert step.flush(state) is state  # nothing pending: as it is
+
+
+def _moments(opt_state, name):
+    """Adam's mu and nu leaves of the stack's ``name`` in ``opt_state``."""
+    found = []
+    for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if "layers" in keys and name in keys:
+            found.append(x)
+    assert len(found) == 2, found
+    return found
 
 
 def _forward_loop_updates(step, state, batch) -> bool:

@@ -39,6 +39,9 @@ class Pending(struct.PyTreeNode):
         pending, and the tree's leaves are stale. None: the tree's leaves.
       packing: how ``packed`` holds them (a
         :class:`~jaxzero.zero.offload.packed.PackedRows`), or None.
+      stale: ``(flat index, shape, dtype name, PartitionSpec)`` of each state leaf whose rows
+        ``packed`` holds: the state keeps an empty placeholder there (its layer dimension 0,
+        no bytes) until the rows are unpacked (:func:`with_stale`).
     """
 
     values: tuple
@@ -46,6 +49,7 @@ class Pending(struct.PyTreeNode):
     rows: tuple = struct.field(pytree_node=False)
     packed: tuple | None = None
     packing: Any = struct.field(pytree_node=False, default=None)
+    stale: tuple = struct.field(pytree_node=False, default=())
 
 
 class TrainState(struct.PyTreeNode):

@@ -19,6 +19,7 @@ from jaxzero.zero import collectives
 from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig
+from jaxzero.zero.offload.placement import host_sharding
 
 
 def master_view(zero: ZeROConfig, state: TrainState):
@@ -240,11 +241,11 @@ def apply_gradients(
     )
     pending = None
     if deferred:
-        outs, values, rows, packed = outs
+        outs, values, rows, (packed, packing, stale) = outs
         # the arguments the rows trace the update with again: only their shapes are read
         leaves, tree = jax.tree.flatten((pinned, model_state, grad_scale))
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
-        pending = Pending(values, (tree, shapes), rows, *packed)
+        pending = Pending(values, (tree, shapes), rows, packed, packing)
     new_master, opt_state, new_ema, compute, finite, norm = outs
     if deferred:  # the stacks' compute params: the old ones until the rows run
         compute = _with_rows(compute, state.params, rows)
@@ -271,8 +272,43 @@ def apply_gradients(
     if state.model_state is not None and model_state is not None:
         new_state = new_state.replace(model_state=keep(model_state, state.model_state))
     metrics = _metrics(zero, state, new_state, norm, finite)
+    # the state leaves packed rows now hold, passed through the update unchanged (by identity)
+    ids = {id(x) for x in stale} if deferred else set()
+    stale = [i for i, x in enumerate(jax.tree.leaves(new_state)) if id(x) in ids]
     new_state = zero.placement.constrain(new_state, layout.shardings)
-    return (new_state if pending is None else with_pending(new_state, pending)), metrics
+    if pending is None:
+        return new_state, metrics
+    if stale:  # the rows are in the packed buffers: the state keeps empty placeholders
+        new_state, stale = _placeholders(new_state, stale, layout.shardings)
+        pending = pending.replace(stale=stale)
+    return with_pending(new_state, pending), metrics
+
+
+def _placeholders(state: TrainState, stale, shardings):
+    """``(state, stale)``: ``state`` with an empty placeholder at each flat leaf index of
+    ``stale`` (its layer dimension 0, in that leaf's sharding of ``shardings``), and
+    :attr:`~jaxzero.train.state.Pending.stale`'s record of what each stood for."""
+    flat, tree = jax.tree.flatten(state)
+    where = jax.tree.leaves(shardings)
+    record = []
+    for i in stale:
+        x = flat[i]
+        record.append((i, tuple(x.shape), jnp.dtype(x.dtype).name, where[i].spec))
+        flat[i] = jax.device_put(jnp.zeros((0, *x.shape[1:]), x.dtype), where[i])
+    return jax.tree.unflatten(tree, flat), tuple(record)
+
+
+def _restored(zero: ZeROConfig, state: TrainState, stale) -> TrainState:
+    """``state`` with each placeholder of ``stale`` (:func:`_placeholders`) a leaf of its
+    shape again, zeros in pinned host memory: the update is traced on the real shapes, and
+    nothing reads them but an unpacking, which writes every row first (a step whose forward
+    runs the rows never reads them: XLA removes them)."""
+    if not stale:
+        return state
+    flat, tree = jax.tree.flatten(state)
+    for i, shape, dtype, spec in stale:
+        flat[i] = jax.device_put(jnp.zeros(shape, dtype), host_sharding(zero.mesh, spec))
+    return jax.tree.unflatten(tree, flat)
 
 
 def _with_rows(compute, params, rows):
@@ -354,7 +390,7 @@ def _pending_call(zero: ZeROConfig, state: TrainState, plan, ema):
     pending: ``(state with nothing pending, positional arguments, keywords, the update's
     specs, the state's layout)``."""
     pending = state.pending
-    state = with_pending(state, None)
+    state = _restored(zero, with_pending(state, None), pending.stale)
     tree, shapes = pending.avals
     grads, model_state, grad_scale = jax.tree.unflatten(tree, shapes)
     update, master, specs, layout, sums = _streamed(zero, state, plan, ema, model_state, grad_scale)

@@ -479,11 +479,12 @@ class HostMemory(DeviceMemory):
         parts of the layer stacks' state are left undone (``stream.run(..., defer=)``), and
         the call returns ``(outputs, pending, rows, packed)``: the outputs with those state
         leaves unchanged and their compute leaves None, what :meth:`run_pending` reads, the
-        flat params leaves whose compute rows it gives, and ``(buffers, layout)``: those state
-        leaves' :class:`~jaxzero.zero.offload.packed.PackedRows` buffers and layout, the
-        buffers ``packed`` when given (the forward's loop wrote the rows there, and the leaves
-        are stale), else packed from the leaves with ``pack=True`` (``(None, None)`` without,
-        or when they cannot be packed)."""
+        flat params leaves whose compute rows it gives, and ``(buffers, layout, leaves)``:
+        the :class:`~jaxzero.zero.offload.packed.PackedRows` buffers and layout of the state
+        leaves the rows rewrite and those leaves (as the outputs pass them through, stale),
+        the buffers ``packed`` when given (the forward's loop wrote the rows there), else
+        packed from the leaves with ``pack=True`` (``(None, None, ())`` without, or when
+        they cannot be packed)."""
         fn, args, kw = self._streamed(
             zero,
             update,
@@ -502,20 +503,20 @@ class HostMemory(DeviceMemory):
         compute = jax.tree.leaves(outs[3], is_leaf=lambda x: x is None)
         rows = tuple(j for j, x in enumerate(compute) if x is None)
         if packed is None and not pack:
-            return outs, pending, rows, (None, None)
+            return outs, pending, rows, (None, None, ())
         flat = jax.tree.leaves(args, is_leaf=remainder.is_stored)
         r = DeferredRows(fn, None, flat, defer, kw, (), rows, 0)
         held, specs = r.leaves(), r.leaf_specs()
         layout = PackedRows.of(zero.mesh, held, specs)
         if layout is None:
-            return outs, pending, rows, (None, None)
+            return outs, pending, rows, (None, None, ())
         if packed is None:
             packed = layout.packed(held, specs)
         # in pinned host memory, as the next step reads them (whatever a shard_map's output
         # reports as its memory kind)
         where = host_sharding(zero.mesh, layout.spec)
         packed = tuple(jax.device_put(x, where) for x in packed)
-        return outs, pending, rows, (packed, layout)
+        return outs, pending, rows, (packed, layout, tuple(held))
 
     def run_pending(self, zero, update, state, *args, **kw):
         """The layer stacks' rows that :meth:`run_update` with ``defer=True`` left undone,
