@@ -189,7 +189,8 @@ def test_offload_cost_restates_zero_infinity_and_adds_the_exposed_transfer():
     """LLaMA-7B's 6.74e9 parameters at N = 8, one 2048-token sequence per GPU, 16 bytes of
     state per parameter streamed both ways: ZeRO-Infinity's ait is seq x bsz x N / 4 = 4096
     FLOP/B, and at 55 GB/s and half the H100's 989.4 TFLOPS its efficiency is
-    4096 * 55e9 / (4096 * 55e9 + 494.7e12) = 0.3129. The step adds only the exposed bytes."""
+    4096 * 55e9 / (4096 * 55e9 + 494.7e12) = 0.3129. The step adds only the exposed bytes,
+    and a hidden transfer longer than the compute it overlaps sets the step's length."""
     params, seq, n = 6_738_415_616, 2048, 8
     state = 16 * params // n
     cost = offload_cost(_fake_report(state, state, state), params, seq)
@@ -202,7 +203,12 @@ def test_offload_cost_restates_zero_infinity_and_adds_the_exposed_transfer():
     # nothing overlapped: the step's efficiency is the formula's
     assert 1 / cost.slowdown == pytest.approx(cost.formula_efficiency)
     half = offload_cost(_fake_report(state, state, state, hidden=state), params, seq, gbps=25)
-    assert half.step_seconds == pytest.approx(compute + state / 25e9)
+    assert state / 25e9 > compute  # the hidden half takes longer than the compute it is under
+    assert half.step_seconds == pytest.approx(state / 25e9 + state / 25e9)
+    # eight times the tokens: the compute covers the hidden half, and the exposed one adds
+    longer = offload_cost(_fake_report(state, state, state, hidden=state), params, 8 * seq)
+    assert 8 * compute > state / 55e9
+    assert longer.step_seconds == pytest.approx(8 * compute + state / 55e9)
     with pytest.raises(ValueError, match=r"gbps=0 must be a positive number of GB/s"):
         offload_cost(_fake_report(state, state, state), params, seq, gbps=0)
 

@@ -88,9 +88,15 @@ class OffloadCost:
         return (self.bytes - self.hidden_bytes) / (self.gbps * 1e9)
 
     @property
+    def hidden_seconds(self) -> float:
+        return self.hidden_bytes / (self.gbps * 1e9)
+
+    @property
     def step_seconds(self) -> float:
-        """Compute plus the exposed transfer."""
-        return self.compute_seconds + self.exposed_seconds
+        """The compute, or the hidden transfer where it is the longer (the copies the
+        schedule overlaps with compute still take the link's time: a window shorter than its
+        copies waits for them), plus the exposed transfer."""
+        return max(self.compute_seconds, self.hidden_seconds) + self.exposed_seconds
 
     @property
     def slowdown(self) -> float:
