@@ -24,6 +24,9 @@ The model is :mod:`jaxzero.gpu.models`' GPT decoder, scanned and rematerialised 
   on the host as a 16-bit remainder beside the bf16 params, decision 47),
   ``optimizer+bf16state`` (``jz.with_state_dtype(tx, jnp.bfloat16)``: Adam's moments stored in
   bfloat16) and ``optimizer,remainder+bf16state`` (both);
+* named in ``--offloads`` only, ``optimizer+deferred``
+  (``ZeRO(offload="optimizer", offload_update="deferred")``: each layer's update inside the
+  next forward's layer loop, decision 51), predicted from a step with an update pending;
 * with ``--fraction F``, ``offload="optimizer"`` at ``offload_fraction=F``: pass the fraction
   that ``jaxzero plan --offload auto --gpu-memory SIZE`` picks for the same model, to time
   what ``auto`` would run on a GPU of SIZE (the plan compiles deviceless, off the GPU's time).
@@ -58,15 +61,17 @@ from jaxzero.gpu.models import abstract_params, make_loss, model_shape  # noqa: 
 from jaxzero.gpu.offload_cost import offload_cost, step_flops  # noqa: E402
 from jaxzero.gpu.topology import gpu_kind_of  # noqa: E402
 
-#: ``(offload, state dtype, label)`` of each jaxzero row; the first three run by default, the
-#: opt-in byte savers (the master as a remainder, bf16 Adam moments, both) when named
+#: ``(offload, state dtype, offload_update, label)`` of each jaxzero row; the first three run
+#: by default, the opt-in byte savers (the master as a remainder, bf16 Adam moments, both) and
+#: the update inside the next forward (``offload_update="deferred"``) when named
 OFFLOADS = (
-    (None, None, "off"),
-    ("optimizer", None, "optimizer"),
-    (("optimizer", "params"), None, "optimizer,params"),
-    (("optimizer", "remainder"), None, "optimizer,remainder"),
-    ("optimizer", jnp.bfloat16, "optimizer+bf16state"),
-    (("optimizer", "remainder"), jnp.bfloat16, "optimizer,remainder+bf16state"),
+    (None, None, None, "off"),
+    ("optimizer", None, None, "optimizer"),
+    (("optimizer", "params"), None, None, "optimizer,params"),
+    (("optimizer", "remainder"), None, None, "optimizer,remainder"),
+    ("optimizer", jnp.bfloat16, None, "optimizer+bf16state"),
+    (("optimizer", "remainder"), jnp.bfloat16, None, "optimizer,remainder+bf16state"),
+    ("optimizer", None, "deferred", "optimizer+deferred"),
 )
 DEFAULT_OFFLOADS = ("off", "optimizer", "optimizer,params")
 
@@ -102,7 +107,7 @@ def time_plain(loss_fn, abstract, batch, accum, rounds, steps) -> float:
     return median_step_ms(step, (master, tx.init(master)), batch, rounds, steps)
 
 
-def _zero(mesh, offload, fraction=1.0, state_dtype=None):
+def _zero(mesh, offload, fraction=1.0, state_dtype=None, update=None):
     tx = optax.adam(1e-4)
     return jz.ZeRO(
         tx if state_dtype is None else jz.with_state_dtype(tx, state_dtype),
@@ -112,17 +117,23 @@ def _zero(mesh, offload, fraction=1.0, state_dtype=None):
         layers="layers",
         offload=offload,
         offload_fraction=fraction,
+        offload_update=update,
     )
 
 
-def _planned(step, loss_fn, mesh, offload, accum, fraction, state_dtype):
-    """The step to read the prediction from: ``step`` itself on a GPU; off one (``--tiny``
-    on a CPU, whose compiles report no host memory) the same step compiled deviceless for
-    one H100 (jax's CUDA plugin, no GPU needed)."""
-    if gpu_kind_of(mesh) is not None:
-        return step
-    zero = _zero(gpu.compile_only_mesh("h100", 1), offload, fraction, state_dtype)
-    return jz.make_train_step(loss_fn, zero, accum_steps=accum)
+def _planned(step, loss_fn, mesh, abstract, batch, accum, *options):
+    """``(step, state)`` to read the prediction from: ``step`` itself on a GPU; off one
+    (``--tiny`` on a CPU, whose compiles report no host memory) the same step compiled
+    deviceless for one H100 (jax's CUDA plugin, no GPU needed). ``options``: :func:`_zero`'s
+    after the mesh. The state: the abstract params, or with ``offload_update="deferred"`` the
+    steady state, a step with an update pending (what the first step returns)."""
+    zero = _zero(mesh if gpu_kind_of(mesh) else gpu.compile_only_mesh("h100", 1), *options)
+    if gpu_kind_of(mesh) is None:
+        step = jz.make_train_step(loss_fn, zero, accum_steps=accum)
+    if zero.offload_update != "deferred":
+        return step, abstract
+    with jax.set_mesh(zero.mesh):
+        return step, jax.eval_shape(step.jitted, zero.abstract_state(abstract), batch)[0]
 
 
 def main(argv=None) -> None:
@@ -142,7 +153,8 @@ def main(argv=None) -> None:
         default=list(DEFAULT_OFFLOADS),
         help="the jaxzero rows to time, in this order (default: %(default)s); 'remainder' keeps the fp32 "
         "master as a 16-bit remainder beside the bf16 params, '+bf16state' stores Adam's "
-        "moments in bfloat16 (jz.with_state_dtype)",
+        "moments in bfloat16 (jz.with_state_dtype), '+deferred' runs each layer's update inside "
+        "the next forward (offload_update='deferred')",
     )
     ap.add_argument(
         "--fraction",
@@ -179,14 +191,14 @@ def main(argv=None) -> None:
         ms = time_plain(loss_fn, abstract, batch, accum, args.rounds, args.steps)
         rows.append(("plain jax.jit optax", accum, ms, tokens, compute * 1e3, "-"))
         print(f"plain, accum {accum}: {ms:.2f} ms", file=sys.stderr, flush=True)
-        named = {label: (off, sdt) for off, sdt, label in OFFLOADS}
+        named = {label: (off, sdt, upd) for off, sdt, upd, label in OFFLOADS}
         # in the order given, so a time-boxed run measures the rows it names first
-        fractions = [(named[lab][0], lab, 1.0, named[lab][1]) for lab in args.offloads]
+        fractions = [(named[lab][0], lab, 1.0, *named[lab][1:]) for lab in args.offloads]
         if args.fraction is not None:
             label = f"optimizer, fraction {args.fraction:g}"
-            fractions.append(("optimizer", label, args.fraction, None))
-        for off, label, fraction, sdt in fractions:
-            zero = _zero(mesh, off, fraction, sdt)
+            fractions.append(("optimizer", label, args.fraction, None, None))
+        for off, label, fraction, sdt, update in fractions:
+            zero = _zero(mesh, off, fraction, sdt, update)
             try:
                 step = jz.make_train_step(loss_fn, zero, accum_steps=accum)
             except ValueError as e:
@@ -196,8 +208,9 @@ def main(argv=None) -> None:
             predicted, moved = compute, "-"  # nothing crosses PCIe without offload
             if off:
                 shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-                planned = _planned(step, loss_fn, mesh, off, accum, fraction, sdt)
-                report = gpu.compile_report(planned, abstract, shapes, kind=kind)
+                options = (off, fraction, sdt, update)
+                planned, state = _planned(step, loss_fn, mesh, abstract, shapes, accum, *options)
+                report = gpu.compile_report(planned, state, shapes, kind=kind)
                 cost = offload_cost(
                     report, shape.num_params, tokens, kind=kind, gbps=args.pcie_gbps
                 )
