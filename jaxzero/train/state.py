@@ -40,8 +40,8 @@ class Pending(struct.PyTreeNode):
       packing: how ``packed`` holds them (a
         :class:`~jaxzero.zero.offload.packed.PackedRows`), or None.
       stale: ``(flat index, shape, dtype name, PartitionSpec)`` of each state leaf whose rows
-        ``packed`` holds: the state keeps an empty placeholder there (its layer dimension 0,
-        no bytes) until the rows are unpacked (:func:`with_stale`).
+        ``packed`` holds: the state keeps a placeholder there (one element per device)
+        until the rows are unpacked.
     """
 
     values: tuple

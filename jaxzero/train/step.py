@@ -23,11 +23,13 @@ from jaxzero.train import pmap_leftovers
 from jaxzero.train.grads import local_gradients
 from jaxzero.train.nvme_step import make_nvme_train_step
 from jaxzero.train.optimizer import ZeRO
-from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh
+from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh, with_pending
 from jaxzero.train.update import (
     apply_gradients,
     apply_pending,
+    drop_stale,
     pending_rows,
+    restored_shapes,
     rows_in_forward,
     with_rows,
 )
@@ -235,6 +237,8 @@ class TrainStep:
             if why is None:
                 raise
             raise ValueError(why) from e
+        # the first step that packs the stacks' rows returns their tree leaves whole
+        state = drop_stale(state)
         self._pace(metrics)
         if "loss_scale_at_min" in metrics and self.zero.loss_scale.on_min != "ignore":
             self._check_min_scale(state, metrics)
@@ -385,7 +389,7 @@ def make_train_step(
         flush = lambda s: apply_pending(
             zero, s, plan=zero.plan(s.params, accum_steps=accum_steps), ema=ema
         )
-        flushing = jax.jit(flush, donate_argnums=donated)
+        flushing = _Flushing(zero, flush, donated)
     # what the step built will not do (nothing is traced yet)
     unused = zero.path.unused_layers(accum_steps)
     if unused:
@@ -422,6 +426,32 @@ def _on_disk(loss_fn, zero: ZeRO, accum_steps: int, options: dict, ema):
     return make_nvme_train_step(
         loss_fn, dataclasses.replace(zero, nvme=None), zero.nvme, accum_steps=accum_steps, ema=ema
     )
+
+
+@dataclasses.dataclass
+class _Flushing:
+    """:func:`~jaxzero.train.update.apply_pending` jitted with the shardings of the plain
+    state it returns, one compile per state structure: jax pairs a donated input with an
+    output of its shape and dtype, and only looks at memory kinds when the outputs' are
+    given, so the pending gradients (on the device) would otherwise be reused for the
+    master the rows unpack (in host memory)."""
+
+    zero: ZeRO
+    fn: Callable
+    donated: tuple
+    _jitted: dict = dataclasses.field(default_factory=dict)
+
+    def __call__(self, state):
+        key = jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
+        if key not in self._jitted:
+            plain = restored_shapes(with_pending(state, None), state.pending.stale)
+            out = self.zero.state_shardings(plain)
+            self._jitted[key] = jax.jit(self.fn, donate_argnums=self.donated, out_shardings=out)
+        with warnings.catch_warnings():
+            # what the flush consumes (the packed rows, the pending gradients) has no output
+            # of its shape to be reused for: jax says so once per compile
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            return self._jitted[key](state)
 
 
 def _keyed_loss(loss_fn):
@@ -469,15 +499,16 @@ def _step_fn(
         # the layer stacks' update the last step left (offload_update="deferred"): inside the
         # forward's layer loop at stage 3 per layer (one micro-batch), else before the forward
         # (every micro-batch reads the updated params)
+        began = state.pending is not None  # its stale leaves (if any) are placeholders
         if rows_in_forward(zero, state, accum_steps):
             forward, plain = pending_rows(zero, state, plan=plan, ema=ema)
             try:
-                return step_with(plain, batch, plan, forward)
+                return step_with(plain, batch, plan, began, forward)
             except RowsNotRun:  # the stack never ran through one scan_layers call
                 pass
-        return step_with(apply_pending(zero, state, plan=plan, ema=ema), batch, plan)
+        return step_with(apply_pending(zero, state, plan=plan, ema=ema), batch, plan, began)
 
-    def step_with(state, batch, plan, forward=None):
+    def step_with(state, batch, plan, began_pending, forward=None):
         shards = loss_shards(zero, state)
         specs, batch_spec = zero.param_specs(state.params), zero.batch_spec()
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale.scale
@@ -530,6 +561,7 @@ def _step_fn(
             grad_scale=grad_scale,
             plan=plan,
             packed=packed,
+            placeholders=began_pending,
         )
         metrics = {"loss": loss, **metrics}
         if aux is not None:

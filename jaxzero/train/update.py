@@ -6,8 +6,11 @@ Runs under ``jax.jit`` (GSPMD), outside ``shard_map``, so transforms with global
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -201,6 +204,7 @@ def apply_gradients(
     model_state=None,
     grad_scale=None,
     packed=None,
+    placeholders: bool = False,
 ):
     """:meth:`jaxzero.ZeRO.apply_gradients` (see there). ``plan``: the step's per-leaf plan
     (:mod:`jaxzero.zero.plan`), which says which gradients sit in host memory and which are
@@ -214,7 +218,12 @@ def apply_gradients(
     ``pending`` (:func:`apply_pending` applies it), and their params are the old ones.
     ``packed``: the host state leaves of those stacks as packed rows, which the forward's
     layer loop wrote (:func:`with_rows`); where the next forward runs the rows and none are
-    given, the leaves are packed here."""
+    given, the leaves are packed here. The state leaves the packed rows hold are then
+    recorded in the pending update's ``stale``, and with ``placeholders`` (a step whose state
+    came in with placeholders: its update was pending) replaced by placeholders; a step
+    that came in with the real leaves returns them, and :func:`drop_stale` swaps them
+    outside jit (donated leaves in host memory would otherwise be reused for device outputs
+    of their shape, as jax matches donations without memory kinds)."""
     state.check_flushed("the update (apply_gradients)")
     host = plan.mask(grads, leaf_plan.grads_on_host)
     update, master, specs, layout, sums = _streamed(zero, state, plan, ema, model_state, grad_scale)
@@ -278,24 +287,67 @@ def apply_gradients(
     new_state = zero.placement.constrain(new_state, layout.shardings)
     if pending is None:
         return new_state, metrics
-    if stale:  # the rows are in the packed buffers: the state keeps empty placeholders
-        new_state, stale = _placeholders(new_state, stale, layout.shardings)
-        pending = pending.replace(stale=stale)
+    if stale:  # the rows are in the packed buffers: the tree's leaves are stale
+        flat, where = jax.tree.leaves(new_state), jax.tree.leaves(layout.shardings)
+        record = tuple(
+            (i, tuple(flat[i].shape), jnp.dtype(flat[i].dtype).name, where[i].spec) for i in stale
+        )
+        pending = pending.replace(stale=record)
+        if placeholders:
+            new_state = _placeholders(new_state, record, layout.shardings)
     return with_pending(new_state, pending), metrics
 
 
-def _placeholders(state: TrainState, stale, shardings):
-    """``(state, stale)``: ``state`` with an empty placeholder at each flat leaf index of
-    ``stale`` (its layer dimension 0, in that leaf's sharding of ``shardings``), and
-    :attr:`~jaxzero.train.state.Pending.stale`'s record of what each stood for."""
+def placeholder_shape(shape, spec, mesh) -> tuple[int, ...]:
+    """The shape of a stale leaf's placeholder: one element per device, each dimension the
+    number of devices ``spec`` splits it over (1 where it is not split)."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    axes = lambda e: (e,) if isinstance(e, str) else (e or ())
+    return tuple(math.prod(mesh.shape[a] for a in axes(e)) for e in entries)
+
+
+def _placeholders(state: TrainState, stale, shardings) -> TrainState:
+    """``state`` (under jit) with a placeholder (:func:`placeholder_shape`) at each stale
+    leaf of ``stale`` (:attr:`~jaxzero.train.state.Pending.stale`), in its sharding of
+    ``shardings``."""
     flat, tree = jax.tree.flatten(state)
     where = jax.tree.leaves(shardings)
-    record = []
-    for i in stale:
+    for i, shape, dtype, spec in stale:
+        # a value of the step: a constant output is jax's own, in the memory it picks
+        zero = (0 * state.step).astype(dtype)
+        target = placeholder_shape(shape, spec, where[i].mesh)
+        flat[i] = jax.device_put(jnp.broadcast_to(zero, target), where[i])
+    return jax.tree.unflatten(tree, flat)
+
+
+def restored_shapes(state: TrainState, stale) -> TrainState:
+    """``state`` with each placeholder of ``stale`` a ShapeDtypeStruct of the leaf it stands
+    for (the shapes the rows unpack into)."""
+    flat, tree = jax.tree.flatten(state)
+    for i, shape, dtype, _ in stale:
+        flat[i] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    return jax.tree.unflatten(tree, flat)
+
+
+def drop_stale(state: TrainState) -> TrainState:
+    """``state`` (outside jit) with each stale leaf its pending update records
+    (:attr:`~jaxzero.train.state.Pending.stale`) that is still whole replaced by a
+    placeholder, in its sharding: the first step that packs the rows returns them whole.
+    A state without stale leaves comes back as it is."""
+    pending = getattr(state, "pending", None)
+    if pending is None or not pending.stale:
+        return state
+    flat, tree = jax.tree.flatten(state)
+    changed = False
+    for i, shape, dtype, spec in pending.stale:
         x = flat[i]
-        record.append((i, tuple(x.shape), jnp.dtype(x.dtype).name, where[i].spec))
-        flat[i] = jax.device_put(jnp.zeros((0, *x.shape[1:]), x.dtype), where[i])
-    return jax.tree.unflatten(tree, flat), tuple(record)
+        target = placeholder_shape(shape, spec, x.sharding.mesh)
+        if tuple(x.shape) == target:
+            continue
+        zeros = np.zeros(target, dtype)
+        flat[i] = jax.make_array_from_callback(target, x.sharding, lambda idx, z=zeros: z[idx])
+        changed = True
+    return jax.tree.unflatten(tree, flat) if changed else state
 
 
 def _restored(zero: ZeROConfig, state: TrainState, stale) -> TrainState:

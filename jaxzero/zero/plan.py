@@ -83,7 +83,9 @@ class Leaf:
       wire: the encoding of its all-gather and gradient reduction (``"exact"``,
         ``"int8"``, ``"int4"``, ``"int8/int4"``: gather/reduce).
       ema: how the EMA stores it: ``"none"``, ``"per_leaf"`` or ``"rows"``.
-      layout: how its state is laid out: ``"leaf"`` (optax's tree, leaf by leaf).
+      layout: how its state is laid out in host memory: ``"leaf"`` (optax's tree, leaf by
+        leaf), or ``"packed_rows"`` (one row per layer with the stack's other leaves, in two
+        stacks of even and odd layers, while an update is pending: decision 51).
       bytes: per device, ``{"params", "master", "grads", "opt_state", "ema"}``.
     """
 

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.mesh import to_varying, varying_axes
+from jaxzero.mesh import in_host_memory, to_varying, varying_axes
 from jaxzero.zero.collectives import gather_after_recompute
 from jaxzero.zero.layers.backward import (
     accumulated,
@@ -258,7 +258,7 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
             # buffers, an optimization barrier between them (else the second half's transfers
             # are scheduled at the top, beside nothing: decision 44)
             state, a = half(state, 2 * j, False, True)
-            state, b = half(jax.lax.optimization_barrier(state), 2 * j + 1, True, True)
+            state, b = half(_barrier(state), 2 * j + 1, True, True)
             return state, jax.tree.map(lambda *x: jnp.stack(x), a, b)
 
         leaves, held = rows.at(0, leaves, held, pending, owners)
@@ -355,6 +355,32 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
     run = jax.custom_vjp(lambda *args: fwd(*args)[0])
     run.defvjp(fwd, backward)
     return run
+
+
+def _barrier(tree):
+    """``jax.lax.optimization_barrier`` of ``tree``'s leaves, one barrier per set of mesh axes
+    they vary over: a barrier's outputs vary over every axis any of its operands does, and a
+    loop's carry must keep each leaf's (on one device, the stacks are invariant and the
+    activations vary). Each barrier also takes a scalar that exists once every leaf does
+    (summed over the axes: no bytes on one device), so no leaf's consumer moves above another
+    group's producers."""
+    flat, tree_def = jax.tree.flatten(tree)
+    groups: dict = {}
+    for k, x in enumerate(flat):
+        groups.setdefault(varying_axes(x), []).append(k)
+    if len(groups) == 1:
+        return tree_def.unflatten(jax.lax.optimization_barrier(flat))
+    firsts = [
+        jnp.ravel(x)[:1].astype(jnp.float32) for x in flat if jnp.size(x) and not in_host_memory(x)
+    ]
+    axes = tuple(sorted({a for group in groups for a in group}))
+    token = jax.lax.psum(sum(0 * jnp.where(jnp.isfinite(t), t, 0) for t in firsts), axes)
+    for group, ks in groups.items():
+        t = to_varying(token, group)
+        out, _ = jax.lax.optimization_barrier(([flat[k] for k in ks], t))
+        for k, y in zip(ks, out, strict=True):
+            flat[k] = y
+    return tree_def.unflatten(flat)
 
 
 def _token(out):
