@@ -376,3 +376,22 @@ def test_the_state_never_sits_in_memory_whole(tmp_path):
     ]:
         assert got <= bound < on_disk, (got, bound, on_disk, seen)
     assert first <= step + slack < on_disk + params, (first, step + slack, on_disk, seen)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"offload_fraction": 0.5},
+        {"offload": ("optimizer", "remainder"), "precision": "bf16"},
+        {"offload": None},
+    ],
+)
+def test_the_nvme_step_takes_the_whole_optimizer_side_only(tmp_path, kw):
+    """The NVMe step pages the whole optimizer side (master, state, EMA) to disk: a ZeRO that
+    keeps part of it on the device, the master as a remainder or nothing on the host is
+    refused when the step is made, naming what it got."""
+    _, loss_fn, _ = _problem(steps=1)
+    kw = {"offload": "optimizer", "precision": "fp32", **kw}
+    zero = jz.ZeRO(TX, jz.data_parallel_mesh(N), stage=2, **kw)
+    with pytest.raises(ValueError, match="the NVMe step takes ZeRO\\(offload='optimizer'\\)"):
+        make_nvme_train_step(loss_fn, zero, NVMe(str(tmp_path)))

@@ -285,11 +285,11 @@ def make_nvme_train_step(
         raise TypeError(f"nvme must be a jaxzero NVMe(path, ...), got {type(nvme).__name__}.")
     if ema is not None and not isinstance(ema, ShardedEMA):
         raise TypeError(f"ema={ema!r} must be a jaxzero.ShardedEMA or None.")
-    if zero.offloaded() != ("optimizer",) or getattr(place, "fraction", 1.0) != 1.0:
+    if not place.optimizer_side_whole:
         raise ValueError(
             f"the NVMe step takes ZeRO(offload='optimizer') (got offload={zero.offload!r}, "
-            f"offload_fraction={getattr(place, 'fraction', 1.0)}): the state on disk replaces "
-            "the optimizer side in pinned host memory"
+            f"offload_fraction={zero.offload_fraction}): the state on disk replaces the "
+            "optimizer side in pinned host memory"
         )
     user_loss.check_signature(loss_fn, rng=False, stateful=False)
     check_directory(nvme.path)  # a bad directory fails here, before any state is built

@@ -291,6 +291,13 @@ class DeviceMemory:
     #: (``offload_update="deferred"``, decision 51)
     defers = False
 
+    @property
+    def optimizer_side_whole(self) -> bool:
+        """Whether the whole optimizer side (the fp32 master as it is, the optimizer state,
+        the EMA) and nothing else lives in host memory: ``offload="optimizer"`` at fraction 1,
+        what the NVMe tier pages to disk instead."""
+        return False
+
     def stored_master(self, zero, master, params):
         """The state's ``master`` as the placement keeps it: the fp32 tree itself, or (with
         :attr:`remainder`) each leaf that :func:`~.remainder.storable` admits and that the
@@ -391,6 +398,10 @@ class HostMemory(DeviceMemory):
         self.fraction = fraction
         self.remainder = remainder
         self.defers = defers
+
+    @property
+    def optimizer_side_whole(self) -> bool:
+        return not self.params_on_host and self.fraction == 1 and not self.remainder
 
     def stored_master(self, zero, master, params):
         if not self.remainder or master is None:
