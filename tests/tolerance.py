@@ -51,18 +51,31 @@ def _shard_means(loss_fn, n):
     return grad
 
 
+def _host(x) -> np.ndarray:
+    """``x`` on the host in the dtype jax gives it (``jnp.asarray``: a float64 array becomes
+    float32). The distances are taken in numpy, in jax's dtypes, where the same eager jax ops
+    would each be an XLA compile per leaf shape (tens per reference on a fresh model)."""
+    return np.asarray(jnp.asarray(x))
+
+
+def _distance(x, y) -> float:
+    """``max |x - y|``, both in their jax result type (jax's promotion, not numpy's)."""
+    x, y = _host(x), _host(y)
+    dtype = jnp.result_type(x, y)
+    return float(np.max(np.abs(x.astype(dtype) - y.astype(dtype))))
+
+
 def max_distance(a, b) -> float:
     """The largest absolute elementwise distance between two trees of the same structure."""
-    d = jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(jnp.asarray(x) - jnp.asarray(y)))), a, b)
-    return max(jax.tree.leaves(d), default=0.0)
+    return max(jax.tree.leaves(jax.tree.map(_distance, a, b)), default=0.0)
 
 
 def _largest(tree) -> float:
     """The largest magnitude among ``tree``'s floating leaves (an integer leaf such as Adam's
     step count is no value the floor's ulps are of: callers compare those exactly)."""
-    floats = (jnp.asarray(x) for x in jax.tree.leaves(tree))
+    floats = (_host(x) for x in jax.tree.leaves(tree))
     return max(
-        (float(jnp.max(jnp.abs(x))) for x in floats if jnp.issubdtype(x.dtype, jnp.inexact)),
+        (float(np.max(np.abs(x))) for x in floats if jnp.issubdtype(x.dtype, jnp.inexact)),
         default=0.0,
     )
 
