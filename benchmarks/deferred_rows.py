@@ -70,10 +70,9 @@ def main(argv=None) -> None:
         n = f"{layers} layers ({shape.num_params / 1e6:.1f}M params)"
         _, exact = step()
         rows.append((n, "exact (the update after the backward)", exact, params, batch, None))
-        zero, deferred = step(offload_update="deferred")
+        _, deferred = step(offload_update="deferred")
         rows.append((n, "deferred, first step (nothing pending)", deferred, params, batch, None))
-        with jax.set_mesh(mesh):
-            pending = jax.eval_shape(deferred.jitted, zero.abstract_state(params), batch)[0]
+        pending = gpu.steady_state(deferred, params, batch)
         rows.append(
             (n, "deferred, an update pending (rows in the forward)", deferred, pending, batch, None)
         )

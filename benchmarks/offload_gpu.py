@@ -127,13 +127,10 @@ def _planned(step, loss_fn, mesh, abstract, batch, accum, *options):
     deviceless for one H100 (jax's CUDA plugin, no GPU needed). ``options``: :func:`_zero`'s
     after the mesh. The state: the abstract params, or with ``offload_update="deferred"`` the
     steady state, a step with an update pending (what the first step returns)."""
-    zero = _zero(mesh if gpu_kind_of(mesh) else gpu.compile_only_mesh("h100", 1), *options)
     if gpu_kind_of(mesh) is None:
+        zero = _zero(gpu.compile_only_mesh("h100", 1), *options)
         step = jz.make_train_step(loss_fn, zero, accum_steps=accum)
-    if zero.offload_update != "deferred":
-        return step, abstract
-    with jax.set_mesh(zero.mesh):
-        return step, jax.eval_shape(step.jitted, zero.abstract_state(abstract), batch)[0]
+    return step, gpu.steady_state(step, abstract, batch)
 
 
 def main(argv=None) -> None:

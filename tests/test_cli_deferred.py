@@ -64,15 +64,8 @@ def test_gpu_plan_refuses_a_deferred_update_without_its_case():
     ``fit_offload``, is refused before anything compiles."""
     shape = model_shape(layers=2, hidden=256, heads=2, vocab=256, seq=64, batch=1)
     mesh = gpu.compile_only_mesh("h100", 8)
-    zero = jz.ZeRO(
-        optax.adam(1e-3),
-        mesh,
-        stage=3,
-        precision="bf16",
-        layers="layers",
-        offload="optimizer",
-        offload_update="deferred",
-    )
+    kw = dict(stage=3, precision="bf16", layers="layers", offload="optimizer")
+    zero = jz.ZeRO(optax.adam(1e-3), mesh, offload_update="deferred", **kw)
     for kw in ({"cases": [(3, False)]}, {"fit_offload": True}):
         with pytest.raises(ValueError, match="offload_update='deferred'"):
             gpu.plan(zero, shape, **kw)

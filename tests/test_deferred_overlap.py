@@ -39,21 +39,11 @@ def _transfers(layers, deferred):
     shape = _shape(layers)
     mesh = gpu.compile_only_mesh("h100", N)
     params, batch = abstract_params(shape), batch_shapes(shape, N)
-    kw = {"offload_update": "deferred"} if deferred else {}
-    zero = jz.ZeRO(
-        optax.adam(1e-3),
-        mesh,
-        stage=3,
-        precision="bf16",
-        layers="layers",
-        offload="optimizer",
-        **kw,
-    )
+    update = "deferred" if deferred else None
+    kw = dict(stage=3, precision="bf16", layers="layers", offload="optimizer")
+    zero = jz.ZeRO(optax.adam(1e-3), mesh, offload_update=update, **kw)
     step = jz.make_train_step(make_loss(shape), zero)
-    state = params
-    if deferred:
-        with jax.set_mesh(mesh):
-            state = jax.eval_shape(step.jitted, zero.abstract_state(params), batch)[0]
+    state = gpu.steady_state(step, params, batch)  # deferred: a step with an update pending
     return gpu.compile_report(step, state, batch).host_transfers
 
 

@@ -21,7 +21,7 @@ from jaxzero.gpu.models import ModelShape, model_shape
 from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
 from jaxzero.gpu.overlap import OverlapTotal, overlap_per_step
 from jaxzero.gpu.plan import PlanRow, WireTime, plan, plan_cases, wire_time
-from jaxzero.gpu.report import CompileReport, compile_report
+from jaxzero.gpu.report import CompileReport, compile_report, steady_state
 from jaxzero.gpu.targets import GPU_KINDS, GpuSpec, gpu_spec, target_config
 from jaxzero.gpu.topology import (
     INSTALL_HINT,
@@ -49,6 +49,7 @@ __all__ = [
     "collectives_per_step",
     "compile_only_mesh",
     "compile_report",
+    "steady_state",
     "computation_multipliers",
     "gpu_spec",
     "kernel_bytes_per_step",

@@ -21,7 +21,7 @@ from jaxzero.gpu.models import PYTHON_LOOPS, ModelShape, abstract_params, batch_
 from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_time
 from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
 from jaxzero.gpu.offload_fraction import fraction_estimate, limited, or_params, smallest_fraction
-from jaxzero.gpu.report import CompileReport, compile_report
+from jaxzero.gpu.report import CompileReport, compile_report, steady_state
 from jaxzero.gpu.targets import GPU_KINDS
 from jaxzero.gpu.topology import gpu_kind_of
 from jaxzero.memory import MemoryEstimate, estimate_memory, format_bytes
@@ -384,13 +384,11 @@ def _compiler(
     loss_fn, params = make_loss(shape), abstract_params(shape)
 
     def compile_case(case, fraction):
-        case_zero = _zero(zero, case, fraction, names)
-        step = make_train_step(loss_fn, case_zero, ema=sema, accum_steps=accum)
-        state = params
-        if case.get("update") == "deferred":  # the steady state: a step with an update pending
-            state = case_zero.abstract_state(params, ema=sema)
-            with jax.set_mesh(case_zero.mesh):
-                state = jax.eval_shape(step.jitted, state, batch)[0]
+        step = make_train_step(
+            loss_fn, _zero(zero, case, fraction, names), ema=sema, accum_steps=accum
+        )
+        # deferred: the steady state, a step with an update pending
+        state = steady_state(step, params, batch)
         report = compile_report(step, state, batch, kind=gpu, compiler_options=compiler_options)
         return limited(report, gpu_memory)
 

@@ -25,7 +25,7 @@ from jaxzero.memory import format_bytes
 from jaxzero.train.state import TrainState, with_pending
 from jaxzero.zero.offload import placement as host_memory
 
-__all__ = ["TRITON_GEMM_OFF", "CompileReport", "compile_report"]
+__all__ = ["TRITON_GEMM_OFF", "CompileReport", "compile_report", "steady_state"]
 
 # The XLA:GPU of jax 0.10 finds no Triton tiling for some small dots (a ViT's attention output
 # projection over 4 images x 17 tokens per device: "Couldn't find output tile sizes that satisfy
@@ -207,6 +207,26 @@ def _abstract_state(step, state_or_shapes, model_state, rng):
     if packed is not None:
         packed = pending.packing.avals(host_memory.host_sharding(zero.mesh, pending.packing.spec))
     return with_pending(out, pending.replace(values=values, packed=packed))
+
+
+def steady_state(step, param_shapes, batch_shapes):
+    """What to compile ``step`` on for its steady figures: ``param_shapes`` itself, or where
+    the step leaves an update pending (``ZeRO(offload_update="deferred")``) the abstract
+    :class:`~jaxzero.train.state.PendingState` its first step returns (``jax.eval_shape``: the
+    next steps run the pending rows, the first does not).
+
+    Args:
+      step: a :class:`jaxzero.TrainStep`.
+      param_shapes: the params as ShapeDtypeStructs (or arrays).
+      batch_shapes: the global batch's shapes.
+    """
+    zero = step.zero
+    if not zero.placement.defers:
+        return param_shapes
+    state = zero.abstract_state(param_shapes, ema=step.ema)
+    batch = _abstract_batch(step, batch_shapes)
+    with jax.set_mesh(zero.mesh):
+        return jax.eval_shape(step.jitted, state, batch)[0]
 
 
 def _abstract_batch(step, batch_shapes):
