@@ -246,7 +246,12 @@ def apply_gradients(
         specs=specs,
         host=layout.host,
         grads_in_params=not sums,
-        **(dict(defer=True, packed=packed, pack=forward_runs(zero, plan)) if deferred else {}),
+        # the plan's layout says whether the next forward runs the rows from packed rows
+        **(
+            dict(defer=True, packed=packed, pack=any(map(leaf_plan.packed_rows, plan.rows)))
+            if deferred
+            else {}
+        ),
     )
     pending = None
     if deferred:
@@ -420,12 +425,6 @@ def rows_in_forward(zero: ZeROConfig, state: TrainState, accum_steps: int) -> bo
     (decision 51's third stage): stage 3 per layer, one micro-batch. Otherwise
     :func:`apply_pending` runs it before the forward."""
     return state.pending is not None and zero.per_layer and accum_steps == 1
-
-
-def forward_runs(zero: ZeROConfig, plan) -> bool:
-    """Whether the next step of ``plan`` (its micro-batches) runs a pending update in its
-    forward's layer loop (:func:`rows_in_forward`), where the state is kept in packed rows."""
-    return zero.per_layer and plan.accum_steps == 1
 
 
 def pending_rows(zero: ZeROConfig, state: TrainState, *, plan, ema: ShardedEMA | None = None):

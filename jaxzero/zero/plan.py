@@ -299,6 +299,12 @@ def host_sum(row) -> bool:
     return row.accumulate == "host_sum"
 
 
+def packed_rows(row) -> bool:
+    """Whether the leaf's host state is kept in packed rows while an update is pending
+    (the next forward runs the rows: decision 51)."""
+    return row.layout == "packed_rows"
+
+
 def grads_on_host(row) -> bool:
     """Whether the leaf's reduced gradient lands in pinned host memory."""
     return row.grads_memory == "pinned_host"
