@@ -528,11 +528,11 @@ class HostMemory(DeviceMemory):
         layout = PackedRows.of(zero.mesh, held, specs)
         if layout is None:
             return outs, pending, rows, (None, None, ())
-        if packed is None:
-            packed = layout.packed(held, specs)
         # in pinned host memory, as the next step reads them (whatever a shard_map's output
         # reports as its memory kind)
         where = host_sharding(zero.mesh, layout.spec)
+        if packed is None:
+            packed = layout.packed(held, specs)
         packed = tuple(jax.device_put(x, where) for x in packed)
         return outs, pending, rows, (packed, layout, tuple(held))
 
@@ -552,9 +552,8 @@ class HostMemory(DeviceMemory):
         """
         r = self._rows(zero, update, state, *args, **kw)
         if r.layout is not None:  # the rows in optax's tree first, then as unpacked
-            leaves = r.layout.unpacked(r.packed, r.leaves(), r.leaf_specs())
-            flat = list(r.flat)
-            for k, x in zip(r.packs, leaves, strict=True):
+            flat, packs, leaves, specs = list(r.flat), r.packs, r.leaves(), r.leaf_specs()
+            for k, x in zip(packs, r.layout.unpacked(r.packed, leaves, specs), strict=True):
                 flat[k] = x
             r = dataclasses.replace(r, flat=flat, layout=None, packed=None)
         pending, rows = r.pending, r.rows
