@@ -328,9 +328,14 @@ def _placeholders(state: TrainState, stale, shardings) -> TrainState:
 def restored_shapes(state: TrainState, stale) -> TrainState:
     """``state`` with each placeholder of ``stale`` a ShapeDtypeStruct of the leaf it stands
     for (the shapes the rows unpack into)."""
+    return _with_stale(state, stale, lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype))
+
+
+def _with_stale(state: TrainState, stale, leaf) -> TrainState:
+    """``state`` with ``leaf(shape, dtype, spec)`` at each flat leaf index of ``stale``."""
     flat, tree = jax.tree.flatten(state)
-    for i, shape, dtype, _ in stale:
-        flat[i] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    for i, shape, dtype, spec in stale:
+        flat[i] = leaf(shape, jnp.dtype(dtype), spec)
     return jax.tree.unflatten(tree, flat)
 
 
@@ -360,12 +365,10 @@ def _restored(zero: ZeROConfig, state: TrainState, stale) -> TrainState:
     shape again, zeros in pinned host memory: the update is traced on the real shapes, and
     nothing reads them but an unpacking, which writes every row first (a step whose forward
     runs the rows never reads them: XLA removes them)."""
-    if not stale:
-        return state
-    flat, tree = jax.tree.flatten(state)
-    for i, shape, dtype, spec in stale:
-        flat[i] = jax.device_put(jnp.zeros(shape, dtype), host_sharding(zero.mesh, spec))
-    return jax.tree.unflatten(tree, flat)
+    zeros = lambda shape, dtype, spec: jax.device_put(
+        jnp.zeros(shape, dtype), host_sharding(zero.mesh, spec)
+    )
+    return _with_stale(state, stale, zeros)
 
 
 def _with_rows(compute, params, rows):

@@ -523,8 +523,8 @@ class HostMemory(DeviceMemory):
         if packed is None and not pack:
             return outs, pending, rows, (None, None, ())
         flat = jax.tree.leaves(args, is_leaf=remainder.is_stored)
-        r = DeferredRows(fn, None, flat, defer, kw, (), rows, 0)
-        held, specs = r.leaves(), r.leaf_specs()
+        packs = _packs(flat, defer)
+        held, specs = [flat[i] for i in packs], [kw["specs"][i] for i in packs]
         layout = PackedRows.of(zero.mesh, held, specs)
         if layout is None:
             return outs, pending, rows, (None, None, ())
@@ -729,9 +729,8 @@ class DeferredRows:
 
     @property
     def packs(self) -> list[int]:
-        """Those of :attr:`held` whose rows are fetched row by row (large leaves): the ones
-        packed rows hold. A small one (a stack's norm scale) is read and written whole."""
-        return [i for i in self.held if stream_parts.large(self.flat[i].shape)]
+        """Those of :attr:`held` that packed rows hold (:func:`_packs`)."""
+        return _packs(self.flat, self.defer)
 
     def leaves(self) -> list:
         """The host state leaves of :attr:`packs`, as the tree holds them."""
@@ -822,6 +821,17 @@ class DeferredRows:
         in ``held``'s buffers, which the next update carries)."""
         done = jax.tree.unflatten(self.tree, self.with_held(held))
         return done[0], done[1]
+
+
+def _packs(flat, defer) -> list[int]:
+    """The indices of the flat arguments ``flat`` that ``defer`` flags and whose rows the
+    update streams row by row (large leaves): what packed rows hold. A small one (a stack's
+    norm scale) is read and written whole."""
+    return [
+        i
+        for i, (x, d) in enumerate(zip(flat, defer, strict=True))
+        if d and stream_parts.large(x.shape)
+    ]
 
 
 def _stacked(zero, args, host) -> list[bool]:
