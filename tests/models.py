@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import optax
+from tolerance import compiler_options
 
 import jaxzero as jz
 from jaxzero.gpu.models import make_problem
@@ -35,13 +36,15 @@ def stack_problem(**kw):
 
 
 def reference_run(tx, params, loss_fn, batches):
-    """Plain single-device optax on the full global batch."""
+    """Plain single-device optax on the full global batch, compiled with the references'
+    options (:func:`tolerance.compiler_options`)."""
 
-    @jax.jit
     def step(p, s, b):
         g = jax.grad(loss_fn)(p, b)
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
+
+    step = jax.jit(step, compiler_options=compiler_options())
 
     p, s = params, tx.init(params)
     for b in batches:

@@ -35,7 +35,7 @@ ULPS = 16
 
 
 @functools.cache
-def _compiler_options() -> dict:
+def compiler_options() -> dict:
     """The references' compile options: XLA:CPU's elemental fusion emitters where this XLA has
     the choice (jax 0.10's; jax 0.12's has only the MLIR ones). A test_zero transformer case
     compiles each of its three reference steps in 0.18-0.25 s instead of 0.94-1.14 s."""
@@ -48,7 +48,7 @@ def _run(tx, params, loss_fn, batches, grad_fn):
         u, s = tx.update(grad_fn(p, b), s, p)
         return optax.apply_updates(p, u), s
 
-    step = jax.jit(step, compiler_options=_compiler_options())
+    step = jax.jit(step, compiler_options=compiler_options())
 
     p, s = params, tx.init(params)
     for b in batches:
