@@ -1,5 +1,6 @@
 """Test configuration: 8 simulated CPU devices, set before jax starts any backend."""
 
+import gc
 import importlib
 import importlib.util
 import json
@@ -97,7 +98,16 @@ def pytest_deselected(items):
     _deselected_interop.extend(i.nodeid for i in items if i.get_closest_marker("interop"))
 
 
+# Python's cyclic garbage collector less often, and never again over what the collection
+# imported (jax, flax, the test modules: gc.freeze after it): a worker's heap grows with the
+# traced and compiled steps, and each full collection walked all of it. Measured on six modules
+# in one process (179 tests): collections 7.7 -> 0.8 s, user time 96 -> 87 s.
+gc.set_threshold(10_000, 10, 10)
+
+
 def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
     out = getattr(session.config, "workeroutput", None)  # an xdist worker: tell the controller
     if out is not None:
         out["interop_deselected"] = len(_deselected_interop)
