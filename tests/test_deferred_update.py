@@ -249,6 +249,8 @@ def test_at_stage_3_a_stack_gathered_by_gather_layer_runs_its_rows_before_the_fo
         state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
     want, _ = _losses(tx, params, loss_fn, batches)
+    # losses, not the state (tests/tolerance.py's rule is the state's, below): bf16 forwards
+    # on params within that rule, where the params a step behind are 1e-2 away
     np.testing.assert_allclose(losses, want, rtol=1e-5, atol=1e-5)
     _assert_is_optax(step.flush(state), tx, params, loss_fn, batches)
 
@@ -324,6 +326,7 @@ def test_readers_refuse_a_state_with_an_update_pending(tmp_path):
     _assert_is_optax(state, TX["adamw"], params, loss_fn, batches)
     master = _gathered(state.master)
     want = jax.tree.map(lambda p, m: 0.9 * np.asarray(p) + 0.1 * m, params, master)
+    # the EMA's formula replayed in numpy on the gathered master: one rounding per element
     chex.assert_trees_all_close(_gathered(state.ema), want, atol=1e-6, rtol=0)
 
 
@@ -359,6 +362,7 @@ def test_a_flushed_state_checkpoints_and_restores_onto_4_and_8_devices(tmp_path)
             restored, metrics = step_n(restored, b)
             assert restored.pending is not None and bool(metrics["finite"])
             losses.append(float(metrics["loss"]))
+        # losses, not the state: bf16 forwards on params within tests/tolerance.py's rule
         np.testing.assert_allclose(losses, want[2:], rtol=1e-5, atol=1e-5)
         restored = step_n.flush(restored)
         assert restored.pending is None and int(restored.step) == len(batches)

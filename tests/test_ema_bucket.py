@@ -62,6 +62,7 @@ def assert_same(got, want, *, exact, what=""):
         if exact:
             assert x.tobytes() == y.tobytes(), what
         else:
+            # one FMA contraction's rounding (the docstring), not a sum's order: 2 fp32 ulps
             np.testing.assert_allclose(x, y, rtol=2.4e-7, atol=1e-7, err_msg=str(what))
 
 
