@@ -82,8 +82,10 @@ def _losses(tx, params, loss_fn, batches):
     """Plain optax's loss (on the bf16 cast) at each batch, on the params before that batch's
     update and on those a step behind (the first batch's on the initial params)."""
     cast = lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
-    cast_loss = jax.jit(lambda p, b: loss_fn(cast(p), b))
-    grad = jax.jit(jax.grad(cast_loss))
+    options = tolerance.compiler_options()  # the references' compile option
+    on_cast = lambda p, b: loss_fn(cast(p), b)
+    cast_loss = jax.jit(on_cast, compiler_options=options)
+    grad = jax.jit(jax.grad(on_cast), compiler_options=options)
     p, before, s, out = params, params, tx.init(params), []
     for b in batches:
         out.append((float(cast_loss(p, b)), float(cast_loss(before, b))))

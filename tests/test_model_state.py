@@ -67,11 +67,12 @@ def cnn_loss(bn_axis):
 def single_device_reference(tx, params, model_state, batches):
     loss_fn = cnn_loss(None)
 
-    @jax.jit
     def step(p, ms, s, b):
         (_, (ms, _)), g = jax.value_and_grad(loss_fn, has_aux=True)(p, ms, b, None)
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), ms, s
+
+    step = jax.jit(step, compiler_options=tolerance.compiler_options())
 
     s = tx.init(params)
     for b in batches:

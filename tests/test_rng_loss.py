@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tolerance
 
 import jaxzero as jz
 
@@ -51,7 +52,6 @@ def _reference(tx, params, batches, seed):
     on block d with the key fold_in(fold_in(seed key, t), d)."""
     rng = jax.random.PRNGKey(seed)
 
-    @jax.jit
     def step(p, s, b, t):
         def global_loss(p):
             losses = []
@@ -65,6 +65,7 @@ def _reference(tx, params, batches, seed):
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
+    step = jax.jit(step, compiler_options=tolerance.compiler_options())
     p, s, losses = params, tx.init(params), []
     for t, b in enumerate(batches):
         p, s, loss = step(p, s, b, t)
