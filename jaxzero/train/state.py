@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
@@ -39,9 +41,9 @@ class Pending(struct.PyTreeNode):
         pending, and the tree's leaves are stale. None: the tree's leaves.
       packing: how ``packed`` holds them (a
         :class:`~jaxzero.zero.offload.packed.PackedRows`), or None.
-      stale: ``(flat index, shape, dtype name, PartitionSpec)`` of each state leaf whose rows
-        ``packed`` holds: the state keeps a placeholder there (one element per device)
-        until the rows are unpacked.
+      stale: ``(flat index, shape, dtype name, NamedSharding)`` of each state leaf whose
+        rows ``packed`` holds: the state keeps a placeholder there (one element per device,
+        :func:`placeholder_shape`) until the rows are unpacked.
     """
 
     values: tuple
@@ -50,6 +52,70 @@ class Pending(struct.PyTreeNode):
     packed: tuple | None = None
     packing: Any = struct.field(pytree_node=False, default=None)
     stale: tuple = struct.field(pytree_node=False, default=())
+
+    def placeholders(self, state: TrainState) -> TrainState:
+        """``state`` (under jit) with a placeholder at each :attr:`stale` leaf, in its
+        sharding."""
+        # a value of the step: a constant output is jax's own, in the memory it picks
+        zero = lambda dtype: (0 * state.step).astype(dtype)
+        return self._with_stale(
+            state,
+            lambda shape, dtype, where: jax.device_put(
+                jnp.broadcast_to(zero(dtype), placeholder_shape(shape, where)), where
+            ),
+        )
+
+    def restored(self, state: TrainState) -> TrainState:
+        """``state`` (under jit) with each placeholder of :attr:`stale` a leaf of its shape
+        again, zeros in its sharding (pinned host memory): the update is traced on the real
+        shapes, and nothing reads them but an unpacking, which writes every row first (a step
+        whose forward runs the rows never reads them: XLA removes them)."""
+        zeros = lambda shape, dtype, where: jax.device_put(jnp.zeros(shape, dtype), where)
+        return self._with_stale(state, zeros)
+
+    def restored_shapes(self, state: TrainState) -> TrainState:
+        """``state`` with each placeholder of :attr:`stale` a ShapeDtypeStruct of the leaf it
+        stands for (the shapes the rows unpack into)."""
+        return self._with_stale(state, lambda shape, dtype, _: jax.ShapeDtypeStruct(shape, dtype))
+
+    def _with_stale(self, state: TrainState, leaf) -> TrainState:
+        """``state`` with ``leaf(shape, dtype, sharding)`` at each flat leaf index of
+        :attr:`stale`."""
+        flat, tree = jax.tree.flatten(state)
+        for i, shape, dtype, where in self.stale:
+            flat[i] = leaf(shape, jnp.dtype(dtype), where)
+        return jax.tree.unflatten(tree, flat)
+
+
+def placeholder_shape(shape, sharding) -> tuple[int, ...]:
+    """The shape of a stale leaf's placeholder: one element per device, each dimension the
+    number of devices ``sharding``'s spec splits it over (1 where it is not split)."""
+    spec = sharding.spec
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    axes = lambda e: (e,) if isinstance(e, str) else (e or ())
+    return tuple(math.prod(sharding.mesh.shape[a] for a in axes(e)) for e in entries)
+
+
+def drop_stale(state: TrainState) -> TrainState:
+    """``state`` (outside jit) with each stale leaf its pending update records
+    (:attr:`Pending.stale`) that is still whole replaced by a placeholder, in its sharding:
+    the first step that packs the rows returns them whole. A state without stale leaves
+    comes back as it is."""
+    pending = state.pending
+    if pending is None or not pending.stale:
+        return state
+    flat, tree = jax.tree.flatten(state)
+    changed = False
+    for i, shape, dtype, where in pending.stale:
+        target = placeholder_shape(shape, where)
+        if tuple(flat[i].shape) == target:
+            continue
+        zeros = np.zeros(target, dtype)
+        flat[i] = jax.make_array_from_callback(
+            target, flat[i].sharding, lambda idx, z=zeros: z[idx]
+        )
+        changed = True
+    return jax.tree.unflatten(tree, flat) if changed else state
 
 
 class TrainState(struct.PyTreeNode):
@@ -262,7 +328,7 @@ class StateLayout:
     Attributes:
       specs: a :class:`TrainState` of PartitionSpecs (:func:`state_specs`).
       host: ``(master, opt_state, ema)`` as trees of bools, True where the leaf lives in
-        host memory (the placement's ``host_flags``: offload, ``offload_fraction``).
+        host memory (the placement's ``state_shardings``: offload, ``offload_fraction``).
       shardings: a :class:`TrainState` of NamedShardings, memory kinds included.
     """
 
@@ -274,20 +340,12 @@ class StateLayout:
 def state_layout(zero: ZeROConfig, state: TrainState) -> StateLayout:
     """The :class:`StateLayout` of ``state`` (concrete or abstract) under ``zero``: the
     params, the master, the optimizer state and the EMA where ``zero.placement`` keeps them
-    (pinned host memory with offload, the leaves of its ``host_flags`` with
+    (pinned host memory with offload, the leaves of its ``state_shardings`` with
     ``offload_fraction``)."""
     specs = state_specs(zero, state)
-    out = sh.named(zero.mesh, specs)
-    place = zero.placement
-    host = place.host_flags(zero.mesh, state, specs)  # per leaf (offload_fraction: decision 43)
-    where = lambda t, h: place.shardings(zero.mesh, t, h)
-    shardings = out.replace(
-        params=place.param_shardings(zero.mesh, specs.params),
-        master=where(specs.master, host[0]),
-        opt_state=where(specs.opt_state, host[1]),
-        ema=where(specs.ema, host[2]),
-    )
-    return StateLayout(specs, host, shardings)
+    # per leaf (offload_fraction: decision 43)
+    host, placed = zero.placement.state_shardings(zero.mesh, state, specs)
+    return StateLayout(specs, host, sh.named(zero.mesh, specs).replace(**placed))
 
 
 def state_shardings(zero: ZeROConfig, state: TrainState) -> TrainState:

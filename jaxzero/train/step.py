@@ -23,15 +23,18 @@ from jaxzero.train import pmap_leftovers
 from jaxzero.train.grads import local_gradients
 from jaxzero.train.nvme_step import make_nvme_train_step
 from jaxzero.train.optimizer import ZeRO
-from jaxzero.train.state import TrainState, check_not_donated, check_same_mesh, with_pending
+from jaxzero.train.state import (
+    TrainState,
+    check_not_donated,
+    check_same_mesh,
+    drop_stale,
+    with_pending,
+)
 from jaxzero.train.update import (
     apply_gradients,
     apply_pending,
-    drop_stale,
     pending_rows,
-    restored_shapes,
     rows_in_forward,
-    with_rows,
 )
 from jaxzero.trees import batch_rows
 from jaxzero.zero.config import ZeROConfig
@@ -444,7 +447,7 @@ class _Flushing:
     def __call__(self, state):
         key = jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
         if key not in self._jitted:
-            plain = restored_shapes(with_pending(state, None), state.pending.stale)
+            plain = state.pending.restored_shapes(with_pending(state, None))
             out = self.zero.state_shardings(plain)
             self._jitted[key] = jax.jit(self.fn, donate_argnums=self.donated, out_shardings=out)
         with warnings.catch_warnings():
@@ -523,7 +526,7 @@ def _step_fn(
         )
         out_specs = (P(), P(), reducing.grad_specs(state.params), replicated(state.model_state))
         args = (shards, state.model_state, batch, state.rng, state.step, scale)
-        packed = None  # the forward's packed rows of the stacks' state (or None)
+        written = None  # what the forward's layer loop wrote of the pending update (or None)
         if forward is None:
             sm = jax.shard_map(
                 lambda p, m, b, r, t, s: sharded(p, m, b, r, t, s, specs, plan),
@@ -547,8 +550,7 @@ def _step_fn(
             loss, aux, grads, model_state, (held, stacks) = sm(
                 *args, forward.held_values(), forward.pending
             )
-            state = with_rows(zero, state, forward, held, stacks)
-            packed = forward.buffers(held)
+            written = (forward, held, stacks)
         grad_scale = None
         if isinstance(loss, tuple):  # a GlobalMean: (its value, the gradient's factor)
             loss, grad_scale = loss
@@ -560,7 +562,7 @@ def _step_fn(
             model_state=model_state,
             grad_scale=grad_scale,
             plan=plan,
-            packed=packed,
+            forward=written,
             placeholders=began_pending,
         )
         metrics = {"loss": loss, **metrics}

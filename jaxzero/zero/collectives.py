@@ -232,16 +232,17 @@ def reduce_gradients(
 def all_gather(mesh: Mesh, axis: str, tree, specs):
     """Replicate a tree of shards with one explicit ``all_gather`` per sharded leaf (outside
     ``shard_map``; it builds its own), so the collective moves exactly the bytes of the
-    dtype the shards already have."""
+    dtype the shards already have. A None leaf of ``tree`` (one that ``specs`` has a spec
+    for) stays None."""
 
     def gather(x, spec):
         d = spec_dim(spec)
-        if d is None:
+        if x is None or d is None:
             return x
         return jax.lax.all_gather(x, axis, axis=d, tiled=True, to="invarying")
 
     return jax.shard_map(
-        lambda t: jax.tree.map(gather, t, specs),
+        lambda t: jax.tree.map(gather, t, specs, is_leaf=lambda x: x is None),
         mesh=mesh,
         in_specs=(specs,),
         out_specs=jax.tree.map(lambda _: P(), specs),

@@ -200,7 +200,7 @@ def check_params(
 def leaf_columns(zero, rows, owners, sizes, accum_steps: int) -> tuple[list[dict], list[str]]:
     """The per-leaf plan's columns ``offload=`` decides (:mod:`jaxzero.zero.plan`):
     ``memory`` of each params row (its master, optimizer-state and EMA leaves: ``owners``,
-    the row of each such leaf in :meth:`HostMemory.host_flags`' order, None for a leaf that
+    the row of each such leaf in :meth:`HostMemory.state_shardings`' order, None for a leaf that
     mirrors no parameter; ``sizes``: their bytes per device), ``params_memory``, and
     ``grads_memory`` and ``accumulate`` (a stack's or unit's gradient lands in host memory,
     summed into a host accumulator over micro-batches), with ``host_state_bytes`` (the row's
@@ -315,21 +315,17 @@ class DeviceMemory:
         """
         return master
 
-    def shardings(self, mesh: Mesh, specs, host=None):
-        """NamedShardings of a state component's ``specs`` (None stays None); ``host``: the
-        component's :meth:`host_flags`."""
-        return None if specs is None else sh.named(mesh, specs)
-
-    def host_flags(self, mesh: Mesh, state, specs):
-        """``(master, opt_state, ema)`` of ``state`` (a TrainState of arrays, tracers or
-        ShapeDtypeStructs; ``specs``: its PartitionSpecs) as trees of bools, True where the
-        leaf lives in host memory."""
+    def state_shardings(self, mesh: Mesh, state, specs):
+        """Where this placement keeps ``state`` (a TrainState of arrays, tracers or
+        ShapeDtypeStructs; ``specs``: its PartitionSpecs): ``(host, shardings)``, ``host`` the
+        ``(master, opt_state, ema)`` trees of bools, True where the leaf lives in host memory,
+        and ``shardings`` the NamedShardings of ``params``, ``master``, ``opt_state`` and
+        ``ema`` (by name; a component that is None stays None)."""
         flag = lambda t: None if t is None else jax.tree.map(lambda _: False, t)
-        return flag(state.master), flag(state.opt_state), flag(state.ema)
-
-    def param_shardings(self, mesh: Mesh, specs):
-        """NamedShardings of the compute params' ``specs``."""
-        return sh.named(mesh, specs)
+        host = flag(state.master), flag(state.opt_state), flag(state.ema)
+        named = lambda t: None if t is None else sh.named(mesh, t)
+        parts = ("params", "master", "opt_state", "ema")
+        return host, {k: named(getattr(specs, k)) for k in parts}
 
     def fetch(self, x):
         """``x`` (a param shard, or one layer's slice of a stack, inside ``shard_map``) in
@@ -359,7 +355,7 @@ class DeviceMemory:
     ):
         """``update(state, master, grads, *rest)`` where the state lives: here (``zero``: the
         step's ZeRO config; ``specs``: the arguments' PartitionSpecs, ``host``: the state's
-        :meth:`host_flags`, ``grads_in_params``: whether the host gradients sit in the
+        :meth:`state_shardings`' flags, ``grads_in_params``: whether the host gradients sit in the
         params' buffers, and ``defer``: whether the layer stacks' update is left for later,
         which only the host placement reads or does)."""
         if defer:
@@ -429,32 +425,31 @@ class HostMemory(DeviceMemory):
 
         return remainder.store(master, jax.tree.map(copy, master, shards, named))
 
-    def shardings(self, mesh: Mesh, specs, host=None):
-        if specs is None:
-            return None
-        if host is None:
-            return host_shardings(mesh, specs)
+    def state_shardings(self, mesh: Mesh, state, specs):
+        """The master, optimizer state and EMA in pinned host memory: every leaf at
+        ``fraction=1``, else the largest leaves (bytes per device) holding at least
+        ``fraction`` of the three components' bytes
+        (:func:`~jaxzero.zero.offload.fraction.host_leaves`); the params too with
+        ``("optimizer", "params")``."""
+        # where a leaf goes once its flag is known: the host's sharding, or the device's
         one = lambda s, h: host_sharding(mesh, s) if h else NamedSharding(mesh, s)
-        return jax.tree.map(one, specs, host, is_leaf=lambda s: isinstance(s, P))
-
-    def host_flags(self, mesh: Mesh, state, specs):
-        """Every leaf at ``fraction=1``; else the largest leaves (bytes per device) holding at
-        least ``fraction`` of the three components' bytes
-        (:func:`~jaxzero.zero.offload.fraction.host_leaves`)."""
+        where = lambda t, h: None if t is None else jax.tree.map(one, t, h, is_leaf=_is_spec)
+        params = host_shardings if self.params_on_host else sh.named
         parts = (state.master, state.opt_state, state.ema)
         trees = (specs.master, specs.opt_state, specs.ema)
         leaves, treedef = jax.tree.flatten(parts)
-        flat_specs = jax.tree.leaves(trees, is_leaf=lambda s: isinstance(s, P))
+        flat_specs = jax.tree.leaves(trees, is_leaf=_is_spec)
         sizes = [
             math.prod(NamedSharding(mesh, s).shard_shape(x.shape)) * x.dtype.itemsize
             for x, s in zip(leaves, flat_specs, strict=True)
         ]
-        return tuple(jax.tree.unflatten(treedef, host_leaves(sizes, self.fraction)))
-
-    def param_shardings(self, mesh: Mesh, specs):
-        if self.params_on_host:
-            return host_shardings(mesh, specs)
-        return super().param_shardings(mesh, specs)
+        host = tuple(jax.tree.unflatten(treedef, host_leaves(sizes, self.fraction)))
+        names = ("master", "opt_state", "ema")
+        shardings = {
+            "params": params(mesh, specs.params),
+            **{k: where(t, h) for k, t, h in zip(names, trees, host, strict=True)},
+        }
+        return host, shardings
 
     def fetch(self, x):
         return jax.device_put(x, jax.memory.Space.Device) if self.params_on_host else x
@@ -490,7 +485,7 @@ class HostMemory(DeviceMemory):
         ``specs``: the PartitionSpecs of ``(state, master, grads, *rest)``, the state without
         its params and master (the update reads ``master``), the master's per params leaf (a
         stored master's leaf is streamed in its lo's shards, its params leaf's); ``host``: the
-        state's :meth:`host_flags` (a stored master's flagged as its lo).
+        state's :meth:`state_shardings` flags (a stored master's flagged as its lo).
         ``grads_in_params=False``: the host gradients are accumulators apart from the params
         (micro-batches: decision 42), and the new params go back into the params' own
         buffers. ``defer=True`` (``ZeRO(offload_update="deferred")``, decision 51): the
@@ -858,6 +853,10 @@ def check_platform(mesh: Mesh) -> None:
             f"mesh address only {', '.join(kinds)}; train without offload (offload=None), "
             f"or on GPUs/CPUs, which have pinned host memory."
         )
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
 
 
 def host_sharding(mesh: Mesh, spec: P) -> NamedSharding:
