@@ -131,6 +131,11 @@ def test_stage3_without_compute_copy_drops_the_16_bit_params():
     assert fp32 == estimate_memory(phi, n, stage=3, precision="fp32")
     with pytest.raises(ValueError, match=r"compute_copy=False is stage 3's layout \(got stage=2\)"):
         estimate_memory(phi, n, stage=2, compute_copy=False)
+    # parameter offload needs the 16-bit copy apart from the master, as ZeRO says
+    with pytest.raises(
+        ValueError, match=r"compute_copy=False with offload=\('optimizer', 'params'\)"
+    ):
+        estimate_memory(phi, n, stage=3, compute_copy=False, offload=("optimizer", "params"))
     with pytest.raises(TypeError, match=r"compute_copy must be a bool, got 'no'"):
         estimate_memory(phi, n, stage=3, compute_copy="no")
 

@@ -325,7 +325,7 @@ def _stored_master(e):
 
 
 def _check_choices(optimizer, precision, stage, compute_copy=True, offload=None) -> None:
-    check_offload(offload, (0, 1, 2, 3) if stage is None else stage)  # None: every stage
+    offload = check_offload(offload, (0, 1, 2, 3) if stage is None else stage)  # None: all
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     if precision not in PRECISIONS:
@@ -338,6 +338,13 @@ def _check_choices(optimizer, precision, stage, compute_copy=True, offload=None)
         raise ValueError(
             f"compute_copy=False is stage 3's layout (got stage={stage}); below stage 3 the "
             f"16-bit copy is the replicated compute params"
+        )
+    if not compute_copy and params_offloaded(offload):
+        raise ValueError(
+            f"compute_copy=False with offload={offload!r}: parameter offload writes each "
+            f"layer's gradient into its 16-bit params' host buffer, so it needs the 16-bit "
+            f"compute copy apart from the fp32 master (ZeRO refuses the pair too). Use "
+            f"compute_copy=True, or offload='optimizer'."
         )
 
 
