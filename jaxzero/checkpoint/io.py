@@ -834,7 +834,7 @@ def _target(zero: ZeRO, params_or_abstract_state, ema, model_state, rng) -> tupl
         0
         if ema is None
         else sharded_ema.resolve(
-            ema.bucket_leaves_up_to, zero.mesh, zero.stage, zero.placement.update_is_local
+            ema.bucket_leaves_up_to, zero.platform, zero.stage, zero.placement.update_is_local
         )
     )
     return sharded_ema.to_per_leaf(target), threshold

@@ -305,9 +305,9 @@ ALL = 2**62
 
 
 def resolve(
-    max_elements: int | None, mesh: Mesh, stage: int | None = None, streamed: bool = False
+    max_elements: int | None, platform: str, stage: int | None = None, streamed: bool = False
 ) -> int:
-    """The threshold ``ShardedEMA(bucket_leaves_up_to=...)`` means on ``mesh`` at ZeRO
+    """The threshold ``ShardedEMA(bucket_leaves_up_to=...)`` means on a mesh at ZeRO
     ``stage``: None (the default) is per-leaf (0) on CPUs, where benchmarks/ema.py measured
     per-leaf big leaves as fast and every storage is tested; on GPUs every float leaf in rows
     (:data:`ALL`: 4 kernels for 350 leaves instead of one per leaf), except at stage 3, where
@@ -317,7 +317,8 @@ def resolve(
 
     Args:
       max_elements: ``bucket_leaves_up_to`` (None: automatic).
-      mesh: the mesh the EMA is sharded over.
+      platform: the platform of the mesh the EMA is sharded over
+        (:func:`jaxzero.mesh.mesh_platform`: ``"cpu"``, ``"gpu"`` or ``"mixed"``).
       stage: the ZeRO stage (None: no ZeRO).
       streamed: whether the update streams each leaf's EMA beside its master, a chunk at a
         time (offload, decision 32: ``zero.placement.update_is_local``).
@@ -327,7 +328,7 @@ def resolve(
     """
     if max_elements is not None:
         return int(max_elements)
-    if mesh_platform(mesh) != "gpu" or stage == 3 or streamed:
+    if platform != "gpu" or stage == 3 or streamed:
         return 0
     return ALL
 
@@ -627,7 +628,9 @@ def store(ema_state, mesh: Mesh, axis: str, max_elements, stage=None, leaf_specs
     current = ema_state.ema
     per_leaf = current.layout.abstract() if _is_bucketed(current) else current
     specs = None if leaf_specs is None else leaf_specs(per_leaf)
-    layout = bucket_layout(per_leaf, mesh, axis, resolve(max_elements, mesh, stage), specs)
+    layout = bucket_layout(
+        per_leaf, mesh, axis, resolve(max_elements, mesh_platform(mesh), stage), specs
+    )
     if _is_bucketed(current) and current.layout == layout:
         return ema_state
     if layout is None and not _is_bucketed(current):
@@ -679,7 +682,7 @@ def leaf_storage(zero: ZeROConfig, ema: ShardedEMA, params) -> list[str]:
     """The per-leaf plan's ``ema`` column (:mod:`jaxzero.zero.plan`): per params leaf, whether
     ``ema`` keeps it in bucketed ``"rows"`` or ``"per_leaf"`` on ``zero``'s mesh and stage."""
     streamed = zero.placement.update_is_local
-    limit = resolve(ema.bucket_leaves_up_to, zero.mesh, zero.stage, streamed)
+    limit = resolve(ema.bucket_leaves_up_to, zero.platform, zero.stage, streamed)
     layout = bucket_layout(params, zero.mesh, zero.axis, limit, zero.ema_leaf_specs(params))
     rows = layout.rows if layout is not None else [None] * len(jax.tree.leaves(params))
     return ["per_leaf" if r is None else "rows" for r in rows]
@@ -696,7 +699,7 @@ def bucket(zero: ZeROConfig, ema: ShardedEMA, ema_state: EmaState) -> EmaState:
             f"beside its master a chunk at a time, and rows would join every leaf they hold "
             f"into one fetch. Leave bucket_leaves_up_to=None (per leaf with offload)."
         )
-    limit = resolve(ema.bucket_leaves_up_to, zero.mesh, zero.stage, streamed)
+    limit = resolve(ema.bucket_leaves_up_to, zero.platform, zero.stage, streamed)
     where = (zero.mesh, zero.axis, limit, zero.stage, zero.ema_leaf_specs)
     return store(ema_state, *where)
 

@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
-from jaxzero.mesh import mesh_platform
 from jaxzero.train import loss as user_loss
 from jaxzero.train import pmap_leftovers
 from jaxzero.train.grads import local_gradients
@@ -250,7 +249,7 @@ class TrainStep:
     @functools.cached_property
     def _paces(self) -> bool:
         """Whether calls are paced: a mesh of several CPU devices (decided once)."""
-        return self.zero.mesh.size > 1 and mesh_platform(self.zero.mesh) == "cpu"
+        return self.zero.mesh.size > 1 and self.zero.platform == "cpu"
 
     def _wait_for_other_steps(self):
         # On simulated CPU devices, no two steps' programs in flight together (_LAST_ON_CPU).

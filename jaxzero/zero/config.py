@@ -29,7 +29,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.mesh import check_mesh, warn_unnamed_replica_axes
+from jaxzero.mesh import check_mesh, mesh_platform, warn_unnamed_replica_axes
 from jaxzero.precision import DynamicLossScale, Precision, StaticLossScale, check_loss_scale
 from jaxzero.trees import subtree_names
 from jaxzero.zero import collectives
@@ -221,6 +221,13 @@ class ZeROConfig(metaclass=_Canonical):
     def __getstate__(self) -> dict[str, Any]:
         """The fields only: a copy builds its own derived objects (its :attr:`path` is its own)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @functools.cached_property
+    def platform(self) -> str:
+        """``"cpu"``, ``"gpu"`` or ``"mixed"``: the mesh's devices
+        (:func:`jaxzero.mesh.mesh_platform`), which the EMA's default storage and the train
+        step's pacing of simulated devices depend on."""
+        return mesh_platform(self.mesh)
 
     @functools.cached_property
     def activations(self) -> activations.DeviceActivations:
