@@ -6,6 +6,12 @@ reaches a collective long after the others (a loaded laptop or CI machine), XLA 
 whole process once the rendezvous waits past its termination timeout ("Termination timeout
 ... Exiting to ensure a consistent program state"). The timeouts below are raised far above
 anything a healthy run needs, so a slow machine is slow rather than dead.
+
+jax's persistent compilation cache is turned off for several simulated devices: an XLA:CPU
+executable loaded from it loses the order between a program's collectives and those of its
+loops (the loop body is deserialized with a communicator of its own), and a step with
+collectives in a loop (``scan_layers`` at stage 3) then aborts ("Check failed: id <
+num_threads") or hangs on its first launch (decision 52).
 """
 
 from __future__ import annotations
@@ -53,13 +59,42 @@ def simulate_cpu_devices(devices: int | None = None) -> str:
     falling back to the CPU.
     """
     flags = cpu_xla_flags(devices, os.environ.get("XLA_FLAGS", ""))
-    _check_not_started(_device_count(flags))
+    count = _device_count(flags)
+    _check_not_started(count)
     os.environ["XLA_FLAGS"] = flags
-    if "JAX_PLATFORMS" not in os.environ and not gpu_present():
-        import jax
+    import jax
 
+    if "JAX_PLATFORMS" not in os.environ and not gpu_present():
         jax.config.update("jax_platforms", "cpu")
+    if count > 1 and not gpu_present():
+        _no_persistent_cache(jax)
     return os.environ["XLA_FLAGS"]
+
+
+def persistent_cache_dir(jax) -> str | None:
+    """The directory of jax's persistent compilation cache when it is on, else None."""
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    return jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+
+
+def _no_persistent_cache(jax) -> None:
+    """Turn jax's persistent compilation cache off (module docstring: decision 52), saying so
+    when one was configured."""
+    if not jax.config.jax_enable_compilation_cache:
+        return
+    where = persistent_cache_dir(jax)
+    jax.config.update("jax_enable_compilation_cache", False)
+    if where:
+        warnings.warn(
+            f"jaxzero.simulate_cpu_devices turned off jax's persistent compilation cache "
+            f"({where}): an XLA:CPU program loaded from it loses the order of its collectives "
+            f"against its loops, and a step on several simulated devices then aborts or "
+            f"hangs. Unset JAX_COMPILATION_CACHE_DIR / jax_compilation_cache_dir for "
+            f"simulated devices to silence this.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def requested_cpu_devices() -> int | None:

@@ -8,6 +8,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import jaxzero
@@ -138,6 +139,34 @@ def test_simulated_devices_pick_the_cpu_platform_by_the_same_gpu_detection(monke
     with pytest.warns(UserWarning, match=late):
         simulate.simulate_cpu_devices(4)
     assert chosen == []
+
+
+def test_simulated_devices_turn_the_persistent_compilation_cache_off(tmp_path):
+    """On several simulated CPU devices jax's persistent compilation cache is off: a program
+    loaded from it can abort or hang (decision 52). ``simulate_cpu_devices`` turns it off and
+    says so; a step built on a CPU mesh with it on warns, naming the fix."""
+    from jaxzero import simulate
+
+    assert not jax.config.jax_enable_compilation_cache  # tests/conftest.py turned it off
+    saved = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        jax.config.update("jax_enable_compilation_cache", True)
+        mesh = jaxzero.data_parallel_mesh(8)
+        zero = jaxzero.ZeRO(optax.sgd(0.1), mesh, stage=1)
+        with pytest.warns(
+            UserWarning,
+            match=r"persistent compilation cache is on \(.*\) for a step on 8 CPU devices.*jax_enable_compilation_cache",
+        ):
+            jaxzero.make_train_step(lambda p, b: jnp.sum(p["w"] * b), zero)
+        with pytest.warns(UserWarning) as told:
+            simulate.simulate_cpu_devices(8)
+        said = [str(w.message) for w in told]
+        assert any(f"turned off jax's persistent compilation cache ({tmp_path})" in m for m in said)
+        assert not jax.config.jax_enable_compilation_cache
+    finally:
+        jax.config.update("jax_enable_compilation_cache", False)
+        jax.config.update("jax_compilation_cache_dir", saved)
 
 
 def test_quantized_gradients_add_a_second_collective_in_flight():

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero.distributed.runtime import global_batch
 from jaxzero.ema.ema import ShardedEMA
+from jaxzero.simulate import persistent_cache_dir
 from jaxzero.train import loss as user_loss
 from jaxzero.train import pmap_leftovers
 from jaxzero.train.grads import local_gradients
@@ -392,6 +393,18 @@ def make_train_step(
             zero, s, plan=zero.plan(s.params, accum_steps=accum_steps), ema=ema
         )
         flushing = _Flushing(zero, flush, donated)
+    where = persistent_cache_dir(jax)
+    if where and zero.mesh.size > 1 and zero.platform == "cpu":
+        warnings.warn(
+            f"jax's persistent compilation cache is on ({where}) for a step on "
+            f"{zero.mesh.size} CPU devices: an XLA:CPU program loaded from it loses the order "
+            f"of its collectives against its loops, and the step can then abort or hang on "
+            f"its first launch. Turn it off for CPU meshes "
+            f"(jax.config.update('jax_enable_compilation_cache', False)), or set the devices "
+            f"up with jaxzero.simulate_cpu_devices, which does.",
+            UserWarning,
+            stacklevel=2,
+        )
     # what the step built will not do (nothing is traced yet)
     unused = zero.path.unused_layers(accum_steps)
     if unused:
