@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from compile_memo import H100, reuse_gpu_compiles
 
 import jaxzero as jz
 from jaxzero import cli, gpu
@@ -175,11 +176,13 @@ def test_gpu_compiled_half_the_state_offloaded_moves_half_of_it_within_one_leaf(
     assert d2h == host
 
 
-def test_plan_prints_the_host_bytes_per_param(capsys):
+def test_plan_prints_the_host_bytes_per_param(capsys, monkeypatch):
     """``jaxzero plan --offload optimizer`` on a tiny shape (4 x 256 tokens per device, so the
     compact table keeps every column with the bytes per parameter): the host cell is the
     compiled host bytes with their bytes per parameter, 12.0 (fp32 master and Adam) over
-    the model's parameters per GPU, and the legend says what B/param is."""
+    the model's parameters per GPU, and the legend says what B/param is. The compile is
+    tests/test_cli_nvme.py's plan too: one process compiles it once."""
+    reuse_gpu_compiles(monkeypatch, H100)
     argv = ["plan", "--devices", str(N), "--layers", "2", "--hidden", "256", "--heads", "2"]
     argv += ["--vocab", "512", "--seq", "256", "--batch", "4", "--stage", "3"]
     assert cli.main([*argv, "--stage3", "per-layer", "--offload", "optimizer"]) == 0

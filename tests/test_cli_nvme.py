@@ -9,6 +9,7 @@ import re
 
 import optax
 import pytest
+from compile_memo import H100, reuse_gpu_compiles
 
 import jaxzero as jz
 from jaxzero import cli
@@ -37,12 +38,14 @@ def _nvme_row(out: str) -> dict[str, str]:
     return dict(zip(header, cells, strict=True))
 
 
-def test_plan_nvme_prints_the_node_disk_bytes_time_step_and_efficiency(capsys):
+def test_plan_nvme_prints_the_node_disk_bytes_time_step_and_efficiency(capsys, monkeypatch):
     """The disk's bytes each way per node = Adam's 12 bytes per parameter (fp32 master, m, v)
     over the 8 GPUs' shards, times the node's 4 GPUs; read and write times = bytes / rate;
     the disk time their sum; the step = compute + disk (the disk slower than the PCIe copies
     here); ZeRO-Infinity's efficiency = compute / (compute + disk) from the printed compute,
-    and the compute = 8 x params x tokens at half the H100's bf16 peak."""
+    and the compute = 8 x params x tokens at half the H100's bf16 peak. The compile is
+    tests/test_bytes_per_param.py's plan too: one process compiles it once."""
+    reuse_gpu_compiles(monkeypatch, H100)
     argv = [*ARGV, "--offload", "optimizer", "--gpus-per-node", str(NODE)]
     assert cli.main([*argv, "--nvme-gbps", str(READ), str(WRITE)]) == 0
     out = capsys.readouterr().out

@@ -127,7 +127,10 @@ def test_plan_prints_a_compact_table_xla_logs_after_it_and_a_zero_to_paste(capfd
 def test_plan_wide_has_every_column_and_verbose_prints_xlas_lines(capfd, monkeypatch):
     """``--wide`` prints the columns the table had before (the estimate named "formula est."),
     the long verdict and the notes; ``--verbose`` prints XLA's lines as written, after the
-    table. The pick without offload fraction: ``ZeRO(..., offload="optimizer")``."""
+    table. The pick without offload fraction: ``ZeRO(..., offload="optimizer")``. The
+    compile is tests/test_gpu_offload.py's, test_remainder_plan.py's and
+    test_state_dtype.py's plan too: one process compiles it once."""
+    reuse_gpu_compiles(monkeypatch, H100)
     rows = []
     _noisy_plan(monkeypatch, rows)
     assert cli.main([*ARGV, "--offload", "optimizer", "--wide", "--verbose", "--leaves"]) == 0

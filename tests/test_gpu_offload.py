@@ -17,6 +17,7 @@ import math
 import jax
 import optax
 import pytest
+from compile_memo import H100, reuse_gpu_compiles
 from jax.sharding import NamedSharding
 
 import jaxzero as jz
@@ -130,7 +131,10 @@ def test_gpu_compile_report_refuses_a_compile_without_the_host_state():
         report._check_host(step, state, {"host_argument": 0})
 
 
-def test_gpu_plan_cli_offload_prints_device_and_host_bytes(capsys):
+def test_gpu_plan_cli_offload_prints_device_and_host_bytes(capsys, monkeypatch):
+    # the compile of tests/test_cli_plan_output.py's, test_remainder_plan.py's and
+    # test_state_dtype.py's plan too: one process compiles it once
+    reuse_gpu_compiles(monkeypatch, H100)
     argv = ["plan", "--devices", "8", "--layers", "2", "--hidden", "256", "--heads", "2"]
     argv += ["--vocab", "512", "--seq", "16", "--stage", "3", "--stage3", "per-layer"]
     assert cli.main([*argv, "--offload", "optimizer", "--wide"]) == 0

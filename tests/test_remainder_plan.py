@@ -11,6 +11,7 @@ import re
 
 import jax
 import pytest
+from compile_memo import H100, reuse_gpu_compiles
 
 from jaxzero import cli, estimate_memory
 from jaxzero.gpu.models import abstract_params, model_shape
@@ -90,11 +91,14 @@ def _stored_params() -> int:
     return sum(x.size for x in big)
 
 
-def test_plan_remainder_compiles_lower_host_and_pcie_bytes_and_pastes_the_zero(capsys):
+def test_plan_remainder_compiles_lower_host_and_pcie_bytes_and_pastes_the_zero(capsys, monkeypatch):
     """``--offload optimizer,remainder`` against ``--offload optimizer`` (deviceless H100s,
     a 2-layer decoder, stage 3 per layer): host memory and each way over PCIe lower by 1.875
     bytes x the stored parameters per device, within the printed figures' rounding (two
-    decimals of MB each); the paste line spells the ZeRO's offload."""
+    decimals of MB each); the paste line spells the ZeRO's offload. The ``--offload
+    optimizer`` compile is tests/test_gpu_offload.py's, test_state_dtype.py's and
+    test_cli_plan_output.py's plan too: one process compiles it once."""
+    reuse_gpu_compiles(monkeypatch, H100)
     _, fp32 = _row(capsys, "optimizer")
     out, kept = _row(capsys, "optimizer,remainder")
     saved = 1.875 * _stored_params() / N

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 import tolerance
+from compile_memo import H100, reuse_gpu_compiles
 
 import jaxzero as jz
 from jaxzero.gpu.models import make_problem
@@ -131,13 +132,17 @@ PLAN += ["--vocab", "512", "--seq", "16", "--stage", "3", "--stage3", "per-layer
 PLAN += ["--offload", "optimizer", "--wide"]
 
 
-def test_plan_state_dtype_compiles_the_narrow_state_and_says_how_to_build_it(capsys):
+def test_plan_state_dtype_compiles_the_narrow_state_and_says_how_to_build_it(capsys, monkeypatch):
     """``jaxzero plan --state-dtype bf16`` (deviceless H100s, a 2-layer decoder, stage 3 per
     layer, the optimizer offloaded): the compiled step holds the fp32 master and two bf16
     moments in host memory, 8 bytes per parameter where fp32 Adam holds 12, moves that much
-    each way over PCIe, and the paste line wraps the optimizer."""
+    each way over PCIe, and the paste line wraps the optimizer. The fp32 row's compile is
+    tests/test_gpu_offload.py's, test_remainder_plan.py's and test_cli_plan_output.py's
+    plan too: one process compiles it once."""
     from jaxzero import cli
     from jaxzero.memory import parse_bytes
+
+    reuse_gpu_compiles(monkeypatch, H100)
 
     def row(argv):
         assert cli.main(argv) == 0
