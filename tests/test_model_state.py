@@ -215,6 +215,21 @@ def test_stateful_bad_input():
         zero.init(params, model_state={"params": params}, rng=jax.random.key(0))
 
 
+def test_apply_gradients_refuses_a_model_state_of_another_structure():
+    # a hand-written step hands ZeRO.apply_gradients the new model state itself
+    params, model_state, _ = cnn_problem(1)
+    zero = jz.ZeRO(optax.adam(1e-2), jz.data_parallel_mesh(N), stage=2)
+    state = zero.init(params, model_state=model_state, rng=jax.random.key(0))
+    grads = jax.tree.map(jnp.zeros_like, state.params)
+    dropped = {"batch_stats": {"bn1": model_state["batch_stats"]["bn1"]}}
+    update = jax.jit(lambda s, g, m: zero.apply_gradients(s, g, model_state=m))
+    with pytest.raises(
+        ValueError,
+        match=r"model_state changed structure: missing paths \[\"\['batch_stats'\]\['bn2'\]",
+    ):
+        update(state, grads, dropped)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_hand_written_step_equals_make_train_step_bitwise(stage):
     import sys

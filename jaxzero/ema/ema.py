@@ -424,13 +424,11 @@ def _local_shape(shape, d: int | None, n: int) -> tuple[int, ...]:
     return tuple(s // n if i == d else s for i, s in enumerate(shape))
 
 
-def bucket_layout(
-    tree, mesh: Mesh, axis: str, max_elements: int, specs=None
-) -> BucketLayout | None:
+def bucket_layout(tree, mesh: Mesh, axis: str, max_elements: int, specs) -> BucketLayout | None:
     """The bucket layout of a per-leaf EMA ``tree`` (arrays or ShapeDtypeStructs) whose leaves
-    are sharded as ``specs`` says (a tree of PartitionSpecs; None: the plain per-leaf rule,
-    :func:`jaxzero.zero.specs.leaf_spec`; a ZeRO passes its own, which splits layer stacks
-    along a non-layer dimension).
+    are sharded as ``specs`` says (a tree of PartitionSpecs: a ZeRO's rule, which splits layer
+    stacks along a non-layer dimension, or the plain per-leaf rule,
+    :func:`jaxzero.zero.specs.leaf_spec`).
 
     Float leaves whose per-device block has at most
     ``max_elements`` elements go into rows, smallest first (ties in flatten order), at most
@@ -443,11 +441,7 @@ def bucket_layout(
         return None
     n = mesh.shape[axis]
     shapes = [tuple(int(d) for d in np.shape(x)) for x in leaves]
-    if specs is None:
-        specs = [sh.leaf_spec(s, n, axis) for s in shapes]
-    else:
-        specs = treedef.flatten_up_to(specs)
-    dims = tuple(sh.spec_dim(s) for s in specs)
+    dims = tuple(sh.spec_dim(s) for s in treedef.flatten_up_to(specs))
     dtype, small = None, []
     for i, x in enumerate(leaves):
         size = math.prod(_local_shape(shapes[i], dims[i], n))
@@ -627,7 +621,11 @@ def store(ema_state, mesh: Mesh, axis: str, max_elements, stage=None, leaf_specs
     that way."""
     current = ema_state.ema
     per_leaf = current.layout.abstract() if _is_bucketed(current) else current
-    specs = None if leaf_specs is None else leaf_specs(per_leaf)
+    if leaf_specs is None:  # the plain per-leaf rule
+        n = mesh.shape[axis]
+        specs = jax.tree.map(lambda x: sh.leaf_spec(np.shape(x), n, axis), per_leaf)
+    else:
+        specs = leaf_specs(per_leaf)
     layout = bucket_layout(
         per_leaf, mesh, axis, resolve(max_elements, mesh_platform(mesh), stage), specs
     )
@@ -718,9 +716,10 @@ class Shards(NamedTuple):
     state_specs: EmaState
 
 
-def shards(zero: ZeROConfig, master, ema_specs: EmaState) -> Shards:
-    """The :class:`Shards` of an EMA of ``master`` (arrays or shape structs: what
-    :func:`target` makes) on ``zero``'s shards; ``ema_specs``: the EMA state's specs."""
+def shards(zero: ZeROConfig, ema_state: EmaState, master) -> Shards:
+    """The :class:`Shards` of ``ema_state`` (in its storage), an EMA of ``master`` (arrays or
+    shape structs: what :func:`target` makes), on ``zero``'s shards."""
+    ema_specs = state_specs(ema_state, zero.ema_leaf_specs, zero.axis)
     master_specs = zero.shard_specs(master)
     if isinstance(master, dict) and set(master) == {"params", "model_state"}:
         master_specs = {
@@ -735,8 +734,7 @@ def update_on_shards(
 ):
     """:func:`update_on_mesh` on ``zero``'s shards: the master's (``master`` as it is placed, with
     the replicated model state when the EMA also averages it)."""
-    ema_specs = state_specs(ema_state, zero.ema_leaf_specs, zero.axis)
-    where = shards(zero, master, ema_specs)
+    where = shards(zero, ema_state, master)
     return update_on_mesh(ema, ema_state, master, where, step=step, apply=apply)
 
 
@@ -752,16 +750,16 @@ def in_step(
     master,
     model_state,
     *,
-    on_shards: ZeROConfig | None,
+    on_shards: Shards | None,
     step,
     old_step,
     apply,
 ) -> EmaState:
     """The EMA's update inside a train step, after the optax update: ``ema_state`` moved
     towards the new ``master`` (and the step's ``model_state`` when the EMA averages it;
-    None otherwise) where ``apply``. ``on_shards``: the config on whose shards the EMA is
-    updated (:func:`update_on_shards`, a ``shard_map``: decision 8); None: leaf by leaf
-    beside the streamed master (offload, decision 32), where the plain update is local.
+    None otherwise) where ``apply``. ``on_shards``: the :class:`Shards` the EMA is updated on
+    (:func:`update_on_mesh`, a ``shard_map``: decision 8), the state layout's; None: leaf by
+    leaf beside the streamed master (offload, decision 32), where the plain update is local.
     ``step``/``old_step``: the state's step after and before this one.
 
     Raises:
@@ -774,7 +772,7 @@ def in_step(
         )
     averaged = target(master, model_state)
     if on_shards is not None:
-        new = update_on_shards(on_shards, ema, ema_state, averaged, step=step, apply=apply)
+        new = update_on_mesh(ema, ema_state, averaged, on_shards, step=step, apply=apply)
     else:
         new = ema.update(ema_state, averaged, step=step, apply=apply)
     if ema.every == 1 and ema.start_step == 0:

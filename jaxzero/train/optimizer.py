@@ -17,6 +17,7 @@ from jaxzero.ema.ema import EmaState, ShardedEMA
 from jaxzero.train import state as train_state
 from jaxzero.train import update as train_update
 from jaxzero.train.state import TrainState
+from jaxzero.trees import check_same_structure
 from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero.config import ZeROConfig
 from jaxzero.zero.plan import Plan
@@ -216,7 +217,11 @@ class ZeRO(ZeROConfig):
           ``(new_state, metrics)`` with metrics ``grad_norm``, ``finite``, ``skipped``,
           ``step`` (and ``loss_scale`` with a loss scale).
         """
-        plan = self.plan(state.params)
+        if state.model_state is not None and model_state is not None:
+            # the new model state, checked before the update (and its EMA) keeps it (a step's
+            # loss checks its own: jaxzero.train.loss)
+            check_same_structure(state.model_state, model_state, "model_state")
+        plan, layout = self.plan(state.params), train_state.state_layout(self, state)
         return train_update.apply_gradients(
-            self, state, grads, plan=plan, ema=ema, model_state=model_state
+            self, state, grads, plan=plan, layout=layout, ema=ema, model_state=model_state
         )

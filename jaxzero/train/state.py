@@ -214,6 +214,17 @@ def with_pending(state: TrainState, pending: Pending | None) -> TrainState:
     return TrainState(**fields) if pending is None else PendingState(**fields, pending=pending)
 
 
+def split_pending(state: TrainState) -> tuple[TrainState, Pending | None]:
+    """``(plain state, pending)`` (under jit): ``state`` as a plain :class:`TrainState`, each
+    placeholder of its pending update's stale leaves a leaf of its shape again
+    (:meth:`Pending.restored`), and the :class:`Pending` update it carries (None: nothing
+    pending, and ``state`` comes back as it is)."""
+    pending = state.pending
+    if pending is None:
+        return state, None
+    return pending.restored(with_pending(state, None)), pending
+
+
 def _placement(devices, shape=None) -> str:
     ids = sorted(d.id for d in devices)
     shown = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
@@ -301,21 +312,30 @@ def cast(tree, dtype):
 
 def state_specs(zero: ZeROConfig, state: TrainState) -> TrainState:
     """PartitionSpecs for every leaf of ``state`` (concrete or abstract) under ``zero``."""
-    replicated = lambda t: jax.tree.map(lambda _: P(), t)
+    return _specs(zero, state)[0]
+
+
+def _specs(zero: ZeROConfig, state: TrainState):
+    """``(specs, ema_shards)``: :func:`state_specs`, and the
+    :class:`~jaxzero.ema.ema.Shards` the EMA's update reads and writes on ``zero``'s shards
+    (its target's specs and its storage's; None without an EMA)."""
     ema = None
     if state.ema is not None:
-        ema = sharded_ema.state_specs(state.ema, zero.ema_leaf_specs, zero.axis)
-    return TrainState(
+        averaged = sharded_ema.target(state.params, state.model_state)
+        ema = sharded_ema.shards(zero, state.ema, averaged)
+    replicated = lambda t: jax.tree.map(lambda _: P(), t)
+    specs = TrainState(
         step=P(),
         params=zero.param_specs(state.params),
         master=None if state.master is None else stored_specs(zero.shard_specs(state.master)),
         opt_state=zero.shard_specs(state.opt_state),
         skipped=P(),
-        ema=ema,
+        ema=None if ema is None else ema.state_specs,
         loss_scale=None if state.loss_scale is None else replicated(state.loss_scale),
         model_state=None if state.model_state is None else replicated(state.model_state),
         rng=None if state.rng is None else P(),
     )
+    return specs, ema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,11 +350,15 @@ class StateLayout:
       host: ``(master, opt_state, ema)`` as trees of bools, True where the leaf lives in
         host memory (the placement's ``state_shardings``: offload, ``offload_fraction``).
       shardings: a :class:`TrainState` of NamedShardings, memory kinds included.
+      ema_shards: where the EMA's update on the shards reads and writes
+        (:class:`~jaxzero.ema.ema.Shards`: its target's specs and its storage's); None
+        without an EMA.
     """
 
     specs: TrainState
     host: tuple
     shardings: TrainState
+    ema_shards: Any = None
 
 
 def state_layout(zero: ZeROConfig, state: TrainState) -> StateLayout:
@@ -342,10 +366,10 @@ def state_layout(zero: ZeROConfig, state: TrainState) -> StateLayout:
     params, the master, the optimizer state and the EMA where ``zero.placement`` keeps them
     (pinned host memory with offload, the leaves of its ``state_shardings`` with
     ``offload_fraction``)."""
-    specs = state_specs(zero, state)
+    specs, ema = _specs(zero, state)
     # per leaf (offload_fraction: decision 43)
     host, placed = zero.placement.state_shardings(zero.mesh, state, specs)
-    return StateLayout(specs, host, sh.named(zero.mesh, specs).replace(**placed))
+    return StateLayout(specs, host, sh.named(zero.mesh, specs).replace(**placed), ema)
 
 
 def state_shardings(zero: ZeROConfig, state: TrainState) -> TrainState:

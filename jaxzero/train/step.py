@@ -28,6 +28,8 @@ from jaxzero.train.state import (
     check_not_donated,
     check_same_mesh,
     drop_stale,
+    split_pending,
+    state_layout,
     with_pending,
 )
 from jaxzero.train.update import (
@@ -384,15 +386,10 @@ def make_train_step(
         stateful=stateful or bool(rng),
         allow_loss_collectives=allow_loss_collectives,
     )
-    step_fn = _step_fn(zero, reducing, grads_fn, ema, accum_steps)
+    step_fn, flush = _step_fn(zero, reducing, grads_fn, ema, accum_steps)
     donated = (0,) if donate else ()
     jitted = jax.jit(step_fn, donate_argnums=donated)
-    flushing = None
-    if zero.placement.defers:
-        flush = lambda s: apply_pending(
-            zero, s, plan=zero.plan(s.params, accum_steps=accum_steps), ema=ema
-        )
-        flushing = _Flushing(zero, flush, donated)
+    flushing = _Flushing(zero, flush, donated) if zero.placement.defers else None
     where = persistent_cache_dir(jax)
     if where and zero.mesh.size > 1 and zero.platform == "cpu":
         warnings.warn(
@@ -480,52 +477,51 @@ def _keyed_loss(loss_fn):
     return stateful
 
 
-def loss_shards(zero: ZeROConfig, state: TrainState):
-    """What the step's ``shard_map`` builds the loss's params from: at stage 3 with a
-    separate master, the fp32 master shards (the gathers cast them to ``param_dtype`` first,
-    so the wire stays 16-bit, and the per-layer stack's gradient comes back in fp32 with no
-    fp32 copy of the stack made); otherwise ``state.params``. The two agree: ``params`` is
-    ``cast(master)`` after every update. Where ``zero.placement`` keeps the master in host
-    memory (offload) the loss is built from ``state.params`` (decision 32)."""
-    if zero.stage == 3 and state.master is not None and zero.placement.master_on_device:
-        return state.master
-    return state.params
-
-
 def _step_fn(
     zero: ZeROConfig, reducing: GradientPath, grads_fn, ema: ShardedEMA | None, accum_steps: int
 ):
-    """The (unjitted) step: the per-device gradients in a ``shard_map`` over the mesh (reduced
-    as ``reducing``, the step's :class:`~jaxzero.zero.path.GradientPath`, says), then
-    :meth:`ZeRO.apply_gradients` under jit."""
-    axes = zero.batch_axes
+    """``(step, flush)``, unjitted. The step: the per-device gradients in a ``shard_map`` over
+    the mesh (reduced as ``reducing``, the step's :class:`~jaxzero.zero.path.GradientPath`,
+    says), then :meth:`ZeRO.apply_gradients` under jit. The flush: the update a state has
+    pending applied (:func:`~jaxzero.train.update.apply_pending`)."""
+    axes, batch_spec = zero.batch_axes, zero.batch_spec()
 
-    def sharded(params, model_state, batch, rng, step, scale, specs, plan, rows=None):
-        key = None if rng is None else device_key(rng, step, axes)
-        if rows is None:
-            return grads_fn(params, model_state, batch, key, scale, specs, plan)
-        forward, held, pending = rows
-        rows = LayerRows(forward, held, pending, zero.layers)
-        return grads_fn(params, model_state, batch, key, scale, specs, plan, rows)
+    def unpacked(state: TrainState):
+        # what a step (or a flush) reads of the state, decided once per trace: the per-leaf
+        # plan (from the params' shapes), the plain state with the update it has pending
+        # apart (None: nothing pending) and the plain state's layout
+        plan = zero.plan(state.params, accum_steps=accum_steps)
+        state, pending = split_pending(state)
+        return plan, state, pending, state_layout(zero, state)
+
+    def applied(plan, state, pending, layout):
+        # the state with the update it has pending applied (a step's before its forward, and
+        # the flush)
+        return apply_pending(zero, state, pending, plan=plan, layout=layout, ema=ema)
 
     def step_fn(state: TrainState, batch):
-        # each leaf's fate, decided once per trace from the params' shapes
-        plan = zero.plan(state.params, accum_steps=accum_steps)
+        plan, state, pending, layout = unpacked(state)
         # the layer stacks' update the last step left (offload_update="deferred"): inside the
         # forward's layer loop at stage 3 per layer (one micro-batch), else before the forward
         # (every micro-batch reads the updated params)
-        began = state.pending is not None  # its stale leaves (if any) are placeholders
-        if rows_in_forward(zero, state, accum_steps):
-            forward, plain = pending_rows(zero, state, plan=plan, ema=ema)
+        began = pending is not None  # its stale leaves (if any) came in as placeholders
+        if began and rows_in_forward(zero, accum_steps):
+            forward = pending_rows(zero, state, pending, plan=plan, layout=layout, ema=ema)
             try:
-                return step_with(plain, batch, plan, began, forward)
+                return step_with(state, batch, plan, layout, began, forward)
             except RowsNotRun:  # the stack never ran through one scan_layers call
                 pass
-        return step_with(apply_pending(zero, state, plan=plan, ema=ema), batch, plan, began)
+        return step_with(applied(plan, state, pending, layout), batch, plan, layout, began)
 
-    def step_with(state, batch, plan, began_pending, forward=None):
-        shards = loss_shards(zero, state)
-        specs, batch_spec = zero.param_specs(state.params), zero.batch_spec()
+    def step_with(state, batch, plan, layout, began_pending, forward=None):
+        # what the loss builds its params from: at stage 3 with a separate master, the fp32
+        # master shards (the gathers cast them to param_dtype first, so the wire stays 16-bit,
+        # and the per-layer stack's gradient comes back in fp32 with no fp32 copy of the stack
+        # made); otherwise the params, which are cast(master) after every update. A master in
+        # host memory (offload) is not read there: that would fetch it all (decision 32).
+        master = zero.stage == 3 and state.master is not None and zero.placement.master_on_device
+        shards = state.master if master else state.params
+        specs = layout.specs.params
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale.scale
         replicated = lambda t: jax.tree.map(lambda _: P(), t)
         in_specs = (
@@ -574,6 +570,7 @@ def _step_fn(
             model_state=model_state,
             grad_scale=grad_scale,
             plan=plan,
+            layout=layout,
             forward=written,
             placeholders=began_pending,
         )
@@ -582,4 +579,15 @@ def _step_fn(
             metrics["aux"] = aux
         return new_state, metrics
 
-    return step_fn
+    def flush(state: TrainState):
+        return applied(*unpacked(state))
+
+    def sharded(params, model_state, batch, rng, step, scale, specs, plan, rows=None):
+        key = None if rng is None else device_key(rng, step, axes)
+        if rows is None:
+            return grads_fn(params, model_state, batch, key, scale, specs, plan)
+        forward, held, pending = rows
+        rows = LayerRows(forward, held, pending, zero.layers)
+        return grads_fn(params, model_state, batch, key, scale, specs, plan, rows)
+
+    return step_fn, flush

@@ -13,8 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero.ema import ema as sharded_ema
 from jaxzero.ema.ema import ShardedEMA
-from jaxzero.train.state import Pending, TrainState, cast, state_layout, with_pending
-from jaxzero.trees import check_same_structure
+from jaxzero.train.state import Pending, TrainState, cast, with_pending
 from jaxzero.zero import collectives
 from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero import specs as sh
@@ -64,21 +63,6 @@ def _optax_update(zero: ZeROConfig, state: TrainState, master, grads, pins):
     return zero.placement.pin(new_master, pins[0]), zero.placement.pin(opt_state, pins[1])
 
 
-def _metrics(zero: ZeROConfig, state: TrainState, new_state: TrainState, norm, finite):
-    metrics = {
-        "grad_norm": norm,
-        "finite": finite,
-        "skipped": new_state.skipped,
-        "step": new_state.step,
-    }
-    if new_state.loss_scale is not None:
-        metrics["loss_scale"] = new_state.loss_scale.scale
-        metrics["loss_scale_at_min"] = jnp.logical_and(
-            ~finite, zero.loss_scale.at_minimum(state.loss_scale)
-        )
-    return metrics
-
-
 def _shard_update(
     zero: ZeROConfig,
     ema,
@@ -101,9 +85,9 @@ def _shard_update(
     plan: a gradient leaf it marks as a host sum over its micro-batches (a host accumulator:
     decision 42) is divided here, where the update streams it; the others are means. ``grad_scale``: a scalar
     the gradients are multiplied by (None: 1). ``pins``: the NamedShardings of the new master
-    and optimizer state (the master's shards and the state layout's). ``ema_on``: the config on
-    whose shards the EMA is updated (None: leaf by leaf, streamed:
-    :func:`~jaxzero.ema.ema.in_step`)."""
+    and optimizer state (the master's shards and the state layout's). ``ema_on``: the
+    :class:`~jaxzero.ema.ema.Shards` the EMA is updated on (the state layout's; None: leaf by
+    leaf, streamed: :func:`~jaxzero.ema.ema.in_step`)."""
     sums_of = plan.mask(grads, lambda r: plan.accum_steps if leaf_plan.host_sum(r) else 1)
     grads = jax.tree.map(lambda g, k: g if k == 1 else g / k, grads, sums_of)
     grads = _unscaled(zero, state, grads, grad_scale)
@@ -146,7 +130,7 @@ def _streamed(zero: ZeROConfig, state: TrainState, layout, plan, ema, model_stat
     master = _master(state, shards)
     pins = (shards, sh.named(zero.mesh, layout.specs.opt_state))
     # an EMA beside an update on the device: updated on the master's shards (a shard_map)
-    ema_on = None if zero.placement.update_is_local else zero
+    ema_on = None if zero.placement.update_is_local else layout.ema_shards
     # unscales where the state lives
     update = lambda *a: _shard_update(zero, ema, *a, pins=pins, plan=plan, ema_on=ema_on)
     sums = zero.path.accumulates_on_host(plan.accum_steps)
@@ -167,6 +151,7 @@ def apply_gradients(
     grads,
     *,
     plan,
+    layout,
     ema: ShardedEMA | None = None,
     model_state=None,
     grad_scale=None,
@@ -176,10 +161,11 @@ def apply_gradients(
     """:meth:`jaxzero.ZeRO.apply_gradients` (see there). ``plan``: the step's per-leaf plan
     (:mod:`jaxzero.zero.plan`), which says which gradients sit in host memory and which are
     host sums over its micro-batches (the params offloaded: in accumulators apart from the
-    params, decision 42), divided by the update. ``grad_scale``: a scalar the gradients are
+    params, decision 42), divided by the update. ``layout``: ``state``'s
+    :class:`~jaxzero.train.state.StateLayout` (its specs, host leaves and shardings; the new
+    state has the old one's structure). ``grad_scale``: a scalar the gradients are
     multiplied by before the update (a :class:`~jaxzero.train.loss.GlobalMean` loss's
-    devices x micro-batches / global count). The state's layout (its specs, host leaves and
-    shardings) is decided once here: the new state has the old one's structure. With
+    devices x micro-batches / global count). With
     ``offload_update="deferred"`` the new state is a
     :class:`~jaxzero.train.state.PendingState`: the layer stacks' update is left in its
     ``pending`` (:func:`apply_pending` applies it), and their params are the old ones.
@@ -196,7 +182,6 @@ def apply_gradients(
     memory would otherwise be reused for device outputs of their shape, as jax matches
     donations without memory kinds)."""
     state.check_flushed("the update (apply_gradients)")
-    layout = state_layout(zero, state)
     packed = None
     if forward is not None:  # the update the state had pending, as the forward's loop left it
         loop, held, stacks = forward
@@ -210,9 +195,6 @@ def apply_gradients(
     shards = sh.named(zero.mesh, shard_specs)
     with jax.named_scope("optimizer_update"):
         pinned = _pinned(grads, shards, host)
-    if state.model_state is not None and model_state is not None:
-        # the loss's new model state, checked before the update (and its EMA) keeps it
-        check_same_structure(state.model_state, model_state, "model_state")
     deferred = zero.placement.defers
     outs = zero.placement.run_update(
         zero,
@@ -263,7 +245,11 @@ def apply_gradients(
     )
     if state.model_state is not None and model_state is not None:
         new_state = new_state.replace(model_state=keep(model_state, state.model_state))
-    metrics = _metrics(zero, state, new_state, norm, finite)
+    metrics = {"grad_norm": norm, "finite": finite, "skipped": new_state.skipped, "step": step}
+    if loss_scale is not None:
+        metrics["loss_scale"] = loss_scale.scale
+        at_min = zero.loss_scale.at_minimum(state.loss_scale)
+        metrics["loss_scale_at_min"] = jnp.logical_and(~finite, at_min)
     # the state leaves packed rows now hold, passed through the update unchanged (by identity)
     ids = {id(x) for x in stale} if deferred else set()
     stale = [i for i, x in enumerate(jax.tree.leaves(new_state)) if id(x) in ids]
@@ -281,16 +267,20 @@ def apply_gradients(
     return with_pending(new_state, pending), metrics
 
 
-def apply_pending(zero: ZeROConfig, state: TrainState, *, plan, ema: ShardedEMA | None = None):
-    """``state`` with its :class:`~jaxzero.train.state.Pending` update applied (under jit): the
-    layer stacks' rows that the last step's update left undone, a layer at a time
-    (``stream.run_rows``), written into the master, the optimizer state and the EMA in host
-    memory, and their new compute params into ``params``: a plain
-    :class:`~jaxzero.train.state.TrainState`. A state with nothing pending comes back as it
-    is. ``plan`` and ``ema``: the step's, as the update that left the rows was given them."""
-    if state.pending is None:
+def apply_pending(
+    zero: ZeROConfig, state: TrainState, pending, *, plan, layout, ema: ShardedEMA | None = None
+):
+    """``state`` with the :class:`~jaxzero.train.state.Pending` update ``pending`` applied
+    (under jit): the layer stacks' rows that the last step's update left undone, a layer at a
+    time (``stream.run_rows``), written into the master, the optimizer state and the EMA in
+    host memory, and their new compute params into ``params``. ``state``: the plain state
+    the update was left on (:func:`~jaxzero.train.state.split_pending`); with ``pending``
+    None it comes back as it is. ``plan``, ``layout`` (``state``'s
+    :class:`~jaxzero.train.state.StateLayout`) and ``ema``: the step's, as the update that
+    left the rows was given them."""
+    if pending is None:
         return state
-    state, call, kw, specs, layout = _pending_call(zero, state, plan, ema)
+    call, kw, specs = _pending_call(zero, state, pending, plan, ema, layout)
     args, new_master, stacks = zero.placement.run_pending(*call, **kw)
     return _written(zero, state, args, new_master, stacks, layout.shardings, specs[1])
 
@@ -320,31 +310,29 @@ def _written(
     return zero.placement.constrain(state, shardings)
 
 
-def rows_in_forward(zero: ZeROConfig, state: TrainState, accum_steps: int) -> bool:
-    """Whether the step runs the update its state has pending inside the forward's layer loop
+def rows_in_forward(zero: ZeROConfig, accum_steps: int) -> bool:
+    """Whether a step runs the update its state has pending inside the forward's layer loop
     (decision 51's third stage): stage 3 per layer, one micro-batch. Otherwise
     :func:`apply_pending` runs it before the forward."""
-    return state.pending is not None and zero.per_layer and accum_steps == 1
+    return zero.per_layer and accum_steps == 1
 
 
-def pending_rows(zero: ZeROConfig, state: TrainState, *, plan, ema: ShardedEMA | None = None):
-    """``(rows, state)``: the placement's
-    :class:`~jaxzero.zero.offload.placement.DeferredRows` of the update ``state`` has pending
-    (for the forward's layer loop to run, :mod:`jaxzero.zero.layers.rows`), and ``state``
-    with nothing pending. ``plan`` and ``ema``: the step's."""
-    state, call, kw, _, _ = _pending_call(zero, state, plan, ema)
-    return zero.placement.forward_rows(*call, **kw), state
+def pending_rows(
+    zero: ZeROConfig, state: TrainState, pending, *, plan, layout, ema: ShardedEMA | None = None
+):
+    """The placement's :class:`~jaxzero.zero.offload.placement.DeferredRows` of the
+    :class:`~jaxzero.train.state.Pending` update ``pending`` left on the plain ``state``, for
+    the forward's layer loop to run (:mod:`jaxzero.zero.layers.rows`). ``plan``, ``layout``
+    and ``ema``: the step's (see :func:`apply_pending`)."""
+    call, kw, _ = _pending_call(zero, state, pending, plan, ema, layout)
+    return zero.placement.forward_rows(*call, **kw)
 
 
-def _pending_call(zero: ZeROConfig, state: TrainState, plan, ema):
-    """What the placement's pending rows are called with, for the update ``state`` has
-    pending: ``(state with nothing pending, positional arguments, keywords, the update's
-    specs, the state's layout)``."""
-    pending = state.pending
-    state = pending.restored(with_pending(state, None))
+def _pending_call(zero: ZeROConfig, state: TrainState, pending, plan, ema, layout):
+    """What the placement's pending rows are called with, for the update ``pending`` left on
+    ``state``: ``(positional arguments, keywords, the update's specs)``."""
     tree, shapes = pending.avals
     grads, model_state, grad_scale = jax.tree.unflatten(tree, shapes)
-    layout = state_layout(zero, state)
     update, master, specs, sums = _streamed(zero, state, layout, plan, ema, model_state, grad_scale)
     call = (zero, update, state, master, grads, model_state, grad_scale)
     kw = dict(
@@ -355,4 +343,4 @@ def _pending_call(zero: ZeROConfig, state: TrainState, plan, ema):
         host=layout.host,
         grads_in_params=not sums,
     )
-    return state, call, kw, specs, layout
+    return call, kw, specs
