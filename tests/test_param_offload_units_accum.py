@@ -129,7 +129,7 @@ def _h100_report(n, accum, ema=None, **shape):
     mesh = gpu.compile_only_mesh("h100", n)
     zero = jz.ZeRO(optax.adam(1e-3), mesh, stage=3, precision="bf16", units=LLAMA, offload=PARAMS)
     step = jz.make_train_step(loss_fn, zero, ema=ema, accum_steps=accum)
-    return params, gpu.compile_report(step, params, batch)
+    return params, gpu.compile_report(step, params, batch), zero.plan(params, accum_steps=accum)
 
 
 # slow: the 8-GPU compile (the one-GPU memory check below stays)
@@ -142,8 +142,8 @@ def test_gpu_unit_sums_are_host_temporaries_and_the_device_holds_no_full_gradien
     nine 256-byte norm sums may stay on the device). The device's peak grows by less than the
     fp32 gradient's bytes over one micro-batch's: the sums are not on it."""
     shape = {"layers": 4, "hidden": 512, "ffn": 1536, "heads": 4}
-    params, one = _h100_report(N, 1, jz.ShardedEMA(0.99), **shape)
-    _, two = _h100_report(N, 2, jz.ShardedEMA(0.99), **shape)
+    params, one, _ = _h100_report(N, 1, jz.ShardedEMA(0.99), **shape)
+    _, two, _ = _h100_report(N, 2, jz.ShardedEMA(0.99), **shape)
     local = lambda xs: sum(math.prod(x.shape) // N for x in xs)  # every dim splits
     leaves = jax.tree.leaves(params)
     want = 18 * local(leaves) + 2 * 4
@@ -159,9 +159,12 @@ def test_gpu_unit_sums_on_one_gpu_never_hold_the_whole_model():
     bf16 Adam, 2 micro-batches: the device's peak stays below the bf16 params' bytes (156 MB;
     the fp32 sums are twice that, all in host memory). The sums so far are fetched only once
     the unit's new gradient exists, and the second micro-batch fetches no weight before the
-    first one's sums are written (without those orders XLA held 260 MB: decision 42)."""
+    first one's sums are written (without those orders XLA held 260 MB: decision 42). The
+    plan's rows say the same: every leaf's gradient a host sum, 4 bytes an element."""
     shape = {"layers": 6, "hidden": 1024, "ffn": 2816, "heads": 8}
-    params, report = _h100_report(1, 2, **shape)
+    params, report, plan = _h100_report(1, 2, **shape)
     elements = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     assert report.host_temp_bytes == 4 * elements
+    sums = [r.bytes["grads"] for r in plan.rows if r.accumulate == "host_sum"]
+    assert len(sums) == len(plan.rows) and sum(sums) == 4 * elements
     assert report.peak_bytes < 2 * elements

@@ -897,21 +897,6 @@ def offloaded_bytes(state, fraction: float = 1.0) -> int:
     return kept + sum(local(x) for x in params)
 
 
-def accumulator_bytes(params, layers, dtype, accum_steps: int) -> int:
-    """Bytes per device of the host gradient accumulator that a step with ``accum_steps``
-    micro-batches keeps beside :func:`offloaded_bytes` when the params are in host memory
-    (decision 42): every leaf of ``params`` (arrays or ShapeDtypeStructs with shardings)
-    under the ``layers`` stacks that sits in host memory, in ``dtype`` (the precision's
-    ``output_dtype``); 0 with one micro-batch or the params on the device."""
-    if accum_steps == 1:
-        return 0
-    total = 0
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if sh.is_stacked(path, layers) and x.sharding.memory_kind == HOST:
-            total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(dtype).itemsize
-    return total
-
-
 def lowering(mesh: Mesh, offload):
     """The context to lower a step in: ``jax.set_mesh(mesh)`` where it offloads and its host
     shardings live on the abstract mesh (compile-only devices), else a no-op."""
