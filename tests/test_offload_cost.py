@@ -209,6 +209,17 @@ def test_offload_cost_restates_zero_infinity_and_adds_the_exposed_transfer():
     longer = offload_cost(_fake_report(state, state, state, hidden=state), params, 8 * seq)
     assert 8 * compute > state / 55e9
     assert longer.step_seconds == pytest.approx(8 * compute + state / 55e9)
+    # a deferred update's rows overlap the first micro-batch's forward alone (2 of its 8 x
+    # params x tokens FLOP): with 8 micro-batches a window of 1 / 32 of the compute, shorter
+    # than the hidden half, which then adds what it lasts beyond it
+    rows = offload_cost(
+        _fake_report(state, state, state, hidden=state), params, 8 * seq, window=1 / 32
+    )
+    assert state / 55e9 > 8 * compute / 32
+    beyond = state / 55e9 - 8 * compute / 32
+    assert rows.step_seconds == pytest.approx(8 * compute + beyond + state / 55e9)
+    with pytest.raises(ValueError, match=r"window=0 must be in \(0, 1\]"):
+        offload_cost(_fake_report(state, state, state), params, seq, window=0)
     with pytest.raises(ValueError, match=r"gbps=0 must be a positive number of GB/s"):
         offload_cost(_fake_report(state, state, state), params, seq, gbps=0)
 

@@ -10,8 +10,11 @@ The model, per GPU per step:
 * **transfer**: the HLO's host->device plus device->host bytes at the link's rate, the two
   directions one after the other (PCIe is full duplex: where a fetch and a write-back run
   at once this overstates the time); the **exposed** part is the bytes no compute kernel overlaps in the schedule;
-* **step** = compute + exposed transfer (the collectives' time is not in it: the plan shows
-  their hidden share apart);
+* **step** = compute + exposed transfer, plus the hidden transfer's time beyond the compute
+  its copies overlap (the whole step; a deferred update's rows run inside the first
+  micro-batch's forward only: 2 of its ``8 x params x tokens``, so a quarter of the compute
+  over the micro-batches) (the collectives' time is not in it: the plan shows their hidden
+  share apart);
 * **ZeRO-Infinity** (Rajbhandari et al. 2021, section 4): efficiency = ait x bw / (ait x bw +
   peak), with ``ait`` the FLOP per byte of offloaded state moved, the state read and written
   once per step (2 x its bytes), ``bw`` the link's bytes/s and ``peak`` the achieved FLOP/s.
@@ -70,6 +73,8 @@ class OffloadCost:
     flops: float
     compute_seconds: float
     gbps: float
+    #: the share of the compute the hidden copies can overlap, the whole step by default
+    window: float = 1.0
 
     @property
     def bytes(self) -> int:
@@ -93,10 +98,12 @@ class OffloadCost:
 
     @property
     def step_seconds(self) -> float:
-        """The compute, or the hidden transfer where it is the longer (the copies the
-        schedule overlaps with compute still take the link's time: a window shorter than its
-        copies waits for them), plus the exposed transfer."""
-        return max(self.compute_seconds, self.hidden_seconds) + self.exposed_seconds
+        """The compute, plus the hidden transfer's time beyond the compute its copies overlap
+        (:attr:`window` of it: the copies the schedule overlaps with compute still take the
+        link's time, and a window shorter than its copies waits for them), plus the exposed
+        transfer."""
+        window = self.window * self.compute_seconds
+        return self.compute_seconds + max(0.0, self.hidden_seconds - window) + self.exposed_seconds
 
     @property
     def slowdown(self) -> float:
@@ -130,10 +137,13 @@ def offload_cost(
     kind: str | None = None,
     gbps: float | None = None,
     mfu: float = MFU,
+    window: float = 1.0,
 ) -> OffloadCost:
     """The :class:`OffloadCost` of ``report`` for a model of ``num_params`` trained on
     ``tokens`` tokens per GPU per step, on ``kind`` (default the report's) at ``gbps`` GB/s
-    (default the kind's ``pcie_bytes_per_s``, :data:`jaxzero.gpu.targets.PCIE_SOURCES`)."""
+    (default the kind's ``pcie_bytes_per_s``, :data:`jaxzero.gpu.targets.PCIE_SOURCES`);
+    ``window``: the share of the compute the hidden copies can overlap (1: the whole step;
+    a deferred update's rows, the first micro-batch's forward: ``1 / (4 x accum)``)."""
     kind = kind or report.kind
     if kind is None:
         raise ValueError(
@@ -147,6 +157,8 @@ def offload_cost(
         raise ValueError(f"gbps={gbps!r} must be a positive number of GB/s (1e9 bytes/s).")
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu={mfu!r} must be in (0, 1]: the share of the bf16 peak reached.")
+    if not 0 < window <= 1:
+        raise ValueError(f"window={window!r} must be in (0, 1]: the share of the compute.")
     for name, v in (("num_params", num_params), ("tokens", tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r} must be a positive int.")
@@ -160,6 +172,7 @@ def offload_cost(
         flops=flops,
         compute_seconds=flops / (mfu * spec.bf16_flops),
         gbps=float(gbps),
+        window=window,
     )
 
 

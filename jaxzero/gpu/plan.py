@@ -413,10 +413,13 @@ def _params_too(zero: ZeRO, case: dict, compile_case, names: dict):
     return lambda: compile_case(case, 1.0)
 
 
-def _cost(report, shape: ModelShape, accum: int, gpu: str, gbps) -> OffloadCost:
-    """The offload cost of a row's compiled step, for its tokens per GPU."""
+def _cost(report, shape: ModelShape, accum: int, gpu: str, gbps, update=None) -> OffloadCost:
+    """The offload cost of a row's compiled step, for its tokens per GPU; ``update``: the
+    row's ``offload_update`` (``"deferred"``: the rows' copies overlap the first
+    micro-batch's forward only, 2 of its 8 x params x tokens FLOP)."""
     tokens = shape.batch * shape.seq * accum
-    return offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=gbps)
+    window = 1 / (4 * accum) if update == "deferred" else 1.0
+    return offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=gbps, window=window)
 
 
 def plan_stages(stages, offload):
@@ -668,7 +671,7 @@ def plan(
                 prefetch=pf,
                 hpz=g,
                 update=case["update"],
-                cost=off and _cost(report, shape, accum, gpu, pcie_gbps),
+                cost=off and _cost(report, shape, accum, gpu, pcie_gbps, case["update"]),
                 fraction=f,
                 tries=tries,
                 params_offloaded=params,

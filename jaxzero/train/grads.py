@@ -115,27 +115,34 @@ def local_gradients(
 
     def fn(params, model_state, batch, rng, scale, specs, plan, rows=None):
         """The step's gradients; ``rows``: the update the last step left pending, run inside
-        the forward (:class:`~jaxzero.zero.layers.rows.LayerRows`, one micro-batch), which
-        adds a fifth value: the new host state leaves and stacks it wrote."""
+        the first micro-batch's forward (:class:`~jaxzero.zero.layers.rows.LayerRows`; the
+        micro-batches after it read the stacks it wrote), which adds a fifth value: the new
+        host state leaves and stacks it wrote."""
         path = dataclasses.replace(reducing, plan=plan)  # each leaf's fate: the plan's rows
         if model_state is not None:
             model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
-        run = lambda ms, b, key, sums=None: micro(
-            path, params, specs, ms, b, key, scale, sums, rows
+        run = lambda p, ms, b, key, sums=None, rows=None: micro(
+            path, p, specs, ms, b, key, scale, sums, rows
         )
-        if rows is not None and accum_steps != 1:
-            raise ValueError("the rows inside the forward run with one micro-batch")
         out_rows.clear()
         if accum_steps == 1:
-            (losses, counts), auxes, g, model_state = run(model_state, batch, rng)
+            (losses, counts), auxes, g, model_state = run(
+                params, model_state, batch, rng, None, rows
+            )
         else:
             # the sums in output_dtype (an offloaded step's stacks come in param_dtype); the
             # leaves the plan sums into host accumulators are those sums already
             host = plan.mask(params, leaf_plan.host_sum)
             out = zero.precision.output_dtype
-            run_in = lambda ms, b, key, sums: _with_grads_in(out, run(ms, b, key, sums), host)
+            first = lambda ms, b, key, sums: _with_grads_in(
+                out, run(params, ms, b, key, sums, rows), host
+            )
+            # after a first micro-batch that ran the rows: the stacks it wrote (traced first)
+            rest = lambda ms, b, key, sums: _with_grads_in(
+                out, run(_written(params, rows, out_rows), ms, b, key, sums), host
+            )
             (losses, counts), auxes, g, model_state = _accumulate(
-                run_in, accum_steps, model_state, batch, rng, host
+                first, rest, accum_steps, model_state, batch, rng, host
             )
         if not reduce_each:
             g = path.reduce_gradients(g)
@@ -162,15 +169,29 @@ def _with_grads_in(dtype, out, host):
     return loss, aux, jax.tree.map(cast, g, host), model_state
 
 
+def _written(params, rows, out_rows):
+    """``params`` (this device's, as the loss is handed them) with the stacks the first
+    micro-batch's forward wrote (``out_rows``: its ``(held, stacks)``, the stacks in the order
+    of ``rows.forward.rows``) where ``rows`` ran; ``params`` as they are without rows."""
+    if rows is None:
+        return params
+    flat, tree = jax.tree.flatten(params)
+    for j, x in zip(rows.forward.rows, out_rows[-1][1], strict=True):
+        flat[j] = x.astype(flat[j].dtype)  # the loop's stack may be the loss's wider copy
+    return jax.tree.unflatten(tree, flat)
+
+
 def _fold(rng, i):
     return None if rng is None else jax.random.fold_in(rng, i)
 
 
-def _accumulate(run, accum_steps: int, model_state, batch, rng, host):
+def _accumulate(first, run, accum_steps: int, model_state, batch, rng, host):
     """Scan ``run(model_state, micro_batch, key, sums) -> (loss, aux, grads, model_state)``
     over ``accum_steps`` micro-batches of the local batch, summing gradients.
 
-    The first micro-batch runs outside the scan and its gradient becomes the carry, so the
+    The first micro-batch runs outside the scan (``first``, the same signature: it may run
+    a pending update's rows, whose stacks ``run`` then reads) and its gradient becomes the
+    carry, so the
     carry has the right device-varying type (and, at stages 2/3, the sharded shape) without
     zeros. A gradient leaf where ``host`` is True (the plan's host sums: parameter offload,
     decision 42) is the sum so far already: ``run`` gets the carry (``sums``; None at the first micro-batch) and adds into
@@ -182,9 +203,9 @@ def _accumulate(run, accum_steps: int, model_state, batch, rng, host):
     mbs = jax.tree.map(
         lambda x: x.reshape((accum_steps, x.shape[0] // accum_steps) + x.shape[1:]), batch
     )
-    first = jax.tree.map(lambda x: x[0], mbs)
+    head = jax.tree.map(lambda x: x[0], mbs)
     rest = jax.tree.map(lambda x: x[1:], mbs)
-    loss0, aux0, g, model_state = run(model_state, first, _fold(rng, 0), None)
+    loss0, aux0, g, model_state = first(model_state, head, _fold(rng, 0), None)
     add = lambda acc, gi, h: gi if h else acc + gi
 
     def body(carry, xs):

@@ -502,10 +502,10 @@ def _step_fn(
     def step_fn(state: TrainState, batch):
         plan, state, pending, layout = unpacked(state)
         # the layer stacks' update the last step left (offload_update="deferred"): inside the
-        # forward's layer loop at stage 3 per layer (one micro-batch), else before the forward
-        # (every micro-batch reads the updated params)
+        # (first micro-batch's) forward's layer loop at stage 3 per layer, else before the
+        # forward; every micro-batch reads the updated params
         began = pending is not None  # its stale leaves (if any) came in as placeholders
-        if began and rows_in_forward(zero, accum_steps):
+        if began and rows_in_forward(zero):
             forward = pending_rows(zero, state, pending, plan=plan, layout=layout, ema=ema)
             try:
                 return step_with(state, batch, plan, layout, began, forward)

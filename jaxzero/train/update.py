@@ -310,11 +310,11 @@ def _written(
     return zero.placement.constrain(state, shardings)
 
 
-def rows_in_forward(zero: ZeROConfig, accum_steps: int) -> bool:
+def rows_in_forward(zero: ZeROConfig) -> bool:
     """Whether a step runs the update its state has pending inside the forward's layer loop
-    (decision 51's third stage): stage 3 per layer, one micro-batch. Otherwise
-    :func:`apply_pending` runs it before the forward."""
-    return zero.per_layer and accum_steps == 1
+    (decision 51's third stage; with micro-batches, the first one's): stage 3 per layer.
+    Otherwise :func:`apply_pending` runs it before the forward."""
+    return zero.per_layer
 
 
 def pending_rows(

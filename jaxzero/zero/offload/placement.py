@@ -205,8 +205,8 @@ def leaf_columns(zero, rows, owners, sizes, accum_steps: int) -> tuple[list[dict
     ``grads_memory`` and ``accumulate`` (a stack's or unit's gradient lands in host memory,
     summed into a host accumulator over micro-batches), with ``host_state_bytes`` (the row's
     optimizer-side bytes on the host), and ``layout``: ``"packed_rows"`` where the next
-    forward runs a pending update (``offload_update="deferred"``, stage 3 per layer, one
-    micro-batch) from the stack's state packed one row per layer (a stacked leaf the update
+    forward runs a pending update (``offload_update="deferred"``, stage 3 per layer; with
+    micro-batches, the first one's forward) from the stack's state packed one row per layer (a stacked leaf the update
     streams in rows: more than ``parts.SMALL`` elements); and where each leaf owned by no row
     lives."""
     where = zero.placement
@@ -223,7 +223,7 @@ def leaf_columns(zero, rows, owners, sizes, accum_steps: int) -> tuple[list[dict
             per_row[owner].add(on)
             on_host[owner] += size if on else 0
     kind = lambda s: HOST if s == {True} else "device" if s <= {False} else "split"
-    packs = where.defers and zero.per_layer and accum_steps == 1
+    packs = where.defers and zero.per_layer
     columns = []
     for row, s, host in zip(rows, per_row, on_host, strict=True):
         cols = {"memory": kind(s), "host_state_bytes": host}
