@@ -1,13 +1,10 @@
 """Test configuration: 8 simulated CPU devices, set before jax starts any backend."""
 
-import atexit
 import gc
 import importlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when jax is imported: set it first
 
@@ -43,33 +40,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_compilation_cache", False)
 
 import pytest  # noqa: E402
-
-from jaxzero.gpu import report as gpu_report  # noqa: E402
-
-# XLA:GPU's kernel cache for the deviceless compiles (jaxzero.gpu.compile_report, which the
-# plan CLI uses too), one file per process: a kernel that one step's compile built (LLVM, then
-# a ptxas run: about 40% of a compile) is reused by the next step that has the same fusion.
-# The HLO and the memory figures the tests read are XLA's before any kernel is built, and
-# are unchanged (compared on the 4-layer GPT of tests/test_quantize.py); the executables are
-# never run, so a kernel reused across GPU kinds is never launched either. tests/test_gpu.py
-# in one process: 99 s -> 58 s (user 64 s -> 42 s). Passed as a compile option, not in XLA_FLAGS:
-# subprocesses must not share the file (XLA rewrites it after each compile, and a compile that
-# reads a half-written one fails).
-_KERNELS_DIR = tempfile.mkdtemp(prefix="jaxzero-test-kernels-")
-atexit.register(shutil.rmtree, _KERNELS_DIR, True)
-_KERNEL_CACHE = {"xla_gpu_kernel_cache_file": os.path.join(_KERNELS_DIR, "kernels.bin")}
-_compile_without_cache = gpu_report._compile
-
-
-def _compile_with_kernel_cache(lowered, options):
-    if not isinstance(lowered, jax.stages.Lowered):  # a test's stand-in for jax's
-        return _compile_without_cache(lowered, options)
-    compiled, used, fallback = _compile_without_cache(lowered, {**options, **_KERNEL_CACHE})
-    # the report lists the options the caller gave (and the Triton retry's), as before
-    return compiled, {k: v for k, v in used.items() if k not in _KERNEL_CACHE}, fallback
-
-
-gpu_report._compile = _compile_with_kernel_cache
 
 # Reference data from real torch / DeepSpeed runs, kept in the repository (tests/fixtures/README.md).
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
