@@ -191,10 +191,6 @@ def test_overlap_benchmark_rows_match_the_formulas(overlap_table):
             assert hidden == "-" or float(hidden) <= float(ceiling)
 
 
-# slow: the GPU script's benchmark end to end on a CPU; make test keeps what it predicts (the
-# offload's bytes per parameter each way and the params offload's, tests/test_bytes_per_param.py;
-# the fraction's, tests/test_offload_fraction.py)
-@pytest.mark.slow
 def test_offload_gpu_benchmark_runs_tiny_on_a_cpu(capsys):
     """``benchmarks/offload_gpu.py --tiny`` (a 2 x 64 GPT on one CPU device, accum 2) runs end
     to end: the plain jit row first, jaxzero with offload off and ``"optimizer"`` measured

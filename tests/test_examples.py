@@ -11,8 +11,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import jaxzero as jz
 from jaxzero.simulate import cpu_xla_flags
 
@@ -64,9 +62,6 @@ def check_outputs(run_dir):
     return summary
 
 
-# slow: the example's --offload flag; make test keeps the example itself (test_gpt_zero3_smoke)
-# and the params offload's numbers (tests/test_param_offload.py)
-@pytest.mark.slow
 def test_gpt_zero3_offload_smoke(tmp_path):
     """``--bf16 --offload optimizer,params``: the example trains with the fp32 master, Adam,
     the EMA and the bf16 params in pinned host memory, and evaluates and samples from the
