@@ -14,6 +14,7 @@ from jaxzero.precision import warn_wide_compute
 from jaxzero.train import loss as user_loss
 from jaxzero.zero import hooks as loss_hooks
 from jaxzero.zero import plan as leaf_plan
+from jaxzero.zero.layers.rows import with_stacks
 from jaxzero.zero.path import GradientPath
 
 
@@ -139,7 +140,7 @@ def local_gradients(
             )
             # after a first micro-batch that ran the rows: the stacks it wrote (traced first)
             rest = lambda ms, b, key, sums: _with_grads_in(
-                out, run(_written(params, rows, out_rows), ms, b, key, sums), host
+                out, run(_after_rows(params, rows, out_rows), ms, b, key, sums), host
             )
             (losses, counts), auxes, g, model_state = _accumulate(
                 first, rest, accum_steps, model_state, batch, rng, host
@@ -169,16 +170,13 @@ def _with_grads_in(dtype, out, host):
     return loss, aux, jax.tree.map(cast, g, host), model_state
 
 
-def _written(params, rows, out_rows):
+def _after_rows(params, rows, out_rows):
     """``params`` (this device's, as the loss is handed them) with the stacks the first
     micro-batch's forward wrote (``out_rows``: its ``(held, stacks)``, the stacks in the order
     of ``rows.forward.rows``) where ``rows`` ran; ``params`` as they are without rows."""
     if rows is None:
         return params
-    flat, tree = jax.tree.flatten(params)
-    for j, x in zip(rows.forward.rows, out_rows[-1][1], strict=True):
-        flat[j] = x.astype(flat[j].dtype)  # the loop's stack may be the loss's wider copy
-    return jax.tree.unflatten(tree, flat)
+    return with_stacks(params, dict(zip(rows.forward.rows, out_rows[-1][1], strict=True)))
 
 
 def _fold(rng, i):

@@ -18,6 +18,7 @@ from jaxzero.zero import collectives
 from jaxzero.zero import plan as leaf_plan
 from jaxzero.zero import specs as sh
 from jaxzero.zero.config import ZeROConfig
+from jaxzero.zero.layers.rows import with_stacks
 
 
 def master_view(zero: ZeROConfig, state: TrainState):
@@ -293,16 +294,13 @@ def _written(
     compute params ``new`` (``{flat params index: leaf}``), placed by ``shardings``. At
     stages 1-2 ``new`` holds the rows' new shards, gathered here (``shard_specs``: the
     params' shard specs)."""
-    flat, params_tree = jax.tree.flatten(state.params)
     if zero.stage in (1, 2):  # the new shards of the rows' stacks, replicated
         specs_flat = jax.tree.leaves(shard_specs, is_leaf=lambda s: isinstance(s, P))
-        shards = [new.get(i) for i in range(len(flat))]
+        shards = [new.get(i) for i in range(len(specs_flat))]
         gathered = collectives.all_gather(zero.mesh, zero.axis, shards, specs_flat)
         new = {i: x for i, x in enumerate(gathered) if x is not None}
-    for i, x in new.items():
-        flat[i] = x.astype(flat[i].dtype)  # a forward loop's stack may be the loss's wider copy
     state = state.replace(
-        params=jax.tree.unflatten(params_tree, flat),
+        params=with_stacks(state.params, new),
         master=master if state.master is not None else None,
         opt_state=args.opt_state,
         ema=args.ema,

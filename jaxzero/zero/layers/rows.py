@@ -101,3 +101,13 @@ class LayerRows:
             raise RowsNotRun(_NOT_ONCE.format(self.layers, self.runs))
         held, stacks = self._emitted
         return held, [stacks[j] for j in self.forward.rows]
+
+
+def with_stacks(params, stacks: dict):
+    """``params`` with the stacks a forward's layer loop wrote (``stacks``: ``{flat params
+    index: stack}``) put in, each in its params leaf's dtype (the loop's stack may be the
+    loss's wider copy)."""
+    flat, tree = jax.tree.flatten(params)
+    for j, x in stacks.items():
+        flat[j] = x.astype(flat[j].dtype)
+    return jax.tree.unflatten(tree, flat)
