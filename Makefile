@@ -39,14 +39,22 @@ $(DEMO_STAMP): $(BIN)/python pyproject.toml Makefile
 demo: $(DEMO_STAMP)
 	$(BIN)/python examples/demo.py
 
+# `make test` in two passes: the first compiles with XLA:CPU's fast codegen
+# (JAXZERO_TEST_CODEGEN=fast, tests/conftest.py), the second runs the `bitwise` tests, which
+# hold two XLA programs to each other bit for bit, under XLA's default codegen. `make test-all`
+# runs every test under the default codegen.
+FAST := JAXZERO_TEST_CODEGEN=fast
+PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow" tests
+	$(FAST) $(PYTEST) -m "not slow and not bitwise" tests
+	$(PYTEST) -m "not slow and bitwise" tests
 
 test-loaded: $(STAMP)
 	bash tests/loaded.sh
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal tests
+	$(PYTEST) tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check jaxzero tests examples benchmarks

@@ -89,6 +89,7 @@ def test_options_the_disk_step_does_not_take_are_refused_before_any_file(tmp_pat
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.bitwise  # the host offload's and the NVMe tier's programs, bit for bit
 def test_make_train_step_trains_with_the_state_on_disk_as_the_host_offload(tmp_path):
     """Three clip + AdamW steps at stage 2 through ``jz.make_train_step``: the NVMe tier's
     step, its state's file under the directory, and the params, master and optax state of the

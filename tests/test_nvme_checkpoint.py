@@ -52,6 +52,7 @@ def _read(state):
     return jax.tree.map(np.asarray, jz.gather(state.params)), opt_state
 
 
+@pytest.mark.bitwise  # the host offload's and the NVMe tier's programs, bit for bit
 def test_a_checkpoint_of_the_disk_state_restores_at_8_and_4_devices(tmp_path):
     """Two clip + AdamW steps at stage 2 with the state on disk, saved; restored into a fresh
     file at 8 devices and at 4, each trains two more steps (the save through an asynchronous
@@ -179,6 +180,7 @@ def test_what_the_disk_checkpoint_does_not_take_is_refused_before_anything_is_wr
     assert os.listdir(fresh) == []
 
 
+@pytest.mark.bitwise  # the host offload's and the NVMe tier's programs, bit for bit
 def test_a_checkpoint_carries_the_ema_on_disk(tmp_path):
     """Two clip + AdamW steps at stage 2 with an EMA (yolov5 warm-up) on disk, saved: every
     leaf verifies, the EMA's disk leaves too; restored into a fresh file, the EMA read back
@@ -240,6 +242,7 @@ def test_a_checkpoint_carries_the_ema_on_disk(tmp_path):
     state.close()
 
 
+@pytest.mark.bitwise  # the host offload's and the NVMe tier's programs, bit for bit
 def test_a_step_restores_across_the_host_offload_and_the_disk_tier(tmp_path):
     """Two steps of the host offload, saved, restored into the NVMe tier (its disk leaves read
     from the step's state item a group at a time) and trained two more steps: the params and
@@ -368,6 +371,7 @@ def _worker(*args, env=None):
     )
 
 
+@pytest.mark.bitwise  # the host offload's and the NVMe tier's programs, bit for bit
 def test_a_run_killed_in_the_middle_of_an_update_resumes_from_its_checkpoint(tmp_path):
     """A child process trains with the state on disk, checkpoints after step 2 and is killed
     (SIGKILL) in step 3's update, after the first group of the file is written and before the

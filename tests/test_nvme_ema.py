@@ -45,6 +45,7 @@ def _numpy_ema(params, loss_fn, finite_batches, decay_of):
     return ema, atol
 
 
+@pytest.mark.bitwise  # the host offload's and the NVMe tier's programs, bit for bit
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_ema_on_disk_equals_the_host_offloads(stage, tmp_path):
     """Clip + AdamW for 4 steps, the third skipped (an inf in one device's batch), with an EMA

@@ -126,6 +126,7 @@ def _same(got, want):
     )
 
 
+@pytest.mark.bitwise  # the host offload's and the NVMe tier's programs, bit for bit
 @pytest.mark.parametrize(
     "stage,precision",
     [(1, "fp32"), (2, "fp32"), (3, "fp32"), (3, BF16), (2, FP16)],

@@ -12,7 +12,8 @@ the mean of ``n`` per-shard means, as the sharded step reduces it), and the tole
 
 The references are plain ``jax.jit`` programs, compiled on jax 0.10 with XLA:CPU's elemental
 fusion emitters (the compile option ``xla_cpu_use_fusion_emitters=False``), 4-5x faster to
-compile than its default MLIR emitters; the steps compared against them compile as a user's do.
+compile than its default MLIR emitters. The steps compared against them compile as a user's do,
+except in `make test`'s first pass, which compiles everything that way (tests/conftest.py).
 """
 
 from __future__ import annotations
