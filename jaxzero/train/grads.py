@@ -117,8 +117,8 @@ def local_gradients(
     def fn(params, model_state, batch, rng, scale, specs, plan, rows=None):
         """The step's gradients; ``rows``: the update the last step left pending, run inside
         the first micro-batch's forward (:class:`~jaxzero.zero.layers.rows.LayerRows`; the
-        micro-batches after it read the stacks it wrote), which adds a fifth value: the new
-        host state leaves and stacks it wrote."""
+        micro-batches after it read the stacks it wrote, or, delayed, the stacks as they came
+        in), which adds a fifth value: the new host state leaves and stacks it wrote."""
         path = dataclasses.replace(reducing, plan=plan)  # each leaf's fate: the plan's rows
         if model_state is not None:
             model_state = jax.tree.map(lambda x: to_varying(x, axes), model_state)
@@ -173,8 +173,9 @@ def _with_grads_in(dtype, out, host):
 def _after_rows(params, rows, out_rows):
     """``params`` (this device's, as the loss is handed them) with the stacks the first
     micro-batch's forward wrote (``out_rows``: its ``(held, stacks)``, the stacks in the order
-    of ``rows.forward.rows``) where ``rows`` ran; ``params`` as they are without rows."""
-    if rows is None:
+    of ``rows.forward.rows``) where ``rows`` ran; ``params`` as they are without rows or
+    when they run delayed (every micro-batch computes on the params before the update)."""
+    if rows is None or rows.delayed:
         return params
     return with_stacks(params, dict(zip(rows.forward.rows, out_rows[-1][1], strict=True)))
 

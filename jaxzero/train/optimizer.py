@@ -96,6 +96,15 @@ class ZeRO(ZeROConfig):
         pending state). The same numbers, with the update's copies beside the forward's
         compute (decision 51: on a deviceless H100 compile of a 24-layer decoder, 90% of its
         PCIe bytes hidden; layers 0-1 stay exposed).
+        Or ``"delayed"`` (ZeRO-Offload's delayed parameter update, DPU; stage 3 with the
+        stacks run by :func:`jaxzero.scan_layers`): after ``delay_after`` exact steps as
+        ``"deferred"``, each step takes its gradient at the params before the update the
+        step before left pending (every leaf a step behind), and applies that update
+        inside its first micro-batch's forward, where no gather waits for it. Not exact:
+        the gradient is a step stale (decision 51 states its cost on a 2,000-step run).
+      delay_after: with ``offload_update="delayed"``, the exact steps before the delay
+        (an int >= 0; default 0: from the second step). Refused with any other
+        ``offload_update``.
       quantize: None (exact collectives), or ZeRO++'s quantized collectives
         (:mod:`jaxzero.zero.wire`): ``"weights"`` (qwZ, stage 3: each shard all-gathered as
         int8 blocks of <= 4096 values with a float32 scale each, dequantized to the compute

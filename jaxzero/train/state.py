@@ -44,6 +44,13 @@ class Pending(struct.PyTreeNode):
       stale: ``(flat index, shape, dtype name, NamedSharding)`` of each state leaf whose
         rows ``packed`` holds: the state keeps a placeholder there (one element per device,
         :func:`placeholder_shape`) until the rows are unpacked.
+      delayed: whether the step that applies it runs delayed (``offload_update="delayed"``
+        past its ``delay_after`` exact steps): its micro-batches compute on the params
+        before this update, which its forwards apply beside their compute.
+      before: with ``offload_update="delayed"``, the compute params leaves that the step
+        which left this update updated at once (those not in :attr:`rows`: the leaves
+        outside the stacks), as they were before it, ``{flat params index: leaf}``: a
+        delayed step's forward reads them, so every leaf is a step behind. None otherwise.
     """
 
     values: tuple
@@ -52,6 +59,8 @@ class Pending(struct.PyTreeNode):
     packed: tuple | None = None
     packing: Any = struct.field(pytree_node=False, default=None)
     stale: tuple = struct.field(pytree_node=False, default=())
+    delayed: bool = struct.field(pytree_node=False, default=False)
+    before: dict | None = None
 
     def placeholders(self, state: TrainState) -> TrainState:
         """``state`` (under jit) with a placeholder at each :attr:`stale` leaf, in its

@@ -40,7 +40,7 @@ from jaxzero.train.update import (
 )
 from jaxzero.trees import batch_rows
 from jaxzero.zero.config import ZeROConfig
-from jaxzero.zero.layers.rows import LayerRows, RowsNotRun
+from jaxzero.zero.layers.rows import LayerRows, RowsNotRun, with_stacks
 from jaxzero.zero.path import GradientPath
 
 
@@ -230,6 +230,7 @@ class TrainStep:
         self.check_state(state)
         placed = self._checked_and_placed(batch)
         self._wait_for_other_steps()
+        state = self._delayed(state)
         try:
             state, metrics = self.jitted(state, placed)
         except Exception as e:
@@ -248,6 +249,16 @@ class TrainStep:
         if "loss_scale_at_min" in metrics and self.zero.loss_scale.on_min != "ignore":
             self._check_min_scale(state, metrics)
         return state, metrics
+
+    def _delayed(self, state: TrainState) -> TrainState:
+        """``state`` with its pending update marked delayed (:attr:`Pending.delayed
+        <jaxzero.train.state.Pending.delayed>`) once ``ZeRO(offload_update="delayed")``'s
+        ``delay_after`` exact steps are taken. Until then each step reads the step count
+        (a wait for the step before); a delayed step's pending update stays delayed."""
+        after, pending = self.zero.placement.delay_after, state.pending
+        if after is None or pending is None or pending.delayed or int(state.step) < after:
+            return state
+        return with_pending(state, pending.replace(delayed=True))
 
     @functools.cached_property
     def _paces(self) -> bool:
@@ -403,6 +414,15 @@ def make_train_step(
             stacklevel=2,
         )
     # what the step built will not do (nothing is traced yet)
+    if zero.placement.delay_after is not None and accum_steps == 1:
+        warnings.warn(
+            "ZeRO(offload_update='delayed') with one micro-batch (accum_steps=1) hides the "
+            "update under the one forward, the window offload_update='deferred' has, and still "
+            "takes each step's gradient a step behind. The delay pays where the micro-batches' "
+            "forwards are the window: use accum_steps > 1, or offload_update='deferred' (exact).",
+            UserWarning,
+            stacklevel=2,
+        )
     unused = zero.path.unused_layers(accum_steps)
     if unused:
         warnings.warn(
@@ -414,6 +434,14 @@ def make_train_step(
         )
     return TrainStep(loss_fn, zero, ema, accum_steps, jitted, stateful, bool(rng), flushing)
 
+
+_NOT_DELAYED = (
+    "ZeRO(offload_update='delayed') applies the pending update inside jaxzero.scan_layers' "
+    "forward loop beside compute on the stacks before it, and this model does not run the "
+    "stacks layers={} through exactly one jaxzero.scan_layers call (a jz.gather_layer loop "
+    "runs the update before the forward: no delay, nothing hidden). Run the stack with "
+    "jaxzero.scan_layers, or use offload_update='deferred'."
+)
 
 #: make_train_step's options and their defaults, which the NVMe tier's step does not take yet
 _NOT_ON_DISK = {
@@ -505,15 +533,23 @@ def _step_fn(
         # (first micro-batch's) forward's layer loop at stage 3 per layer, else before the
         # forward; every micro-batch reads the updated params
         began = pending is not None  # its stale leaves (if any) came in as placeholders
+        # offload_update="delayed" past its exact steps: every micro-batch computes on the
+        # params before the pending update (TrainStep.__call__ decides it, Pending.delayed)
+        delayed = began and pending.delayed
         if began and rows_in_forward(zero):
             forward = pending_rows(zero, state, pending, plan=plan, layout=layout, ema=ema)
+            before = pending.before if delayed else None
             try:
-                return step_with(state, batch, plan, layout, began, forward)
-            except RowsNotRun:  # the stack never ran through one scan_layers call
-                pass
+                return step_with(state, batch, plan, layout, began, forward, before)
+            except RowsNotRun as e:  # the stack never ran through one scan_layers call
+                if zero.placement.delay_after is not None:
+                    raise ValueError(_NOT_DELAYED.format(zero.layers)) from e
         return step_with(applied(plan, state, pending, layout), batch, plan, layout, began)
 
-    def step_with(state, batch, plan, layout, began_pending, forward=None):
+    def step_with(state, batch, plan, layout, began_pending, forward=None, before=None):
+        # before: a delayed step's params leaves outside the stacks, as the step before
+        # found them (Pending.before); None: not delayed
+        delayed = before is not None
         # what the loss builds its params from: at stage 3 with a separate master, the fp32
         # master shards (the gathers cast them to param_dtype first, so the wire stays 16-bit,
         # and the per-layer stack's gradient comes back in fp32 with no fp32 copy of the stack
@@ -521,6 +557,8 @@ def _step_fn(
         # host memory (offload) is not read there: that would fetch it all (decision 32).
         master = zero.stage == 3 and state.master is not None and zero.placement.master_on_device
         shards = state.master if master else state.params
+        if delayed:  # every leaf a step behind: the stacks' update is still pending
+            shards = with_stacks(shards, before)
         specs = layout.specs.params
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale.scale
         replicated = lambda t: jax.tree.map(lambda _: P(), t)
@@ -549,7 +587,7 @@ def _step_fn(
             held_specs = forward.held_specs()
             sm = jax.shard_map(
                 lambda p, m, b, r, t, s, h, q: sharded(
-                    p, m, b, r, t, s, specs, plan, (forward, h, q)
+                    p, m, b, r, t, s, specs, plan, (forward, h, q, delayed)
                 ),
                 mesh=zero.mesh,
                 in_specs=(*in_specs, held_specs, forward.pending_specs),
@@ -573,6 +611,8 @@ def _step_fn(
             layout=layout,
             forward=written,
             placeholders=began_pending,
+            # once delayed, the steps after it are too (past delay_after: the step only grows)
+            delayed=delayed,
         )
         metrics = {"loss": loss, **metrics}
         if aux is not None:
@@ -586,8 +626,8 @@ def _step_fn(
         key = None if rng is None else device_key(rng, step, axes)
         if rows is None:
             return grads_fn(params, model_state, batch, key, scale, specs, plan)
-        forward, held, pending = rows
-        rows = LayerRows(forward, held, pending, zero.layers)
+        forward, held, pending, delayed = rows
+        rows = LayerRows(forward, held, pending, zero.layers, delayed)
         return grads_fn(params, model_state, batch, key, scale, specs, plan, rows)
 
     return step_fn, flush

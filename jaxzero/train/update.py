@@ -158,6 +158,7 @@ def apply_gradients(
     grad_scale=None,
     forward=None,
     placeholders: bool = False,
+    delayed: bool = False,
 ):
     """:meth:`jaxzero.ZeRO.apply_gradients` (see there). ``plan``: the step's per-leaf plan
     (:mod:`jaxzero.zero.plan`), which says which gradients sit in host memory and which are
@@ -181,7 +182,8 @@ def apply_gradients(
     that came in with the real leaves returns them, and
     :func:`~jaxzero.train.state.drop_stale` swaps them outside jit (donated leaves in host
     memory would otherwise be reused for device outputs of their shape, as jax matches
-    donations without memory kinds)."""
+    donations without memory kinds). ``delayed``: the pending update it leaves is applied by
+    a delayed step (:attr:`~jaxzero.train.state.Pending.delayed`)."""
     state.check_flushed("the update (apply_gradients)")
     packed = None
     if forward is not None:  # the update the state had pending, as the forward's loop left it
@@ -221,7 +223,13 @@ def apply_gradients(
         # the arguments the rows trace the update with again: only their shapes are read
         leaves, tree = jax.tree.flatten((pinned, model_state, grad_scale))
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
-        pending = Pending(values, (tree, shapes), rows, packed, packing)
+        before = None
+        if zero.placement.delay_after is not None:  # what a delayed step's forward reads
+            flat = jax.tree.leaves(state.params)
+            before = {i: x for i, x in enumerate(flat) if i not in rows}
+        pending = Pending(
+            values, (tree, shapes), rows, packed, packing, delayed=delayed, before=before
+        )
     new_master, opt_state, new_ema, compute, finite, norm = outs
     apply = finite if zero.skip_nonfinite else jnp.asarray(True)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)

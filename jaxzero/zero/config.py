@@ -126,6 +126,8 @@ def canonical(given: dict[str, Any]) -> dict[str, Any]:
             f"and the params on the device, so it takes offload=jz.NVMe(path) alone (no "
             f"'params', no 'remainder', offload_fraction 1)."
         )
+    if given["offload_update"] == offload.DELAYED and given["delay_after"] is None:
+        out["delay_after"] = 0  # delayed from the second step
     return out
 
 
@@ -194,6 +196,8 @@ class ZeROConfig(metaclass=_Canonical):
     #: None, or "deferred": with offload="optimizer" and layers=, the layer stacks' update is
     #: applied at the start of the next step (decision 51's staged path)
     offload_update: str | None = None
+    #: with offload_update="delayed": the exact (deferred) steps before the delay; None else
+    delay_after: int | None = None
 
     def __post_init__(self):
         """How the canonical fields combine (each field alone was checked by :func:`canonical`)."""
@@ -214,6 +218,8 @@ class ZeROConfig(metaclass=_Canonical):
             self.offload_fraction,
             self.nvme,
             self.precision.separate_master,
+            self.stage,
+            self.delay_after,
         )
         if self.offload_activations:
             offload.check_platform(self.mesh)
@@ -241,7 +247,12 @@ class ZeROConfig(metaclass=_Canonical):
         """Where the master, the optimizer state and the EMA live and are updated: device
         memory, or pinned host memory with ``offload`` (:mod:`jaxzero.zero.offload`)."""
         return offload.placement(
-            self.offload, self.stage, self.mesh, self.offload_fraction, self.offload_update
+            self.offload,
+            self.stage,
+            self.mesh,
+            self.offload_fraction,
+            self.offload_update,
+            self.delay_after,
         )
 
     def offloaded(self) -> tuple[str, ...]:

@@ -36,10 +36,14 @@ class LayerRows:
       held: this device's shards of the host state leaves the rows rewrite.
       pending: this device's shards of what the last update left for them.
       layers: the config's ``layers=`` (for the error).
+      delayed: the forward computes on the stacks as they came in (``offload_update=
+        "delayed"``): the rows' new stacks are only emitted, for the state after the last
+        micro-batch, and no gather waits for them.
     """
 
-    def __init__(self, forward, held, pending, layers):
+    def __init__(self, forward, held, pending, layers, delayed: bool = False):
         self.forward = forward
+        self.delayed = delayed
         self.held = list(held)
         self.pending = tuple(pending)
         self.layers = layers

@@ -215,7 +215,9 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
     whose rows the last step's update left pending, :class:`~jaxzero.zero.layers.rows.LayerRows`)
     the forward runs layer ``i + 1``'s rows beside layer ``i``'s compute before its gather,
     takes the host state and what the update left as two more arguments, returns the new
-    stacks and host state beside its output, and the backward gathers from the new stacks."""
+    stacks and host state beside its output, and the backward gathers from the new stacks;
+    delayed (:attr:`LayerRows.delayed <jaxzero.zero.layers.rows.LayerRows.delayed>`), every
+    gather, forward and backward, reads the stacks as they came in, so none waits for a row."""
     comm, saved = plan.comm, plan.activations
 
     def keep(w):  # hpZ: each leaf's within-node slice, for the backward's gather (or None)
@@ -241,6 +243,9 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
         rows = plan.rows
         if rows.stacks == 1:
             return forward_one_stack(leaves, carry, xs, consts, accs, held, pending)
+        # delayed: the gathers read the stacks as they came in (old), the rows write ls
+        old = leaves if rows.delayed else None
+        src = lambda ls: ls if old is None else old
 
         def half(state, i, odd, fetch):
             # layer i + 2's state rows fetched (under layer i's compute, for the next half),
@@ -249,7 +254,7 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
             c, w, kept, ls, hs, ahead = state
             nxt_ahead = rows.fetch(hs, i + 2, int(odd)) if fetch else None
             ls, hs = rows.at(i + 1, ls, hs, pending, owners, int(not odd), ahead)
-            nxt = gather(ls, i + 1, c)  # in flight while layer i computes
+            nxt = gather(src(ls), i + 1, c)  # in flight while layer i computes
             out, y = fn(w, c, at(xs, i), *consts)
             return (out, nxt, put(kept, keep(w), i), ls, hs, nxt_ahead), (saved.store(c), y)
 
@@ -263,7 +268,7 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
 
         leaves, held = rows.at(0, leaves, held, pending, owners)
         ahead = rows.fetch(held, 1, 1)
-        w = gather(leaves, 0)
+        w = gather(src(leaves), 0)
         state = (carry, w, _buffer(keep(w), length), leaves, held, ahead)
         trips = max(0, (length - 2) // 2)  # the loop's last fetch is layer 2 * trips + 1's
         state, outs = jax.lax.scan(body, state, jnp.arange(trips))
@@ -272,31 +277,35 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
             state, o = half(state, i, i % 2 == 1, i + 2 < length)
             outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), outs, o)
         (c, w, kept, leaves, held, _), (inputs, ys) = state, outs
-        return last(c, w, kept, inputs, ys, xs, consts, accs, leaves, held)
+        return last(c, w, kept, inputs, ys, xs, consts, accs, leaves, held, old)
 
     def forward_one_stack(leaves, carry, xs, consts, accs, held, pending):
         """The rows of the layers one after another (unpacked, or one stack)."""
         rows = plan.rows
+        old = leaves if rows.delayed else None
+        src = lambda ls: ls if old is None else old
 
         def body(state, i):
             c, w, kept, ls, hs = state
             ls, hs = rows.at(i + 1, ls, hs, pending, owners)  # layer i + 1's, then its gather
-            nxt = gather(ls, i + 1, c)  # in flight while layer i computes
+            nxt = gather(src(ls), i + 1, c)  # in flight while layer i computes
             out, y = fn(w, c, at(xs, i), *consts)
             return (out, nxt, put(kept, keep(w), i), ls, hs), (saved.store(c), y)
 
         leaves, held = rows.at(0, leaves, held, pending, owners)
-        w = gather(leaves, 0)
+        w = gather(src(leaves), 0)
         first = (carry, w, _buffer(keep(w), length), leaves, held)
         (c, w, kept, leaves, held), (inputs, ys) = jax.lax.scan(body, first, jnp.arange(length - 1))
-        return last(c, w, kept, inputs, ys, xs, consts, accs, leaves, held)
+        return last(c, w, kept, inputs, ys, xs, consts, accs, leaves, held, old)
 
-    def last(c, w, kept, inputs, ys, xs, consts, accs, leaves, held):
-        """The last layer after a forward loop that ran the rows, and the forward's result."""
+    def last(c, w, kept, inputs, ys, xs, consts, accs, leaves, held, old=None):
+        """The last layer after a forward loop that ran the rows, and the forward's result
+        (``old``: the stacks the gathers read, delayed; the backward gathers from them)."""
         out, y = fn(w, c, at(xs, length - 1), *consts)
         ys = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y)
         kept = put(kept, keep(w), length - 1)
-        return ((out, ys), (leaves, held)), (leaves, kept, inputs, c, xs, consts, accs)
+        read = leaves if old is None else old
+        return ((out, ys), (leaves, held)), (read, kept, inputs, c, xs, consts, accs)
 
     def backward(res, cts):
         leaves, kept, inputs, c_last, xs, consts, accs = res

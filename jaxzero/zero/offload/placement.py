@@ -109,44 +109,69 @@ def check_offload(offload, stage) -> str | tuple[str, str] | None:
     return offload
 
 
-#: ``offload_update=`` values: None (the update after the backward) or the staged path of
-#: decision 51, the layer stacks' update applied at the start of the next step
+#: ``offload_update=`` values: None (the update after the backward), the staged path of
+#: decision 51 (the layer stacks' update applied at the start of the next step), or its
+#: delayed variant (ZeRO-Offload's DPU: the next step's gradient taken before that update)
 DEFERRED = "deferred"
+DELAYED = "delayed"
 
 
-def check_update(update, offload, layers, fraction, nvme, separate_master) -> str | None:
+def check_update(
+    update, offload, layers, fraction, nvme, separate_master, stage=3, delay_after=None
+) -> str | None:
     """``offload_update`` checked against the checked ``offload``, ``layers``,
-    ``offload_fraction``, ``nvme`` and whether the precision keeps a separate master: None or
-    ``"deferred"``, which needs the whole optimizer side in pinned host memory, a separate
-    fp32 master and layer stacks, the only state whose update it defers."""
+    ``offload_fraction``, ``nvme``, whether the precision keeps a separate master, ``stage``
+    and ``delay_after``: None, ``"deferred"`` or ``"delayed"``. Both need the whole optimizer
+    side in pinned host memory, a separate fp32 master and layer stacks, the only state
+    whose update they defer; ``"delayed"`` also needs stage 3, where the forward's layer loop
+    runs the rows, and takes ``delay_after``, the exact steps before the delay (an int >= 0)."""
+    if delay_after is not None and update != DELAYED:
+        raise ValueError(
+            f"delay_after={delay_after!r} counts the exact steps before a delayed update, and "
+            f"offload_update={update!r} delays nothing, so it would change nothing. Use "
+            f"offload_update='delayed' with it, or drop delay_after."
+        )
     if update is None:
         return None
-    if update != DEFERRED:
+    if update not in (DEFERRED, DELAYED):
         raise ValueError(
             f"offload_update={update!r} is not supported; use None (the update after the "
-            f"backward) or 'deferred' (the layer stacks' update applied at the start of the "
-            f"next step, decision 51)."
+            f"backward), 'deferred' (the layer stacks' update applied at the start of the "
+            f"next step, decision 51) or 'delayed' (that update applied beside the next "
+            f"step's forward, whose gradient is taken before it: ZeRO-Offload's DPU)."
         )
-    fix = "or drop offload_update='deferred'."
+    fix = f"or drop offload_update={update!r}."
     if offload != OPTIMIZER or nvme is not None or fraction != 1:
         raise ValueError(
-            f"offload_update='deferred' defers the layer stacks' update of the optimizer state "
+            f"offload_update={update!r} defers the layer stacks' update of the optimizer state "
             f"in pinned host memory; it is built for offload='optimizer' with "
             f"offload_fraction=1 (got offload={offload!r}, offload_fraction={fraction!r}"
             f"{', NVMe' if nvme is not None else ''}). Use offload='optimizer', {fix}"
         )
     if not layers:
         raise ValueError(
-            "offload_update='deferred' defers the update of the layer stacks (layers=), and "
+            f"offload_update={update!r} defers the update of the layer stacks (layers=), and "
             "this configuration names none, so it would change nothing. Name the stacks with "
             f"layers=, {fix}"
         )
     if not separate_master:
         raise ValueError(
-            "offload_update='deferred' defers the update of the fp32 master kept apart from "
+            f"offload_update={update!r} defers the update of the fp32 master kept apart from "
             "the compute params, and this precision keeps none (the params are the master), "
             f"so it would change nothing. Use precision='bf16', {fix}"
         )
+    if update == DELAYED:
+        if stage != 3:
+            raise ValueError(
+                f"offload_update='delayed' runs the pending update inside jaxzero.scan_layers' "
+                f"forward loop beside compute that does not wait for it, which needs stage 3 "
+                f"with layers= (got stage={stage}). Use stage=3, or offload_update='deferred'."
+            )
+        if isinstance(delay_after, bool) or not isinstance(delay_after, int) or delay_after < 0:
+            raise ValueError(
+                f"delay_after={delay_after!r} must be an int >= 0: the exact steps before the "
+                f"update is delayed (0: from the second step)."
+            )
     return update
 
 
@@ -246,7 +271,7 @@ def remainder_master(offload) -> bool:
 
 
 def placement(
-    offload, stage: int, mesh: Mesh, fraction=1.0, update=None
+    offload, stage: int, mesh: Mesh, fraction=1.0, update=None, delay_after=None
 ) -> DeviceMemory | HostMemory:
     """The placement of ``ZeRO(offload=offload, offload_fraction=fraction,
     offload_update=update)`` (``update`` already checked by :func:`check_update`):
@@ -268,6 +293,7 @@ def placement(
             fraction=fraction,
             remainder=kept,
             defers=update is not None,
+            delay_after=delay_after if update == DELAYED else None,
         )
     return DeviceMemory()
 
@@ -290,6 +316,9 @@ class DeviceMemory:
     #: whether the layer stacks' update is left pending for the next step
     #: (``offload_update="deferred"``, decision 51)
     defers = False
+    #: the exact steps before the pending update is delayed (``offload_update="delayed"``),
+    #: else None
+    delay_after = None
 
     @property
     def optimizer_side_whole(self) -> bool:
@@ -388,12 +417,15 @@ class HostMemory(DeviceMemory):
         fraction: float = 1.0,
         remainder: bool = False,
         defers: bool = False,
+        delay_after: int | None = None,
     ):
         self.params_on_host = params
         #: the share of the master, optimizer state and EMA bytes kept on the host (decision 43)
         self.fraction = fraction
         self.remainder = remainder
         self.defers = defers
+        #: with ``offload_update="delayed"``: the exact steps before the delay (else None)
+        self.delay_after = delay_after
 
     @property
     def optimizer_side_whole(self) -> bool:
