@@ -211,14 +211,16 @@ def _abstract_state(step, state_or_shapes, model_state, rng):
     packed = pending.packed  # in pinned host memory, which an abstract shape may not say
     if packed is not None:
         packed = pending.packing.avals(host_memory.host_sharding(zero.mesh, pending.packing.spec))
-    return with_pending(out, pending.replace(values=values, packed=packed))
+    before = None if pending.before is None else {k: kept(x) for k, x in pending.before.items()}
+    return with_pending(out, pending.replace(values=values, packed=packed, before=before))
 
 
 def steady_state(step, param_shapes, batch_shapes):
     """What to compile ``step`` on for its steady figures: ``param_shapes`` itself, or where
     the step leaves an update pending (``ZeRO(offload_update="deferred")``) the abstract
     :class:`~jaxzero.train.state.PendingState` its first step returns (``jax.eval_shape``: the
-    next steps run the pending rows, the first does not).
+    next steps run the pending rows, the first does not), marked delayed where the update is
+    (``offload_update="delayed"``: the steps after its exact ones).
 
     Args:
       step: a :class:`jaxzero.TrainStep`.
@@ -231,7 +233,10 @@ def steady_state(step, param_shapes, batch_shapes):
     state = zero.abstract_state(param_shapes, ema=step.ema)
     batch = _abstract_batch(step, batch_shapes)
     with jax.set_mesh(zero.mesh):
-        return jax.eval_shape(step.jitted, state, batch)[0]
+        state = jax.eval_shape(step.jitted, state, batch)[0]
+    if zero.placement.delay_after is None:
+        return state
+    return with_pending(state, state.pending.replace(delayed=True))
 
 
 def _abstract_batch(step, batch_shapes):
