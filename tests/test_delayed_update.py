@@ -20,6 +20,10 @@ import tolerance
 
 import jaxzero as jz
 
+# make_train_step warns that the delayed update's window is today the deferred one's (pinned
+# by test_a_delayed_step_warns_that_its_window_is_the_deferred_one)
+pytestmark = pytest.mark.filterwarnings("ignore:ZeRO\\(offload_update='delayed'\\):UserWarning")
+
 N = 8
 BF16 = jz.Precision("bfloat16", "float32", "float32")
 TX = {
@@ -176,10 +180,14 @@ def test_delayed_defaults_to_no_exact_steps_and_the_default_update_is_exact():
     assert deferred.delay_after is None and deferred.placement.delay_after is None
 
 
-def test_one_micro_batch_warns_that_the_window_is_the_deferred_one():
+@pytest.mark.parametrize("accum,said", [(1, "1 micro-batch,"), (2, "2 micro-batches,")])
+def test_a_delayed_step_warns_that_its_window_is_the_deferred_one(accum, said):
+    """The delay costs exactness and, today, buys the window ``"deferred"`` has (the first
+    micro-batch's forward): building the step says so, with one micro-batch or several."""
     params, loss_fn, _ = _problem(1)
-    with pytest.warns(UserWarning, match=r"one micro-batch .*accum_steps > 1"):
-        jz.make_train_step(loss_fn, _zero(optax.adam(1e-2), offload_update="delayed"))
+    zero = _zero(optax.adam(1e-2), offload_update="delayed")
+    with pytest.warns(UserWarning, match=rf"a step behind and, with {said}.*'deferred'"):
+        jz.make_train_step(loss_fn, zero, accum_steps=accum)
 
 
 def test_a_stack_without_scan_layers_is_refused_when_the_delay_begins():
