@@ -414,17 +414,6 @@ def make_train_step(
             stacklevel=2,
         )
     # what the step built will not do (nothing is traced yet)
-    if zero.placement.delay_after is not None:
-        warnings.warn(
-            f"ZeRO(offload_update='delayed') takes each step's gradient a step behind and, "
-            f"with {accum_steps} micro-batch{'es' if accum_steps > 1 else ''}, applies the "
-            f"update inside the first micro-batch's forward: the window "
-            f"offload_update='deferred' has, exactly (spreading it over every micro-batch's "
-            f"forward is not built yet; with one micro-batch that forward is the whole "
-            f"window). Use offload_update='deferred' for the same hiding without the delay.",
-            UserWarning,
-            stacklevel=2,
-        )
     unused = zero.path.unused_layers(accum_steps)
     if unused:
         warnings.warn(

@@ -243,9 +243,8 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
         rows = plan.rows
         if rows.stacks == 1:
             return forward_one_stack(leaves, carry, xs, consts, accs, held, pending)
-        # delayed: the gathers read the stacks as they came in (old), the rows write ls
-        old = leaves if rows.delayed else None
-        src = lambda ls: ls if old is None else old
+        if rows.delayed:
+            return forward_delayed(leaves, carry, xs, consts, accs, held, pending)
 
         def half(state, i, odd, fetch):
             # layer i + 2's state rows fetched (under layer i's compute, for the next half),
@@ -254,7 +253,7 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
             c, w, kept, ls, hs, ahead = state
             nxt_ahead = rows.fetch(hs, i + 2, int(odd)) if fetch else None
             ls, hs = rows.at(i + 1, ls, hs, pending, owners, int(not odd), ahead)
-            nxt = gather(src(ls), i + 1, c)  # in flight while layer i computes
+            nxt = gather(ls, i + 1, c)  # in flight while layer i computes
             out, y = fn(w, c, at(xs, i), *consts)
             return (out, nxt, put(kept, keep(w), i), ls, hs, nxt_ahead), (saved.store(c), y)
 
@@ -268,7 +267,7 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
 
         leaves, held = rows.at(0, leaves, held, pending, owners)
         ahead = rows.fetch(held, 1, 1)
-        w = gather(src(leaves), 0)
+        w = gather(leaves, 0)
         state = (carry, w, _buffer(keep(w), length), leaves, held, ahead)
         trips = max(0, (length - 2) // 2)  # the loop's last fetch is layer 2 * trips + 1's
         state, outs = jax.lax.scan(body, state, jnp.arange(trips))
@@ -277,7 +276,56 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
             state, o = half(state, i, i % 2 == 1, i + 2 < length)
             outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), outs, o)
         (c, w, kept, leaves, held, _), (inputs, ys) = state, outs
-        return last(c, w, kept, inputs, ys, xs, consts, accs, leaves, held, old)
+        return last(c, w, kept, inputs, ys, xs, consts, accs, leaves, held)
+
+    def forward_delayed(leaves, carry, xs, consts, accs, held, pending):
+        """The rows delayed (every gather reads the stacks as they came in, so none waits
+        for a row): layer ``i``'s state rows fetched under layer ``i``'s compute and applied
+        under layer ``i + 1``'s; the last layer's fetched under layer 0's (the one half with
+        a single copy: XLA:GPU runs two host copies beside compute at a time) and applied
+        with the one before under the last layer's. Only the leaves outside the stacks are
+        left beside nothing (two stacks of packed rows, ``length >= 2``); the last layer's
+        rows stay on the device through the forward."""
+        rows = plan.rows
+        final = length - 1
+
+        def half(state, i, odd, first=False):
+            # layer i's rows fetched (for the next half), layer i - 1's applied from the rows
+            # the half before fetched
+            c, w, kept, ls, hs, ahead = state
+            nxt_ahead = rows.fetch(hs, i, int(odd))
+            if not first:
+                ls, hs = rows.at(i - 1, ls, hs, pending, owners, int(not odd), ahead)
+            nxt = gather(leaves, i + 1, c)  # in flight while layer i computes
+            out, y = fn(w, c, at(xs, i), *consts)
+            return (out, nxt, put(kept, keep(w), i), ls, hs, nxt_ahead), (saved.store(c), y)
+
+        def body(state, j):  # layers 2j + 1 and 2j + 2, a barrier between (as forward_rows)
+            state, a = half(state, 2 * j + 1, True)
+            state, b = half(_barrier(state), 2 * j + 2, False)
+            return state, jax.tree.map(lambda *x: jnp.stack(x), a, b)
+
+        w = gather(leaves, 0)
+        state = (carry, w, _buffer(keep(w), length), leaves, held, None)
+        state, outs = half(state, 0, False, first=True)
+        # the last layer's rows, fetched beside layer 0's (done by the barrier after it)
+        state, tail = _barrier((state, rows.fetch(held, final, final % 2)))
+        outs = jax.tree.map(lambda a: a[None], outs)
+        trips = max(0, (length - 2) // 2)  # the halves 1 .. 2 * trips, then those left
+        if trips:
+            state, more = jax.lax.scan(body, state, jnp.arange(trips))
+            more = jax.tree.map(lambda a: a.reshape((2 * trips, *a.shape[2:])), more)
+            outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, more)
+        for i in range(2 * trips + 1, final):
+            state, o = half(_barrier(state), i, i % 2 == 1)
+            outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), outs, o)
+        # barriers before and after the last layer: the last two rows' update and write-back
+        # under it (else XLA leaves them to the end of the step, start beside done)
+        (c, w, kept, ls, hs, prev), (inputs, ys) = _barrier(state), outs
+        ls, hs = rows.at(final - 1, ls, hs, pending, owners, (final - 1) % 2, prev)
+        ls, hs = rows.at(final, ls, hs, pending, owners, final % 2, tail)
+        primal, res = last(c, w, kept, inputs, ys, xs, consts, accs, ls, hs, leaves)
+        return _barrier(primal), res
 
     def forward_one_stack(leaves, carry, xs, consts, accs, held, pending):
         """The rows of the layers one after another (unpacked, or one stack)."""
