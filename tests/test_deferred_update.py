@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import stacked_linear
 import tolerance
 
 import jaxzero as jz
@@ -36,46 +37,13 @@ TX = {
 
 # the stack's (L, D, W) kernel is streamed (> 4096 elements a leaf); the forward's loop runs
 # layers 1-4's rows in two trips of two (the even and odd layers' packed rows), layer 5's after
-L, D, W = 6, 64, 128
+L = 6
+D, W = stacked_linear.D, stacked_linear.W
 
 
 def _problem(steps=3, gathered=False, layers=L):
-    """``(params, loss_fn, batches)``: ``jz.scan_layers`` over a stack of 4 linear layers,
-    each adding ``x @ w + g`` to the carry, a kernel and a bias outside the stack that make
-    the carry's start, and a loss linear in the output with batches of -1, 0 and 1. Every gradient is then a mean of small integers, exact
-    in bf16 however the rows are split and summed, so the bf16 cast's rounding never reaches
-    AdamW's updates (its reruns in other summation orders agree to the last bit), while the
-    loss itself reads the params (a forward on stale stacks is seen in the losses).
-    ``gathered``: the stack runs in a ``jax.lax.scan`` with ``jz.gather_layer`` instead."""
-    ks = jax.random.split(jax.random.key(0), 4)
-    params = {
-        "layers": {
-            "w": 0.05 * jax.random.normal(ks[0], (layers, D, W)),
-            "g": 0.05 * jax.random.normal(ks[1], (layers, W)),
-        },
-        "b": 0.05 * jax.random.normal(ks[2], (W,)),
-        "k": 0.05 * jax.random.normal(ks[3], (D, W)),
-    }
-
-    def loss_fn(p, batch):
-        layer = lambda w, c: (c[0], c[1] + c[0] @ w["w"] + w["g"])
-        h0 = batch["x"] @ p["k"] + p["b"]
-        if gathered:  # a jax.lax.scan gathering each layer with jz.gather_layer
-            body = lambda c, w: (layer(jz.gather_layer(w), c), None)
-            (_, h), _ = jax.lax.scan(body, (batch["x"], h0), p["layers"])
-        else:
-            _, h = jz.scan_layers(layer, p["layers"], (batch["x"], h0))
-        return jnp.mean(jnp.sum(h * batch["y"], axis=-1))
-
-    rng = np.random.default_rng(0)
-    batches = [
-        {
-            "x": rng.integers(-1, 2, size=(32, D)).astype(np.float32),
-            "y": rng.integers(-1, 2, size=(32, W)).astype(np.float32),
-        }
-        for _ in range(steps)
-    ]
-    return params, loss_fn, batches
+    """tests/stacked_linear.py's problem."""
+    return stacked_linear.problem(steps, layers, gathered=gathered)
 
 
 def _losses(tx, params, loss_fn, batches):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import stacked_linear
 import tolerance
 
 import jaxzero as jz
@@ -31,48 +32,13 @@ TX = {
 }
 # 4 layers: the delayed forward runs layer 0's half, one trip of two halves (layers 1 and 2)
 # and the last layer
-L, D, W = 4, 64, 128
+L = 4
 STEPS = 4
 
 
 def _problem(steps=STEPS, gathered=False, layers=L):
-    """``(params, loss_fn, batches)``: ``jz.scan_layers`` over a stack of linear layers, each
-    adding ``x @ w + g`` to the carry, a kernel and a bias outside the stack, and a loss
-    linear in the output's ReLU with batches of -1, 0 and 1: every gradient is a mean of
-    small integers (the ReLU's mask times them), exact in bf16 however it is split and
-    summed, so the references' reruns in other orders agree to the last bit; the mask
-    depends on the params, so a gradient taken a step behind differs from the exact one, and
-    the loss reads the params, so a forward on the wrong params shows in the losses.
-    ``gathered``: the stack runs in a ``jax.lax.scan`` with ``jz.gather_layer``."""
-    ks = jax.random.split(jax.random.key(0), 4)
-    params = {
-        "layers": {
-            "w": 0.05 * jax.random.normal(ks[0], (layers, D, W)),
-            "g": 0.05 * jax.random.normal(ks[1], (layers, W)),
-        },
-        "b": 0.05 * jax.random.normal(ks[2], (W,)),
-        "k": 0.05 * jax.random.normal(ks[3], (D, W)),
-    }
-
-    def loss_fn(p, batch):
-        layer = lambda w, c: (c[0], c[1] + c[0] @ w["w"] + w["g"])
-        h0 = batch["x"] @ p["k"] + p["b"]
-        if gathered:
-            body = lambda c, w: (layer(jz.gather_layer(w), c), None)
-            (_, h), _ = jax.lax.scan(body, (batch["x"], h0), p["layers"])
-        else:
-            _, h = jz.scan_layers(layer, p["layers"], (batch["x"], h0))
-        return jnp.mean(jnp.sum(jnp.maximum(h, 0) * batch["y"], axis=-1))
-
-    rng = np.random.default_rng(0)
-    batches = [
-        {
-            "x": rng.integers(-1, 2, size=(32, D)).astype(np.float32),
-            "y": rng.integers(-1, 2, size=(32, W)).astype(np.float32),
-        }
-        for _ in range(steps)
-    ]
-    return params, loss_fn, batches
+    """tests/stacked_linear.py's problem with the ReLU."""
+    return stacked_linear.problem(steps, layers, gathered=gathered, relu=True)
 
 
 def _delayed_optax(tx, params, loss_fn, batches, exact_steps, order=lambda b: b):
