@@ -78,12 +78,12 @@ def _gathered(tree):
 @pytest.mark.parametrize(
     "name,delay_after,layers",
     [
-        ("adamw", 0, L),
+        ("adamw", 1, L),
         ("clip_adamw", 2, L),
         # slow: a third compile of the same path; 5 layers add a half after the loop's trip,
         # 2 run no half but layer 0's
         pytest.param("adamw", 1, 5, marks=pytest.mark.slow),
-        pytest.param("adamw", 0, 2, marks=pytest.mark.slow),
+        pytest.param("adamw", 1, 2, marks=pytest.mark.slow),
     ],
 )
 def test_delayed_steps_with_two_micro_batches_are_delayed_optax(name, delay_after, layers):
@@ -105,7 +105,7 @@ def test_delayed_steps_with_two_micro_batches_are_delayed_optax(name, delay_afte
     want_p, want_s, want_losses = _delayed_optax(tx, params, loss_fn, batches, delay_after)
     exact_p, _, exact_losses = _delayed_optax(tx, params, loss_fn, batches, len(batches))
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
-    warm = max(delay_after, 1)
+    warm = delay_after
     np.testing.assert_allclose(losses[:warm], exact_losses[:warm], rtol=1e-5, atol=1e-5)
     assert np.abs(np.array(losses[warm:]) - exact_losses[warm:]).min() > 1e-3
     # tests/tolerance.py's rule: the delayed reference rerun with the rows reversed
@@ -126,8 +126,8 @@ def test_delayed_steps_with_two_micro_batches_are_delayed_optax(name, delay_afte
     "kw,match",
     [
         ({"stage": 2}, r"needs stage 3 with layers= \(got stage=2\)"),
-        ({"delay_after": -1}, r"delay_after=-1 must be an int >= 0"),
-        ({"delay_after": True}, r"delay_after=True must be an int >= 0"),
+        ({"delay_after": 0}, r"delay_after=0 must be an int >= 1.*the first counted"),
+        ({"delay_after": True}, r"delay_after=True must be an int >= 1"),
         ({"offload": None}, r"offload_update='delayed' .* built for offload='optimizer'"),
         ({"layers": None}, r"names none, so it would change nothing"),
         ({"precision": "fp32"}, r"keeps none \(the params are the master\)"),
@@ -135,7 +135,7 @@ def test_delayed_steps_with_two_micro_batches_are_delayed_optax(name, delay_afte
             {"offload_update": "deferred", "delay_after": 2},
             r"offload_update='deferred' delays nothing.*drop delay_after",
         ),
-        ({"offload_update": None, "delay_after": 0}, r"offload_update=None delays nothing"),
+        ({"offload_update": None, "delay_after": 1}, r"offload_update=None delays nothing"),
     ],
 )
 def test_the_delayed_update_is_refused_where_it_is_not_built(kw, match):
@@ -145,10 +145,10 @@ def test_the_delayed_update_is_refused_where_it_is_not_built(kw, match):
         _zero(optax.adam(1e-2), stage, **kw)
 
 
-def test_delayed_defaults_to_no_exact_steps_and_the_default_update_is_exact():
-    """``delay_after`` defaults to 0 with ``"delayed"`` and stays None otherwise: the
-    default ``offload_update`` delays nothing."""
-    assert _zero(optax.adam(1e-2), offload_update="delayed").placement.delay_after == 0
+def test_delayed_defaults_to_the_first_step_exact_and_the_default_update_is_exact():
+    """``delay_after`` defaults to 1 with ``"delayed"`` (the first step, which has nothing
+    to delay) and stays None otherwise: the default ``offload_update`` delays nothing."""
+    assert _zero(optax.adam(1e-2), offload_update="delayed").placement.delay_after == 1
     plain = _zero(optax.adam(1e-2))
     assert plain.offload_update is None and plain.placement.delay_after is None
     deferred = _zero(optax.adam(1e-2), offload_update="deferred")

@@ -103,7 +103,8 @@ class ZeRO(ZeROConfig):
         inside its first micro-batch's forward, where no gather waits for it. Not exact:
         the gradient is a step stale (decision 51 states its cost on a 2,000-step run).
       delay_after: with ``offload_update="delayed"``, the exact steps before the delay
-        (an int >= 0; default 0: from the second step). Refused with any other
+        (an int >= 1, the first step counted: it has nothing pending to delay; default 1:
+        from the second step). Refused with any other
         ``offload_update``.
       quantize: None (exact collectives), or ZeRO++'s quantized collectives
         (:mod:`jaxzero.zero.wire`): ``"weights"`` (qwZ, stage 3: each shard all-gathered as

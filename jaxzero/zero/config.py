@@ -127,7 +127,7 @@ def canonical(given: dict[str, Any]) -> dict[str, Any]:
             f"'params', no 'remainder', offload_fraction 1)."
         )
     if given["offload_update"] == offload.DELAYED and given["delay_after"] is None:
-        out["delay_after"] = 0  # delayed from the second step
+        out["delay_after"] = 1  # the first step (nothing to delay), then delayed
     return out
 
 
@@ -196,7 +196,8 @@ class ZeROConfig(metaclass=_Canonical):
     #: None, or "deferred": with offload="optimizer" and layers=, the layer stacks' update is
     #: applied at the start of the next step (decision 51's staged path)
     offload_update: str | None = None
-    #: with offload_update="delayed": the exact (deferred) steps before the delay; None else
+    #: with offload_update="delayed": the exact (deferred) steps before the delay, the first
+    #: (which has nothing to delay) counted, so >= 1; None else
     delay_after: int | None = None
 
     def __post_init__(self):

@@ -124,7 +124,8 @@ def check_update(
     and ``delay_after``: None, ``"deferred"`` or ``"delayed"``. Both need the whole optimizer
     side in pinned host memory, a separate fp32 master and layer stacks, the only state
     whose update they defer; ``"delayed"`` also needs stage 3, where the forward's layer loop
-    runs the rows, and takes ``delay_after``, the exact steps before the delay (an int >= 0)."""
+    runs the rows, and takes ``delay_after``, the exact steps before the delay (an int >= 1:
+    the first step has nothing pending to delay, so it is always exact)."""
     if delay_after is not None and update != DELAYED:
         raise ValueError(
             f"delay_after={delay_after!r} counts the exact steps before a delayed update, and "
@@ -167,10 +168,11 @@ def check_update(
                 f"forward loop beside compute that does not wait for it, which needs stage 3 "
                 f"with layers= (got stage={stage}). Use stage=3, or offload_update='deferred'."
             )
-        if isinstance(delay_after, bool) or not isinstance(delay_after, int) or delay_after < 0:
+        if isinstance(delay_after, bool) or not isinstance(delay_after, int) or delay_after < 1:
             raise ValueError(
-                f"delay_after={delay_after!r} must be an int >= 0: the exact steps before the "
-                f"update is delayed (0: from the second step)."
+                f"delay_after={delay_after!r} must be an int >= 1: the exact steps before the "
+                f"update is delayed, the first counted (it has nothing pending to delay, so "
+                f"1, the default, delays from the second step)."
             )
     return update
 
