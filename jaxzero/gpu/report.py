@@ -234,7 +234,7 @@ def steady_state(step, param_shapes, batch_shapes):
     batch = _abstract_batch(step, batch_shapes)
     with jax.set_mesh(zero.mesh):
         state = jax.eval_shape(step.jitted, state, batch)[0]
-    if zero.placement.delay_after is None:
+    if not zero.placement.delays:
         return state
     return with_pending(state, state.pending.replace(delayed=True))
 

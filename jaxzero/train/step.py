@@ -255,8 +255,10 @@ class TrainStep:
         <jaxzero.train.state.Pending.delayed>`) once ``ZeRO(offload_update="delayed")``'s
         ``delay_after`` exact steps are taken. Until then each step reads the step count
         (a wait for the step before); a delayed step's pending update stays delayed."""
-        after, pending = self.zero.placement.delay_after, state.pending
-        if after is None or pending is None or pending.delayed or int(state.step) < after:
+        placement, pending = self.zero.placement, state.pending
+        if not placement.delays or pending is None or pending.delayed:
+            return state
+        if int(state.step) < placement.delay_after:
             return state
         return with_pending(state, pending.replace(delayed=True))
 
@@ -533,7 +535,7 @@ def _step_fn(
             try:
                 return step_with(state, batch, plan, layout, began, forward, before)
             except RowsNotRun as e:  # the stack never ran through one scan_layers call
-                if zero.placement.delay_after is not None:
+                if zero.placement.delays:
                     raise ValueError(_NOT_DELAYED.format(zero.layers)) from e
         return step_with(applied(plan, state, pending, layout), batch, plan, layout, began)
 

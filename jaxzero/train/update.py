@@ -224,7 +224,7 @@ def apply_gradients(
         leaves, tree = jax.tree.flatten((pinned, model_state, grad_scale))
         shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
         before = None
-        if zero.placement.delay_after is not None:  # what a delayed step's forward reads
+        if zero.placement.delays:  # what a delayed step's forward reads
             flat = jax.tree.leaves(state.params)
             before = {i: x for i, x in enumerate(flat) if i not in rows}
         pending = Pending(

@@ -323,6 +323,12 @@ class DeviceMemory:
     delay_after = None
 
     @property
+    def delays(self) -> bool:
+        """Whether the pending update is delayed once ``delay_after`` exact steps are taken
+        (``offload_update="delayed"``): the next step's gradient is taken before it."""
+        return self.delay_after is not None
+
+    @property
     def optimizer_side_whole(self) -> bool:
         """Whether the whole optimizer side (the fp32 master as it is, the optimizer state,
         the EMA) and nothing else lives in host memory: ``offload="optimizer"`` at fraction 1,
