@@ -283,13 +283,15 @@ def add_state_layout(group) -> None:
     )
     group.add_argument(
         "--offload-update",
-        choices=["exact", "deferred"],
+        choices=["exact", "deferred", "delayed"],
         default="exact",
         help="with --offload optimizer at --stage3 per-layer: deferred runs each layer's "
         "update inside the next step's forward, beside the layer before's compute, from the "
         "state packed one row per layer (jaxzero.ZeRO(offload_update='deferred'), the same "
-        "numbers); the row is compiled as a step with an update pending (default: exact, the "
-        "update after the backward)",
+        "numbers); delayed also takes that step's gradient before the update, so no gather "
+        "waits for it (ZeRO-Offload's delayed parameter update, "
+        "jaxzero.ZeRO(offload_update='delayed'), not exact); the row is compiled as a step "
+        "with an update pending (default: exact, the update after the backward)",
     )
     group.add_argument(
         "--gpu-memory",
@@ -409,7 +411,7 @@ def check_offload_args(args: argparse.Namespace, parser):
             "memory only where stage 3 fetches them a layer (or unit) at a time; the whole "
             "stage-3 row gathers every param at once. Add --stage3 per-layer"
         )
-    if args.offload_update == "deferred" and (
+    if args.offload_update != "exact" and (
         args.offload != "optimizer"
         or args.offload_fraction != 1
         or args.stage3 == "whole"
@@ -418,11 +420,11 @@ def check_offload_args(args: argparse.Namespace, parser):
         or not args.compute_copy
     ):
         parser.error(
-            "--offload-update deferred runs the update of the fp32 master inside the forward's "
-            "layer loop: it needs --offload optimizer (the whole state, no --offload-fraction), "
-            "a scanned stack (--loop scan), its per-layer stage-3 row (--stage3 per-layer or "
-            "both) and a master apart from the params (--precision bf16 or fp16, without "
-            "--no-compute-copy)"
+            f"--offload-update {args.offload_update} runs the update of the fp32 master inside "
+            "the forward's layer loop: it needs --offload optimizer (the whole state, no "
+            "--offload-fraction), a scanned stack (--loop scan), its per-layer stage-3 row "
+            "(--stage3 per-layer or both) and a master apart from the params (--precision bf16 "
+            "or fp16, without --no-compute-copy)"
         )
     if args.offload == "auto" and args.gpu_memory is None:
         print(
@@ -529,7 +531,7 @@ def plan_zero(args: argparse.Namespace):
         offload_fraction=args.offload_fraction,
         quantize=_quantize(args),
         hpz_partition_size=args.hpz,
-        offload_update="deferred" if args.offload_update == "deferred" else None,
+        offload_update=None if args.offload_update == "exact" else args.offload_update,
     )
 
 

@@ -63,8 +63,9 @@ class PlanRow:
     ``"unit"`` (a Python loop of blocks, ``ZeRO(units=)``); ``prefetch``: a per-unit row's
     ``ZeRO(prefetch=...)`` (None on the other rows); ``hpz``: the per-layer stage-3 row's
     ``ZeRO(hpz_partition_size=...)`` (None on the other rows); ``update``: its
-    ``ZeRO(offload_update=...)`` (``"deferred"``: compiled as a step with an update pending,
-    the rows inside the forward's layer loop). ``cost``: with offload, the
+    ``ZeRO(offload_update=...)`` (``"deferred"`` or ``"delayed"``: compiled as a step with an
+    update pending, the rows inside the forward's layer loop; ``"delayed"``: the first delayed
+    step, whose gradient is taken before that update). ``cost``: with offload, the
     host <-> device bytes of the compiled step and the step time they predict
     (:func:`jaxzero.gpu.offload_cost.offload_cost`; None without offload). ``fraction``: the
     row's ``ZeRO(offload_fraction=...)``, the plan's or the one ``fit_offload`` picked (None:
@@ -93,7 +94,7 @@ class PlanRow:
     def label(self) -> str:
         label = f"{self.stage} per {self.per}" if self.per_layer else str(self.stage)
         label += f", hpZ {self.hpz}" if self.hpz else ""
-        label += ", deferred update" if self.update else ""
+        label += f", {self.update} update" if self.update else ""
         return label + (", prefetch=False" if self.prefetch is False else "")
 
     @property
@@ -387,7 +388,7 @@ def _compiler(
         step = make_train_step(
             loss_fn, _zero(zero, case, fraction, names), ema=sema, accum_steps=accum
         )
-        # deferred: the steady state, a step with an update pending
+        # deferred or delayed: the steady state, a step with an update pending
         state = steady_state(step, params, batch)
         report = compile_report(step, state, batch, kind=gpu, compiler_options=compiler_options)
         return limited(report, gpu_memory)
@@ -415,10 +416,10 @@ def _params_too(zero: ZeRO, case: dict, compile_case, names: dict):
 
 def _cost(report, shape: ModelShape, accum: int, gpu: str, gbps, update=None) -> OffloadCost:
     """The offload cost of a row's compiled step, for its tokens per GPU; ``update``: the
-    row's ``offload_update`` (``"deferred"``: the rows' copies overlap the first
-    micro-batch's forward only, 2 of its 8 x params x tokens FLOP)."""
+    row's ``offload_update`` (``"deferred"`` or ``"delayed"``: the rows' copies overlap the
+    first micro-batch's forward only, 2 of its 8 x params x tokens FLOP)."""
     tokens = shape.batch * shape.seq * accum
-    window = 1 / (4 * accum) if update == "deferred" else 1.0
+    window = 1 / (4 * accum) if update else 1.0
     return offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=gbps, window=window)
 
 
@@ -573,12 +574,12 @@ def plan(
     }
     cases = _cases(zero, cases, per, names)
     update = zero.offload_update
-    if update == "deferred" and ((3, True) not in cases or per != "layer" or fit_offload):
+    if update and ((3, True) not in cases or per != "layer" or fit_offload):
         raise ValueError(
-            "offload_update='deferred' runs the update inside the next forward's layer loop at "
-            "stage 3 per layer of a scanned stack, which the plan compiles in the case (3, True) "
-            "with layers= (loop='scan'), without fit_offload (it needs the whole optimizer "
-            "offloaded): include that case, or plan the exact update."
+            f"offload_update={update!r} runs the update inside the next forward's layer loop "
+            "at stage 3 per layer of a scanned stack, which the plan compiles in the case "
+            "(3, True) with layers= (loop='scan'), without fit_offload (it needs the whole "
+            "optimizer offloaded): include that case, or plan the exact update."
         )
     hpz = zero.hpz_partition_size
     if hpz and (3, True) not in cases:
@@ -628,7 +629,7 @@ def plan(
             quantize=quantize,
             prefetch=pf,
             hpz=g,
-            # deferred: the stage-3 per-layer row (the other rows' exact update)
+            # deferred or delayed: the stage-3 per-layer row (the other rows' exact update)
             update=update if stage == 3 and per_layer else None,
         )
         # the case compiled at the ZeRO's fraction, or with fit_offload at the smallest that
