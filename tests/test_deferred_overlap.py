@@ -103,12 +103,12 @@ def test_with_micro_batches_the_first_forward_hides_the_same():
 # slow: two 4-layer compiles (~40 s); make test keeps the delayed update's numbers
 # (test_delayed_update.py) and the deferred window above
 @pytest.mark.slow
-def test_the_delayed_update_on_4_layers_hides_all_but_the_last_rows_write_back():
-    """``offload_update="delayed"`` with 2 micro-batches on the 4-layer decoder: a delayed
-    step moves the exact step's bytes, and, no gather waiting for a row, every layer's fetch
-    runs beside compute (the last layer's under layer 0's). What stays exposed is the last
-    two rows' write-backs (XLA:GPU puts them beside each other before the last layer's
-    compute) and the leaves outside the stacks both ways: 70% hidden (7.67 of 11.02 MB),
+def test_the_delayed_update_on_4_layers_hides_every_row():
+    """``offload_update="delayed"`` with 2 micro-batches on the 4-layer decoder (the issue's
+    acceptance: >= 90%): a delayed step moves the exact step's bytes, and, no gather waiting
+    for a row, every layer's fetch runs beside compute (the last layer's under layer 0's)
+    and every write-back too (the last two rows' in flight through the backward). Only the
+    leaves outside the stacks stay exposed, both ways: 92.8% hidden (10.22 of 11.02 MB),
     against the deferred step's 46%, whose bound is 60% (decision 51)."""
     layers = 4
     delayed, deferred = _transfers(layers, "delayed", accum=2), _transfers(layers, True, accum=2)
@@ -116,5 +116,5 @@ def test_the_delayed_update_on_4_layers_hides_all_but_the_last_rows_write_back()
     state = layers * layer + outside
     for t in (delayed, deferred):
         assert 0 <= t.h2d_bytes - state <= SCALARS and 0 <= t.d2h_bytes - state <= SCALARS
-    assert delayed.exposed_bytes <= 2 * layer + 2 * (outside + SCALARS)
-    assert delayed.share >= 0.69 and deferred.share < 0.5
+    assert delayed.exposed_bytes <= 2 * (outside + SCALARS)  # no row of the stacks
+    assert delayed.share >= 0.92 and deferred.share < 0.5

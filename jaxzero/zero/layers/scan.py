@@ -283,9 +283,10 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
         for a row): layer ``i``'s state rows fetched under layer ``i``'s compute and applied
         under layer ``i + 1``'s; the last layer's fetched under layer 0's (the one half with
         a single copy: XLA:GPU runs two host copies beside compute at a time) and applied
-        with the one before under the last layer's. Only the leaves outside the stacks are
-        left beside nothing (two stacks of packed rows, ``length >= 2``); the last layer's
-        rows stay on the device through the forward."""
+        with the one before from the last layer's on, their write-backs in flight through
+        the backward. Only the leaves outside the stacks are left beside nothing (two stacks of
+        packed rows, ``length >= 2``); the last layer's rows stay on the device through the
+        forward, and the last two layers' new rows until their write-backs are done."""
         rows = plan.rows
         final = length - 1
 
@@ -319,13 +320,15 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
         for i in range(2 * trips + 1, final):
             state, o = half(_barrier(state), i, i % 2 == 1)
             outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), outs, o)
-        # barriers before and after the last layer: the last two rows' update and write-back
-        # under it (else XLA leaves them to the end of the step, start beside done)
+        # a barrier before the last layer (without it XLA left the last two rows to the end
+        # of the step, start beside done) and none after it: their write-backs start beside
+        # the last layer and are done after the backward (a barrier after it kept them
+        # beside the last layer's compute, whose two host-copy slots the update's small
+        # copies took: both exposed)
         (c, w, kept, ls, hs, prev), (inputs, ys) = _barrier(state), outs
         ls, hs = rows.at(final - 1, ls, hs, pending, owners, (final - 1) % 2, prev)
         ls, hs = rows.at(final, ls, hs, pending, owners, final % 2, tail)
-        primal, res = last(c, w, kept, inputs, ys, xs, consts, accs, ls, hs, leaves)
-        return _barrier(primal), res
+        return last(c, w, kept, inputs, ys, xs, consts, accs, ls, hs, leaves)
 
     def forward_one_stack(leaves, carry, xs, consts, accs, held, pending):
         """The rows of the layers one after another (unpacked, or one stack)."""
