@@ -30,8 +30,8 @@ TX = {
     # a clip below the gradients' norm (about 0.5 on these batches): the clip scales every step
     "clip_adamw": optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2, weight_decay=0.1)),
 }
-# 4 layers: the delayed forward runs layer 0's half, one trip of two halves (layers 1 and 2)
-# and the last layer
+# 4 layers: the delayed forward runs layer 0's half, layer 1's, layer 2's (which writes the
+# rows of layers 1 and 3 back in one copy) and the last layer
 L = 4
 STEPS = 4
 
@@ -80,9 +80,11 @@ def _gathered(tree):
     [
         ("adamw", 1, L),
         ("clip_adamw", 2, L),
-        # slow: a third compile of the same path; 5 layers add a half after the loop's trip,
-        # 2 run no half but layer 0's
+        # slow: more compiles of the same path; 5 layers run a loop trip (layers 1 and 2)
+        # before the half that writes layers 2 and 4 back together, 3 write layers 0 and 2
+        # (layer 0's rows from the first half), 2 run no half but layer 0's
         pytest.param("adamw", 1, 5, marks=pytest.mark.slow),
+        pytest.param("adamw", 1, 3, marks=pytest.mark.slow),
         pytest.param("adamw", 1, 2, marks=pytest.mark.slow),
     ],
 )

@@ -86,11 +86,21 @@ class LayerRows:
         update left, as the loop has it; ``parity``: ``i % stacks``; ``fetched``: its state
         rows as :meth:`fetch` gave them, else fetched here)."""
         held, new = self.forward.run(i, held, pending, parity=parity, fetched=fetched)
-        leaves = [
-            x if j is None else jax.lax.dynamic_update_slice_in_dim(x, new[j].astype(x.dtype), i, 0)
-            for x, j in zip(leaves, owners, strict=True)
-        ]
-        return leaves, held
+        return _with_row(leaves, owners, new, i), held
+
+    def at_together(self, layers, leaves, held, pending, owners, parity: int, fetched):
+        """:meth:`at` for ``layers`` of one ``parity`` whose packed rows are consecutive in
+        their buffers (``i``, ``i + stacks``, ...; ``fetched``: each one's rows as
+        :meth:`fetch` gave them), their new rows written back together: one copy per
+        buffer."""
+        written = []
+        for i, rows in zip(layers, fetched, strict=True):
+            held, new, packed = self.forward.run(
+                i, held, pending, parity=parity, fetched=rows, write=False
+            )
+            leaves = _with_row(leaves, owners, new, i)
+            written.append(packed)
+        return leaves, self.forward.put(held, layers[0], written, parity)
 
     def record(self, leaves, held, owners) -> None:
         """What one forward loop left: the new stacks and host state leaves."""
@@ -105,6 +115,15 @@ class LayerRows:
             raise RowsNotRun(_NOT_ONCE.format(self.layers, self.runs))
         held, stacks = self._emitted
         return held, [stacks[j] for j in self.forward.rows]
+
+
+def _with_row(leaves, owners, new, i):
+    """The stack ``leaves`` with layer ``i``'s new compute row written into each owned one
+    (``new``: ``{flat params index: row}``)."""
+    return [
+        x if j is None else jax.lax.dynamic_update_slice_in_dim(x, new[j].astype(x.dtype), i, 0)
+        for x, j in zip(leaves, owners, strict=True)
+    ]
 
 
 def with_stacks(params, stacks: dict):

@@ -282,20 +282,26 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
         """The rows delayed (every gather reads the stacks as they came in, so none waits
         for a row): layer ``i``'s state rows fetched under layer ``i``'s compute and applied
         under layer ``i + 1``'s; the last layer's fetched under layer 0's (the one half with
-        a single copy: XLA:GPU runs two host copies beside compute at a time) and applied
-        with the one before from the last layer's on, their write-backs in flight through
-        the backward. Only the leaves outside the stacks are left beside nothing (two stacks of
-        packed rows, ``length >= 2``); the last layer's rows stay on the device through the
-        forward, and the last two layers' new rows until their write-backs are done."""
+        a single copy: XLA:GPU runs two host copies beside compute at a time), applied with
+        layer ``L - 3``'s under layer ``L - 2``'s and written back with them in one copy
+        (from 3 layers; with 2, both under the last layer's), and layer ``L - 2``'s
+        write-back in flight from the last layer through the backward. Only the leaves
+        outside the stacks are left beside nothing (two stacks of packed rows, ``length >=
+        2``); the last layer's rows stay on the device until layer ``L - 2``'s half, and
+        layer ``L - 2``'s new rows until their write-back is done."""
         rows = plan.rows
         final = length - 1
 
-        def half(state, i, odd, first=False):
+        def half(state, i, odd, first=False, tail=None):
             # layer i's rows fetched (for the next half), layer i - 1's applied from the rows
-            # the half before fetched
+            # the half before fetched (with ``tail``, the last layer's from theirs: the same
+            # parity, consecutive rows, one write-back)
             c, w, kept, ls, hs, ahead = state
             nxt_ahead = rows.fetch(hs, i, int(odd))
-            if not first:
+            if tail is not None:
+                pair, fetched = [i - 1, final], [ahead, tail]
+                ls, hs = rows.at_together(pair, ls, hs, pending, owners, int(not odd), fetched)
+            elif not first:
                 ls, hs = rows.at(i - 1, ls, hs, pending, owners, int(not odd), ahead)
             nxt = gather(leaves, i + 1, c)  # in flight while layer i computes
             out, y = fn(w, c, at(xs, i), *consts)
@@ -312,22 +318,29 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
         # the last layer's rows, fetched beside layer 0's (done by the barrier after it)
         state, tail = _barrier((state, rows.fetch(held, final, final % 2)))
         outs = jax.tree.map(lambda a: a[None], outs)
-        trips = max(0, (length - 2) // 2)  # the halves 1 .. 2 * trips, then those left
+        # from 3 layers, the last layer's rows are applied with layer L - 3's (the same
+        # parity) in layer L - 2's half and written back with them in one copy: the last
+        # layer's half then has one write-back, beside which the update's small copies
+        # leave a host-copy slot (two write-backs there: one was exposed at 24 layers)
+        together = length >= 3
+        stop = final - 1 if together else final  # the halves 1 .. stop - 1 apply one row
+        trips = max(0, (stop - 1) // 2)  # the halves 1 .. 2 * trips, then those left
         if trips:
             state, more = jax.lax.scan(body, state, jnp.arange(trips))
             more = jax.tree.map(lambda a: a.reshape((2 * trips, *a.shape[2:])), more)
             outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, more)
         for i in range(2 * trips + 1, final):
-            state, o = half(_barrier(state), i, i % 2 == 1)
+            odd = i % 2 == 1
+            state, o = half(_barrier(state), i, odd, tail=tail if i == stop else None)
             outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), outs, o)
-        # a barrier before the last layer (without it XLA left the last two rows to the end
-        # of the step, start beside done) and none after it: their write-backs start beside
-        # the last layer and are done after the backward (a barrier after it kept them
-        # beside the last layer's compute, whose two host-copy slots the update's small
-        # copies took: both exposed)
+        # a barrier before the last layer (without it XLA left the last rows to the end of
+        # the step, start beside done) and none after it: their write-backs start beside the
+        # last layer and are done after the backward (a barrier after it kept them beside the
+        # last layer's compute, whose two host-copy slots the update's small copies took)
         (c, w, kept, ls, hs, prev), (inputs, ys) = _barrier(state), outs
         ls, hs = rows.at(final - 1, ls, hs, pending, owners, (final - 1) % 2, prev)
-        ls, hs = rows.at(final, ls, hs, pending, owners, final % 2, tail)
+        if not together:
+            ls, hs = rows.at(final, ls, hs, pending, owners, final % 2, tail)
         return last(c, w, kept, inputs, ys, xs, consts, accs, ls, hs, leaves)
 
     def forward_one_stack(leaves, carry, xs, consts, accs, held, pending):

@@ -148,10 +148,19 @@ class PackedRows:
 
     def put(self, packed, i, rows, parity: int = 0) -> list:
         """``packed`` with layer ``i``'s row of every leaf (``rows``, ``[1, *shape]`` on the
-        device) written back, with one copy per group."""
+        device) written back, with one copy per group. ``rows`` may also be a list of such
+        rows, of layers ``i``, ``i + stacks``, ...: consecutive rows of their buffers, still
+        written with one copy per group."""
         out = list(packed)
+        many = rows if isinstance(rows[0], list) else [rows]
         for g, b in zip(self.groups, self._buffers(parity), strict=True):
-            row = jnp.concatenate([rows[k].reshape(1, -1).astype(out[b].dtype) for k in g], 1)
+            row = jnp.concatenate(
+                [
+                    jnp.concatenate([r[k].reshape(1, -1).astype(out[b].dtype) for k in g], 1)
+                    for r in many
+                ],
+                0,
+            )
             row = jax.device_put(row, HOST)
             out[b] = jax.lax.dynamic_update_slice_in_dim(
                 out[b], row, i // self.stacks, 0, allow_negative_indices=False

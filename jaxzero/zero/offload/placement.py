@@ -811,12 +811,13 @@ class DeferredRows:
         per buffer), for :meth:`run`'s ``fetched`` (a forward loop fetches a layer ahead)."""
         return self.layout.row(self._split(held)[0], i, parity)
 
-    def run(self, i, held, pending, local: bool = True, parity: int = 0, fetched=None):
+    def run(self, i, held, pending, local: bool = True, parity: int = 0, fetched=None, write=True):
         """Layer ``i``'s rows: ``held`` (:meth:`held_values` as they are now; ``local``: this
         device's shards, inside the step's ``shard_map``) with the row written, and
         ``{flat params index: its new compute row}``. ``parity``: ``i % stacks``, known
         while tracing (which packed buffers hold the row); ``fetched``: the row as
-        :meth:`fetch` gave it (None: fetched here)."""
+        :meth:`fetch` gave it (None: fetched here). ``write=False`` (packed rows): the
+        packed row is not written but returned third, for :meth:`put`."""
         if local:
             mesh, specs = self.kw["mesh"], self.kw["specs"]
             shard = lambda x, s: NamedSharding(mesh, s).shard_shape(x.shape)
@@ -845,10 +846,20 @@ class DeferredRows:
             **self.kw,
         )
         out = jax.tree.leaves(new_args, is_leaf=remainder.is_stored)
-        if given is not None:
-            packed = self.layout.put(packed, i, [written[0][k] for k in self.packs], parity)
+        new_rows = None if given is None else [written[0][k] for k in self.packs]
+        if new_rows is not None and write:
+            packed = self.layout.put(packed, i, new_rows, parity)
         rows = {j: new[self.first + j] for j in self.rows}
+        if not write:
+            return packed + [out[k] for k in self._loose()], rows, new_rows
         return packed + [out[k] for k in self._loose()], rows
+
+    def put(self, held, i, new_rows, parity: int = 0) -> list:
+        """``held`` with ``new_rows`` (:meth:`run`'s third value with ``write=False``, of
+        layers ``i``, ``i + stacks``, ...: consecutive rows of their buffers) written, one
+        copy per buffer."""
+        packed, loose = self._split(held)
+        return self.layout.put(packed, i, new_rows, parity) + loose
 
     def finish(self, held):
         """``(state, master)``: the streamed update's first two arguments with the host state
