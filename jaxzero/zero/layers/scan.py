@@ -334,14 +334,18 @@ def _prefetching(plan: LayerPlan, fn, gather, dims, length, owners=None):
             state, o = half(_barrier(state), i, odd, tail=tail if i == stop else None)
             outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), outs, o)
         # a barrier before the last layer (without it XLA left the last rows to the end of
-        # the step, start beside done) and none after it: their write-backs start beside the
-        # last layer and are done after the backward (a barrier after it kept them beside the
-        # last layer's compute, whose two host-copy slots the update's small copies took)
+        # the step, start beside done), and one after it that holds its output and the new
+        # stacks but not the host state: the write-backs start beside the last layer and
+        # are done after the backward (a barrier holding the host state too kept them beside
+        # the last layer's compute, whose two host-copy slots the update's small copies
+        # took; none at all let XLA write the new stacks later, a higher peak)
         (c, w, kept, ls, hs, prev), (inputs, ys) = _barrier(state), outs
         ls, hs = rows.at(final - 1, ls, hs, pending, owners, (final - 1) % 2, prev)
         if not together:
             ls, hs = rows.at(final, ls, hs, pending, owners, final % 2, tail)
-        return last(c, w, kept, inputs, ys, xs, consts, accs, ls, hs, leaves)
+        (out, (ls, hs)), res = last(c, w, kept, inputs, ys, xs, consts, accs, ls, hs, leaves)
+        out, ls = _barrier((out, ls))
+        return (out, (ls, hs)), res
 
     def forward_one_stack(leaves, carry, xs, consts, accs, held, pending):
         """The rows of the layers one after another (unpacked, or one stack)."""
