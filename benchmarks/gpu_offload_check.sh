@@ -56,11 +56,11 @@ part pcie_duplex_async16 60 env \
 
 # (b) the 1.32B GPT: plain jax.jit, then the jaxzero rows in the order named (most wanted first)
 part offload_gpu_accum8 200 "$PY" benchmarks/offload_gpu.py --accum 8 --rounds 2 --steps 3 \
-    --offloads optimizer optimizer+deferred optimizer,remainder off \
+    --offloads optimizer optimizer+deferred optimizer+delayed optimizer,remainder off \
     optimizer,remainder+bf16state optimizer+bf16state --out "$OUT/offload_gpu_accum8.md"
 part offload_gpu_accum1 200 "$PY" benchmarks/offload_gpu.py --accum 1 --rounds 2 --steps 3 \
-    --offloads optimizer+deferred optimizer,remainder+bf16state optimizer optimizer,remainder \
-    optimizer+bf16state off --out "$OUT/offload_gpu_accum1.md"
+    --offloads optimizer+deferred optimizer+delayed optimizer,remainder+bf16state optimizer \
+    optimizer,remainder optimizer+bf16state off --out "$OUT/offload_gpu_accum1.md"
 
 log "done; exit codes (124: cut at its limit):"
 for name in pcie_duplex pcie_duplex_async16 offload_gpu_accum8 offload_gpu_accum1; do

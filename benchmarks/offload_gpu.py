@@ -26,7 +26,11 @@ The model is :mod:`jaxzero.gpu.models`' GPT decoder, scanned and rematerialised 
   bfloat16) and ``optimizer,remainder+bf16state`` (both);
 * named in ``--offloads`` only, ``optimizer+deferred``
   (``ZeRO(offload="optimizer", offload_update="deferred")``: each layer's update inside the
-  next forward's layer loop, decision 51), predicted from a step with an update pending;
+  next forward's layer loop, decision 51), predicted from a step with an update pending, and
+  ``optimizer+delayed`` (``offload_update="delayed"``, ZeRO-Offload's DPU, not exact: the
+  same rows, the gradient taken before them), predicted from the first delayed step; both
+  with their copies' window, the first micro-batch's forward
+  (``jaxzero.gpu.offload_cost.update_window``);
 * with ``--fraction F``, ``offload="optimizer"`` at ``offload_fraction=F``: pass the fraction
   that ``jaxzero plan --offload auto --gpu-memory SIZE`` picks for the same model, to time
   what ``auto`` would run on a GPU of SIZE (the plan compiles deviceless, off the GPU's time).
@@ -58,12 +62,13 @@ from common import emit, md_table, median_step_ms, normal_params, time_train_ste
 import jaxzero as jz  # noqa: E402
 from jaxzero import gpu  # noqa: E402
 from jaxzero.gpu.models import abstract_params, make_loss, model_shape  # noqa: E402
-from jaxzero.gpu.offload_cost import offload_cost, step_flops  # noqa: E402
+from jaxzero.gpu.offload_cost import offload_cost, step_flops, update_window  # noqa: E402
 from jaxzero.gpu.topology import gpu_kind_of  # noqa: E402
 
 #: ``(offload, state dtype, offload_update, label)`` of each jaxzero row; the first three run
 #: by default, the opt-in byte savers (the master as a remainder, bf16 Adam moments, both) and
-#: the update inside the next forward (``offload_update="deferred"``) when named
+#: the update inside the next forward (``offload_update="deferred"`` or ``"delayed"``) when
+#: named
 OFFLOADS = (
     (None, None, None, "off"),
     ("optimizer", None, None, "optimizer"),
@@ -72,6 +77,7 @@ OFFLOADS = (
     ("optimizer", jnp.bfloat16, None, "optimizer+bf16state"),
     (("optimizer", "remainder"), jnp.bfloat16, None, "optimizer,remainder+bf16state"),
     ("optimizer", None, "deferred", "optimizer+deferred"),
+    ("optimizer", None, "delayed", "optimizer+delayed"),
 )
 DEFAULT_OFFLOADS = ("off", "optimizer", "optimizer,params")
 
@@ -125,8 +131,9 @@ def _planned(step, loss_fn, mesh, abstract, batch, accum, *options):
     """``(step, state)`` to read the prediction from: ``step`` itself on a GPU; off one
     (``--tiny`` on a CPU, whose compiles report no host memory) the same step compiled
     deviceless for one H100 (jax's CUDA plugin, no GPU needed). ``options``: :func:`_zero`'s
-    after the mesh. The state: the abstract params, or with ``offload_update="deferred"`` the
-    steady state, a step with an update pending (what the first step returns)."""
+    after the mesh. The state: the abstract params, or with ``offload_update`` the steady
+    state, a step with an update pending (what the first step returns; delayed, what the
+    steps after the first return)."""
     if gpu_kind_of(mesh) is None:
         zero = _zero(gpu.compile_only_mesh("h100", 1), *options)
         step = jz.make_train_step(loss_fn, zero, accum_steps=accum)
@@ -151,7 +158,8 @@ def main(argv=None) -> None:
         help="the jaxzero rows to time, in this order (default: %(default)s); 'remainder' keeps the fp32 "
         "master as a 16-bit remainder beside the bf16 params, '+bf16state' stores Adam's "
         "moments in bfloat16 (jz.with_state_dtype), '+deferred' runs each layer's update inside "
-        "the next forward (offload_update='deferred')",
+        "the next forward (offload_update='deferred'), '+delayed' also takes that step's "
+        "gradient before the update (offload_update='delayed', not exact)",
     )
     ap.add_argument(
         "--fraction",
@@ -208,8 +216,9 @@ def main(argv=None) -> None:
                 options = (off, fraction, sdt, update)
                 planned, state = _planned(step, loss_fn, mesh, abstract, shapes, accum, *options)
                 report = gpu.compile_report(planned, state, shapes, kind=kind)
+                window = update_window(update, accum)
                 cost = offload_cost(
-                    report, shape.num_params, tokens, kind=kind, gbps=args.pcie_gbps
+                    report, shape.num_params, tokens, kind=kind, gbps=args.pcie_gbps, window=window
                 )
                 predicted, moved = cost.step_seconds, report.transfer_summary()
             ms = time_train_step(loss_fn, zero, abstract, batch, args.rounds, args.steps, accum)

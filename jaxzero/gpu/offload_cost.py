@@ -47,7 +47,15 @@ import dataclasses
 from jaxzero.gpu.report import CompileReport
 from jaxzero.gpu.targets import gpu_spec
 
-__all__ = ["MFU", "DiskCost", "OffloadCost", "disk_cost", "offload_cost", "step_flops"]
+__all__ = [
+    "MFU",
+    "DiskCost",
+    "OffloadCost",
+    "disk_cost",
+    "offload_cost",
+    "step_flops",
+    "update_window",
+]
 
 #: The share of the dense bf16 peak the compute is assumed to reach (the issue's and
 #: ZeRO-Infinity's worked examples use about half of peak).
@@ -129,6 +137,16 @@ class OffloadCost:
         return self.ait * bw / (self.ait * bw + peak)
 
 
+def update_window(update: str | None, accum: int) -> float:
+    """The share of a step's compute that its offloaded update's hidden copies can overlap,
+    :func:`offload_cost`'s ``window``: the whole step for the update after the backward
+    (``update`` None); for ``ZeRO(offload_update="deferred")`` or ``"delayed"`` the first of
+    ``accum`` micro-batches' forward, where the rows run (2 of its 8 x params x tokens FLOP):
+    ``1 / (4 x accum)``. A layer's copies start and end within its trip of that forward loop,
+    so the forward bounds them (a delayed step's last write-backs run on into the backward)."""
+    return 1 / (4 * accum) if update else 1.0
+
+
 def offload_cost(
     report: CompileReport,
     num_params: int,
@@ -143,7 +161,7 @@ def offload_cost(
     ``tokens`` tokens per GPU per step, on ``kind`` (default the report's) at ``gbps`` GB/s
     (default the kind's ``pcie_bytes_per_s``, :data:`jaxzero.gpu.targets.PCIE_SOURCES`);
     ``window``: the share of the compute the hidden copies can overlap (1: the whole step;
-    a deferred update's rows, the first micro-batch's forward: ``1 / (4 x accum)``)."""
+    an update in the next forward's rows, :func:`update_window`)."""
     kind = kind or report.kind
     if kind is None:
         raise ValueError(

@@ -19,7 +19,7 @@ from jaxzero import trees
 from jaxzero.ema import ShardedEMA
 from jaxzero.gpu.models import PYTHON_LOOPS, ModelShape, abstract_params, batch_shapes, make_loss
 from jaxzero.gpu.network import WireTime, cross_node_time, stage_quantize, wire_time
-from jaxzero.gpu.offload_cost import OffloadCost, offload_cost
+from jaxzero.gpu.offload_cost import OffloadCost, offload_cost, update_window
 from jaxzero.gpu.offload_fraction import fraction_estimate, limited, or_params, smallest_fraction
 from jaxzero.gpu.report import CompileReport, compile_report, steady_state
 from jaxzero.gpu.targets import GPU_KINDS
@@ -416,10 +416,9 @@ def _params_too(zero: ZeRO, case: dict, compile_case, names: dict):
 
 def _cost(report, shape: ModelShape, accum: int, gpu: str, gbps, update=None) -> OffloadCost:
     """The offload cost of a row's compiled step, for its tokens per GPU; ``update``: the
-    row's ``offload_update`` (``"deferred"`` or ``"delayed"``: the rows' copies overlap the
-    first micro-batch's forward only, 2 of its 8 x params x tokens FLOP)."""
+    row's ``offload_update`` (its copies' window, :func:`~.offload_cost.update_window`)."""
     tokens = shape.batch * shape.seq * accum
-    window = 1 / (4 * accum) if update else 1.0
+    window = update_window(update, accum)
     return offload_cost(report, shape.num_params, tokens, kind=gpu, gbps=gbps, window=window)
 
 
