@@ -85,7 +85,7 @@ class LayerRows:
         owned stack leaf and the new state rows into the host state (``pending``: what the
         update left, as the loop has it; ``parity``: ``i % stacks``; ``fetched``: its state
         rows as :meth:`fetch` gave them, else fetched here)."""
-        held, new = self.forward.run(i, held, pending, parity=parity, fetched=fetched)
+        held, new, _ = self.forward.run(i, held, pending, parity=parity, fetched=fetched)
         return _with_row(leaves, owners, new, i), held
 
     def at_together(self, layers, leaves, held, pending, owners, parity: int, fetched):

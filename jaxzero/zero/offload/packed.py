@@ -146,18 +146,16 @@ class PackedRows:
                 at += n
         return out
 
-    def put(self, packed, i, rows, parity: int = 0) -> list:
-        """``packed`` with layer ``i``'s row of every leaf (``rows``, ``[1, *shape]`` on the
-        device) written back, with one copy per group. ``rows`` may also be a list of such
-        rows, of layers ``i``, ``i + stacks``, ...: consecutive rows of their buffers, still
-        written with one copy per group."""
+    def put(self, packed, i, layers, parity: int = 0) -> list:
+        """``packed`` with the rows of layers ``i``, ``i + stacks``, ... written back, with
+        one copy per group: ``layers`` holds each layer's row of every leaf (``[1, *shape]``
+        on the device), consecutive rows of their buffers."""
         out = list(packed)
-        many = rows if isinstance(rows[0], list) else [rows]
         for g, b in zip(self.groups, self._buffers(parity), strict=True):
             row = jnp.concatenate(
                 [
                     jnp.concatenate([r[k].reshape(1, -1).astype(out[b].dtype) for k in g], 1)
-                    for r in many
+                    for r in layers
                 ],
                 0,
             )
@@ -183,7 +181,7 @@ class PackedRows:
                 rows = [
                     jax.device_put(jax.lax.dynamic_slice_in_dim(x, i, 1, 0), DEVICE) for x in leaves
                 ]
-                return self.put(bufs, i, rows, p)
+                return self.put(bufs, i, [rows], p)
 
             bufs = jax.lax.fori_loop(0, self._rows(p), body, bufs)
         return bufs

@@ -597,7 +597,7 @@ class HostMemory(DeviceMemory):
 
         def body(i, carry):
             vals, stacks = carry
-            vals, new = r.run(i, vals, pending, local=False)
+            vals, new, _ = r.run(i, vals, pending, local=False)
             put = lambda s, j: jax.lax.dynamic_update_slice_in_dim(s, new[j], i, 0)
             return vals, [put(s, j) for s, j in zip(stacks, rows, strict=True)]
 
@@ -813,11 +813,11 @@ class DeferredRows:
 
     def run(self, i, held, pending, local: bool = True, parity: int = 0, fetched=None, write=True):
         """Layer ``i``'s rows: ``held`` (:meth:`held_values` as they are now; ``local``: this
-        device's shards, inside the step's ``shard_map``) with the row written, and
-        ``{flat params index: its new compute row}``. ``parity``: ``i % stacks``, known
-        while tracing (which packed buffers hold the row); ``fetched``: the row as
-        :meth:`fetch` gave it (None: fetched here). ``write=False`` (packed rows): the
-        packed row is not written but returned third, for :meth:`put`."""
+        device's shards, inside the step's ``shard_map``) with the row written,
+        ``{flat params index: its new compute row}`` and the new packed row (None unpacked).
+        ``parity``: ``i % stacks``, known while tracing (which packed buffers hold the row);
+        ``fetched``: the row as :meth:`fetch` gave it (None: fetched here). ``write=False``
+        (packed rows): the packed row is not written into ``held``, for :meth:`put`."""
         if local:
             mesh, specs = self.kw["mesh"], self.kw["specs"]
             shard = lambda x, s: NamedSharding(mesh, s).shard_shape(x.shape)
@@ -848,16 +848,14 @@ class DeferredRows:
         out = jax.tree.leaves(new_args, is_leaf=remainder.is_stored)
         new_rows = None if given is None else [written[0][k] for k in self.packs]
         if new_rows is not None and write:
-            packed = self.layout.put(packed, i, new_rows, parity)
+            packed = self.layout.put(packed, i, [new_rows], parity)
         rows = {j: new[self.first + j] for j in self.rows}
-        if not write:
-            return packed + [out[k] for k in self._loose()], rows, new_rows
-        return packed + [out[k] for k in self._loose()], rows
+        return packed + [out[k] for k in self._loose()], rows, new_rows
 
     def put(self, held, i, new_rows, parity: int = 0) -> list:
-        """``held`` with ``new_rows`` (:meth:`run`'s third value with ``write=False``, of
-        layers ``i``, ``i + stacks``, ...: consecutive rows of their buffers) written, one
-        copy per buffer."""
+        """``held`` with ``new_rows`` (the third values of :meth:`run` with ``write=False``
+        for layers ``i``, ``i + stacks``, ...: consecutive rows of their buffers) written,
+        one copy per buffer."""
         packed, loose = self._split(held)
         return self.layout.put(packed, i, new_rows, parity) + loose
 
