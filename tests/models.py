@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import jax
 import optax
-from tolerance import compiler_options
 
 import jaxzero as jz
 from jaxzero.gpu.models import make_problem
@@ -33,23 +32,6 @@ def stack_problem(**kw):
     """``make_problem("stack", ...)`` with jaxzero's ``scan_layers`` and ``stacked_params``
     (``kw``: layers, steps, xs, ys)."""
     return make_problem("stack", scan_layers=jz.scan_layers, stacked_params=jz.stacked_params, **kw)
-
-
-def reference_run(tx, params, loss_fn, batches):
-    """Plain single-device optax on the full global batch, compiled with the references'
-    options (:func:`tolerance.compiler_options`)."""
-
-    def step(p, s, b):
-        g = jax.grad(loss_fn)(p, b)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    step = jax.jit(step, compiler_options=compiler_options())
-
-    p, s = params, tx.init(params)
-    for b in batches:
-        p, s = step(p, s, b)
-    return p, s
 
 
 def run_steps(zero, loss_fn, state, batches, ema, **step_kw):

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import reference_run
-from tolerance import derived_atol, max_distance
+from tolerance import derived_atol, max_distance, reference_run
 
 import jaxzero as jz
 

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from models import reference_run, run_steps, stack_problem
+from models import run_steps, stack_problem
 from offload_checks import h100_stage3
+from tolerance import reference_run
 
 import jaxzero as jz
 from jaxzero import cli, gpu

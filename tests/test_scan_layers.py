@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 import tolerance
-from models import reference_run, stack_problem, stage3_per_layer_and_whole_bf16, train
+from models import stack_problem, stage3_per_layer_and_whole_bf16, train
 
 import jaxzero as jz
 
@@ -115,7 +115,7 @@ def test_scan_layers_per_layer_outputs_match_single_device(stage, layers):
     # the ys carry gradient of their own: without them the trajectory differs
     no_ys, _, _ = _problem(layers)
     assert jax.tree.structure(no_ys) == jax.tree.structure(params)
-    ref_no_ys, _ = reference_run(SGD(), params, _problem(layers)[1], batches)
+    ref_no_ys, _ = tolerance.reference_run(SGD(), params, _problem(layers)[1], batches)
     assert not np.allclose(
         ref_no_ys["layers"]["block"]["linear1"]["kernel"],
         ref_params["layers"]["block"]["linear1"]["kernel"],

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 import tolerance
-from models import reference_run
+from tolerance import reference_run
 
 import jaxzero as jz
 from jaxzero.gpu.models import ScanBlock

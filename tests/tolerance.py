@@ -19,6 +19,7 @@ except in `make test`'s first pass, which compiles everything that way (tests/co
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -44,17 +45,45 @@ def compiler_options() -> dict:
     return {name: False} if compile_option_accepted(name, False) else {}
 
 
-def _run(tx, params, loss_fn, batches, grad_fn):
+#: ``digest -> (params, opt_state)`` of the reference runs this process has made
+_RUNS: dict = {}
+
+
+def _digest(traced, inputs) -> str:
+    """What a reference run's result depends on: the step's jaxpr (its text and closed-over
+    constants: the optimizer's hyperparameters, the loss, the gradient's order of sums) and
+    every input value (the params, the optimizer state, each batch)."""
+    h = hashlib.sha256(str(traced.jaxpr).encode())
+    leaves, treedef = jax.tree.flatten((traced.jaxpr.consts, inputs))
+    h.update(str(treedef).encode())
+    for x in leaves:
+        x = np.asarray(x)
+        h.update(f"{x.dtype}{x.shape}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()
+
+
+def reference_run(tx, params, loss_fn, batches, grad_fn=None):
+    """``(params, opt_state)``: plain single-device optax over ``batches``, the gradient
+    ``grad_fn(params, batch)`` (default ``jax.grad(loss_fn)``), compiled with
+    :func:`compiler_options`. Stage-parametrized tests compare several sharded runs against
+    one reference: a run this process already made for the same step and values is returned
+    again (traced, neither compiled nor run)."""
+    grad_fn = jax.grad(loss_fn) if grad_fn is None else grad_fn
+
     def step(p, s, b):
         u, s = tx.update(grad_fn(p, b), s, p)
         return optax.apply_updates(p, u), s
 
     step = jax.jit(step, compiler_options=compiler_options())
-
+    batches = list(batches)
     p, s = params, tx.init(params)
-    for b in batches:
-        p, s = step(p, s, b)
-    return p, s
+    key = _digest(step.trace(p, s, batches[0]), (p, s, batches))  # jit keeps this trace
+    if key not in _RUNS:
+        for b in batches:
+            p, s = step(p, s, b)
+        _RUNS[key] = p, s
+    return _RUNS[key]
 
 
 def _reversed_rows(loss_fn):
@@ -114,10 +143,10 @@ def reference(tx, params, loss_fn, batches, n: int = 8):
     the batch's rows reversed and with the gradient as the mean of ``n`` shard means, for the
     params and the optimizer state together). ``loss_fn(params, batch)`` must be a mean over
     the batch's rows."""
-    ref = _run(tx, params, loss_fn, batches, jax.grad(loss_fn))
-    others = [_run(tx, params, loss_fn, batches, _reversed_rows(loss_fn))]
+    ref = reference_run(tx, params, loss_fn, batches)
+    others = [reference_run(tx, params, loss_fn, batches, _reversed_rows(loss_fn))]
     if all(x.shape[0] % n == 0 for b in batches for x in jax.tree.leaves(b)):
-        others.append(_run(tx, params, loss_fn, batches, _shard_means(loss_fn, n)))
+        others.append(reference_run(tx, params, loss_fn, batches, _shard_means(loss_fn, n)))
     atol = derived_atol(ref, *others)
     moved = max_distance(ref[0], params)
     if not moved > 1000 * atol / SPREAD_MULTIPLE:
@@ -125,7 +154,7 @@ def reference(tx, params, loss_fn, batches, n: int = 8):
             f"the reordered references are {atol / SPREAD_MULTIPLE:.3g} apart, against "
             f"{moved:.3g} moved by the steps: the loss is not a mean over independent rows "
             "(a dropout mask drawn per batch shape, a batch statistic), so reordering measures "
-            "more than rounding; compare against models.reference_run with a stated tolerance"
+            "more than rounding; compare against reference_run with a stated tolerance"
         )
     return ref[0], ref[1], atol
 
@@ -139,9 +168,9 @@ def reference_cast(tx, params, loss_fn, batches, dtype, n: int = 8):
     the distance moved against ``atol`` in the test."""
     cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)
     cast_loss = lambda p, b: loss_fn(cast(p), b)
-    ref = _run(tx, params, cast_loss, batches, jax.grad(cast_loss))
+    ref = reference_run(tx, params, cast_loss, batches)
     others = [
-        _run(tx, params, cast_loss, batches, _reversed_rows(cast_loss)),
-        _run(tx, params, cast_loss, batches, _shard_means(cast_loss, n)),
+        reference_run(tx, params, cast_loss, batches, _reversed_rows(cast_loss)),
+        reference_run(tx, params, cast_loss, batches, _shard_means(cast_loss, n)),
     ]
     return ref[0], ref[1], derived_atol(ref, *others)
