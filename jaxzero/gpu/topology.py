@@ -42,8 +42,8 @@ __all__ = [
 _CHECKOUT_EXTRA = "gpu-compile-cuda13" if "cuda13" in gpu_compile_extra() else "gpu-compile"
 INSTALL_HINT = (
     f"install jax's CUDA plugin: {gpu_compile_extra()} "
-    f"(or, in a jaxzero checkout, pip install -e '.[{_CHECKOUT_EXTRA}]': the plugin and cuDNN "
-    "without the other CUDA wheels)"
+    f"(or, in a jaxzero checkout, pip install -e '.[{_CHECKOUT_EXTRA}]': the plugin, cuDNN and "
+    "CUDA's ptxas without the other CUDA wheels)"
 )
 GPUS_PER_HOST = 8
 
