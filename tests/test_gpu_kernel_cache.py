@@ -30,10 +30,11 @@ def test_compile_only_reports_share_one_kernel_cache_and_keep_the_hlo(monkeypatc
 
     def recording(lowered, options):
         seen.append(dict(options))
+        reused = len(seen) > 1  # the second compile finds the first one's kernels in the file
         out = compile_once(lowered, options)
-        # the same lowered step compiled without the cache: the HLO the report reads
-        plain, _, _ = compile_once(lowered, {k: v for k, v in options.items() if k != CACHE})
-        same_hlo.append(plain.as_text() == out[0].as_text())
+        if reused:  # the same lowered step compiled without the cache: the HLO the report reads
+            plain, _, _ = compile_once(lowered, {k: v for k, v in options.items() if k != CACHE})
+            same_hlo.append(plain.as_text() == out[0].as_text())
         return out
 
     monkeypatch.setattr(report, "_compile", recording)
@@ -41,6 +42,6 @@ def test_compile_only_reports_share_one_kernel_cache_and_keep_the_hlo(monkeypatc
     path = seen[0][CACHE]
     assert os.path.getsize(path) > 0  # XLA wrote the kernels it built
     second = gpu.compile_report(step, params, batch, compiler_options=TRITON_GEMM_OFF)
-    assert seen[1][CACHE] == path and same_hlo == [True, True]
+    assert seen[1][CACHE] == path and same_hlo == [True]
     assert first.compiler_options == ()
     assert second.compiler_options == (("xla_gpu_enable_triton_gemm", "False"),)

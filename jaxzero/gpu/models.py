@@ -46,6 +46,7 @@ dev extra, imported when called), with :func:`token_batches` of random token ids
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 
@@ -524,6 +525,15 @@ class StackTransformer(nn.Module):
         return nn.Dense(self.out, name="head")(x)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_params(model: nn.Module, key, x_shape: tuple):
+    """``model``'s params for a batch of one ``x_shape`` input, compiled once per model
+    configuration in a process (a Linen module hashes by its fields): an eager ``init`` of a
+    layer stack runs its ``lax.scan`` as a program of its own, traced and compiled again at
+    every call (0.9 s for ``"stack"``, 3 s for ``"scanned"`` on one CPU device)."""
+    return model.init(key, jnp.zeros((1, *x_shape)))["params"]
+
+
 def make_problem(
     name: str, *, batch: int = 32, steps: int = 10, seed: int = 0, gather_layer=None, **kw
 ):
@@ -557,7 +567,7 @@ def make_problem(
         x_shape, y_shape = (6, model.d_model), (6, model.out)
     else:
         raise ValueError(name)
-    params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, *x_shape)))["params"]
+    params = _init_params(model, jax.random.PRNGKey(seed), x_shape)
 
     def loss_fn(p, b):
         pred = model.apply({"params": p}, b["x"])
